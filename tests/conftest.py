@@ -1,0 +1,32 @@
+"""Shared fixtures: the default model loaded once per session, tiny random models, and a check
+that every test leaves all KV blocks free."""
+import pytest
+
+from chatengine import LLM
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded SmolLM2-135M-Instruct on CPU, fp32 (loaded once: ~5 s)."""
+    engine = LLM(max_num_batched_tokens=512, kv_cache_gib=0.25)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """A 2-layer random model with a 256-token vocabulary (token-id prompts only)."""
+    return LLM("dummy:tiny", num_kv_blocks=64, max_num_batched_tokens=64)
+
+
+@pytest.fixture(autouse=True)
+def blocks_drain(request):
+    """After every test, every engine fixture it used has no request left and no block in use."""
+    yield
+    for name in ("llm", "tiny"):
+        if name in request.fixturenames:
+            engine = request.getfixturevalue(name).engine
+            assert not engine.requests, f"{name}: requests left behind: {list(engine.requests)}"
+            used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+            assert used == 0, f"{name}: {used} KV blocks still in use after the test"
+            engine.check_invariants()

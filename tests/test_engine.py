@@ -1,0 +1,253 @@
+"""The engine on the default model: equal to Hugging Face greedy, invariant to chunking, preemption
+and batch composition; sampling knobs; bad input; streaming and abort."""
+import asyncio
+
+import pytest
+import torch
+
+from chatengine import LLM, AsyncLLM, SamplingParams
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
+    [{"role": "user", "content": "List three prime numbers."}],
+    [{"role": "user", "content": "Explain what a KV cache is in one sentence."}],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm):
+    tok = llm.get_tokenizer()
+    out = []
+    for chat in CHATS:
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_reference(llm, prompt_ids):
+    """Hugging Face transformers generate, one prompt at a time, same weights, fp32 CPU."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(llm.engine.hf_dir, dtype=torch.float32).eval()
+    eos = sorted(llm.engine.eos_token_ids)
+    refs = []
+    for ids in prompt_ids:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos[0])
+        refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_equals_hf_batched(llm, prompt_ids, hf_reference):
+    assert token_ids(llm.generate(prompt_ids, GREEDY)) == hf_reference
+
+
+def test_greedy_equals_hf_one_at_a_time(llm, prompt_ids, hf_reference):
+    assert [token_ids(llm.generate([ids], GREEDY))[0] for ids in prompt_ids] == hf_reference
+
+
+def test_chat_uses_the_template(llm, prompt_ids, hf_reference):
+    outs = llm.chat(CHATS[:2], GREEDY)
+    assert [o.prompt_token_ids for o in outs] == prompt_ids[:2]
+    assert token_ids(outs) == hf_reference[:2]
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_batch_composition_does_not_change_greedy(llm, prompt_ids, hf_reference):
+    order = [3, 0, 4, 1, 2]
+    outs = llm.generate([prompt_ids[i] for i in order] + [prompt_ids[0]], GREEDY)
+    assert token_ids(outs) == [hf_reference[i] for i in order] + [hf_reference[0]]
+
+
+def test_chunked_prefill_and_preemption_do_not_change_greedy(prompt_ids, hf_reference):
+    # 16-token budget: every prompt is prefilled in chunks, mixed with other sequences' decodes;
+    # 14 blocks of 16: the five sequences cannot all fit, so the newest are preempted and recomputed
+    small = LLM(max_num_batched_tokens=16, num_kv_blocks=14, enable_prefix_caching=False, debug_checks=True)
+    outs = small.generate(prompt_ids, GREEDY)
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0
+    assert token_ids(outs) == hf_reference
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_greedy_with_prefix_cache_hits_equals_without(llm, prompt_ids, hf_reference):
+    first = llm.generate(prompt_ids[:2], GREEDY)
+    again = llm.generate(prompt_ids[:2], GREEDY)
+    assert token_ids(first) == token_ids(again) == hf_reference[:2]
+    assert all(o.num_cached_tokens > 0 for o in again)
+
+
+def test_seeds_reproduce_and_differ(llm):
+    p = "Tell me a story about a cat."
+    a = llm.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=1, ignore_eos=True))[0]
+    b = llm.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=1, ignore_eos=True))[0]
+    c = llm.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=2, ignore_eos=True))[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].token_ids != c.outputs[0].token_ids
+    # the same seeded request gives the same tokens beside other traffic
+    mixed = llm.generate(["Hi", p, "Bye"], [SamplingParams(max_tokens=5), SamplingParams(
+        temperature=1.0, max_tokens=20, seed=1, ignore_eos=True), SamplingParams(max_tokens=7)])
+    assert mixed[1].outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_n_samples_are_distinct_and_reproducible(llm):
+    sp = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5, ignore_eos=True)
+    out = llm.generate("Name a colour.", sp)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    ids = [c.token_ids for c in out.outputs]
+    assert len({tuple(i) for i in ids}) == 3
+    assert [c.token_ids for c in llm.generate("Name a colour.", sp)[0].outputs] == ids
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llm, prompt_ids, hf_reference):
+    for sp in (SamplingParams(temperature=0.8, top_k=1, max_tokens=24, seed=3),
+               SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=24)):
+        assert token_ids(llm.generate(prompt_ids[:2], sp)) == hf_reference[:2]
+
+
+def test_max_tokens_ignore_eos_and_stops(llm, prompt_ids, hf_reference):
+    out = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+    assert out.token_ids == hf_reference[0][:3] and out.finish_reason == "length"
+    full = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert full.finish_reason == "stop" and full.token_ids[-1] in llm.engine.eos_token_ids
+    assert full.text == "The capital of France is Paris."              # EOS is not in the text
+    long = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    assert len(long.outputs[0].token_ids) == 30 and long.outputs[0].finish_reason == "length"
+    stop = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24, stop=["France"]))[0]
+    assert stop.outputs[0].text == "The capital of " and stop.outputs[0].stop_reason == "France"
+    tok = hf_reference[0][2]
+    stop_id = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tok]))[0]
+    assert stop_id.outputs[0].token_ids == hf_reference[0][:3] and stop_id.outputs[0].stop_reason == tok
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", None, "empty"),
+    ([], None, "empty"),
+    ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+    ("hi", SamplingParams(n=0), "n must"),
+    ("hi", SamplingParams(n=1000), "n must"),
+    ("hi", SamplingParams(temperature=-1), "temperature"),
+    ("hi", SamplingParams(temperature=float("nan")), "temperature"),
+    ("hi", SamplingParams(top_p=0), "top_p"),
+    ("hi", SamplingParams(top_p=1.5), "top_p"),
+    ("hi", SamplingParams(top_k=-2), "top_k"),
+    ("hi", SamplingParams(max_tokens=10**9), "max_tokens"),
+    ([1, 2, 10**9], None, "token ids"),
+    ("bad \ud800 surrogate", None, "Unicode"),
+    (3.5, None, "prompt"),
+])
+def test_bad_input_is_a_clear_error_and_nothing_leaks(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompt] if not isinstance(prompt, list) else [prompt], params)
+    assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2))[0].finished
+
+
+def test_over_long_prompt_and_half_bad_batch(llm):
+    too_long = [1] * llm.engine.max_model_len
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([too_long])
+    with pytest.raises(ValueError, match="max_tokens"):          # the good prompt is not run either
+        llm.generate(["fine", "also fine"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=-1)])
+    assert llm.stats()["num_generated_tokens"] >= 0 and not llm.engine.requests
+
+
+def test_bad_chat_messages(llm):
+    for messages, match in (([], "non-empty"), ([{"role": "wizard", "content": "x"}], "unknown role"),
+                            ([{"role": "user"}], "role' and 'content'"),
+                            ([{"role": "user", "content": 5}], "string")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages)
+
+
+def test_unknown_model_path_and_malformed_gguf(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="GGUF"):
+        LLM(str(bad))
+    with pytest.raises(ValueError, match="unknown dummy shape"):
+        LLM("dummy:nonsense")
+
+
+def test_stats_keys(llm):
+    stats = llm.stats()
+    for key in ("kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "cpu_blocks_used", "disk_blocks",
+                "prefix_cache_hit_rate"):
+        assert key in stats
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] > 0
+
+
+def test_detokenizer_streams_whole_characters(llm):
+    from chatengine.tokenizer import IncrementalDetokenizer
+    tok = llm.get_tokenizer()
+    text = "Olá, naïve café 🤖🎉 — 日本語 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert len([d for d in deltas if d]) > 5
+
+
+async def _stream(engine, prompt, params, request_id, user=None):
+    texts = []
+    async for out in engine.generate(prompt, params, request_id=request_id, user=user):
+        texts.append(out.outputs[0].text)
+        last = out
+    return texts, last
+
+
+def test_async_streaming_concurrent_and_abort():
+    engine = AsyncLLM(max_num_batched_tokens=256, kv_cache_gib=0.1)
+
+    async def main():
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        runs = [_stream(engine, f"Count to {i}:", greedy, f"r{i}") for i in range(6)]
+
+        async def aborted():
+            seen = 0
+            async for out in engine.generate("Tell me a long story.", SamplingParams(max_tokens=500, ignore_eos=True),
+                                             request_id="victim"):
+                seen += 1
+                if seen == 3:
+                    await engine.abort("victim")
+                if out.finished:
+                    return out
+
+        async def closed_early():        # a client that walks away: closing the stream aborts
+            gen = engine.generate("Another long story.", SamplingParams(max_tokens=500, ignore_eos=True),
+                                  request_id="walker")
+            async for _ in gen:
+                break
+            await gen.aclose()
+
+        results = await asyncio.gather(*runs, aborted(), closed_early())
+        for texts, last in results[:6]:
+            assert last.finished and len(last.outputs[0].token_ids) == 16
+            assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))   # cumulative
+            assert len(texts) >= 8                                                         # streamed
+        victim = results[6]
+        assert victim.outputs[0].finish_reason == "abort" and len(victim.outputs[0].token_ids) < 500
+        with pytest.raises(ValueError, match="max_tokens"):
+            async for _ in engine.generate("x", SamplingParams(max_tokens=0)):
+                pass
+        for _ in range(100):                    # the walker's abort is processed by the loop
+            if not engine.engine.requests:
+                break
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(main())
+        assert not engine.engine.requests
+        assert engine.stats()["kv_blocks_used"] == 0
+        engine.engine.check_invariants()
+    finally:
+        engine.shutdown()

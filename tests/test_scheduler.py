@@ -1,0 +1,97 @@
+"""Scheduler without a model: token budget, chunked prefill mixed with decodes, FCFS, preemption."""
+from chatengine.block_manager import BlockManager
+from chatengine.config import EngineConfig
+from chatengine.sampling_params import SamplingParams
+from chatengine.scheduler import Scheduler
+from chatengine.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=16, budget=8, max_seqs=8):
+    config = EngineConfig(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    return Scheduler(config, BlockManager(num_blocks, BS, enable_prefix_caching=False))
+
+
+def seq(n, start=0):
+    return Sequence(list(range(start, start + n)), SamplingParams(), block_size=BS)
+
+
+def step(sched, sample=True):
+    """Schedule, pretend to run, advance; sequences that reach their end get one new token."""
+    out = sched.schedule()
+    sched.postprocess(out)
+    for s, n in zip(out.seqs, out.num_new_tokens):
+        if sample and s.num_computed_tokens == s.num_tokens:
+            s.append_token(7)
+    return [(s.seq_id, n) for s, n in zip(out.seqs, out.num_new_tokens)], out
+
+
+def test_chunked_prefill_respects_the_budget():
+    sched = make(budget=8)
+    a = seq(20)
+    sched.add(a)
+    assert step(sched)[0] == [(a.seq_id, 8)]
+    assert step(sched)[0] == [(a.seq_id, 8)]
+    assert step(sched)[0] == [(a.seq_id, 4)]     # the last chunk samples
+    assert a.num_tokens == 21
+    assert step(sched)[0] == [(a.seq_id, 1)]     # then decodes
+
+
+def test_prefill_chunks_mix_with_decodes_fcfs():
+    sched = make(budget=8)
+    a, b, c = seq(3), seq(30, 100), seq(5, 200)
+    for s in (a, b, c):
+        sched.add(s)
+    got, _ = step(sched)
+    assert got == [(a.seq_id, 3), (b.seq_id, 5)]           # a whole, b's first chunk, c waits
+    got, _ = step(sched)
+    assert got == [(a.seq_id, 1), (b.seq_id, 7)]           # a decodes beside b's next chunk
+    assert c.status == SequenceStatus.WAITING
+
+
+def test_max_num_seqs():
+    sched = make(budget=64, max_seqs=2)
+    seqs = [seq(2, 10 * i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    got, _ = step(sched)
+    assert [i for i, _ in got] == [seqs[0].seq_id, seqs[1].seq_id]
+
+
+def test_preempts_the_newest_and_recomputes_it():
+    sched = make(num_blocks=5, budget=64)
+    a, b = seq(7), seq(7, 100)                           # 2 blocks each, 1 left (the watermark)
+    sched.add(a)
+    sched.add(b)
+    step(sched)                                          # both prefilled, 8 tokens each now
+    step(sched)                                          # the 8th tokens fill the 2nd blocks
+    assert sched.block_manager.num_free_blocks == 1
+    got, out = step(sched)                               # a takes the last block; b has none: preempted
+    assert out.num_preempted == 1
+    assert got == [(a.seq_id, 1)]
+    assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert sched.waiting[0] is b and b.num_preemptions == 1
+    assert b.token_ids[-1] == 7                          # its generated token is kept for recompute
+
+
+def test_a_sequence_preempts_itself_when_it_is_the_only_one():
+    sched = make(num_blocks=2, budget=64)
+    a = seq(7)
+    sched.add(a)
+    step(sched)
+    step(sched)                                          # 8 tokens computed: both blocks full
+    got, out = step(sched)
+    assert got == [] and out.num_preempted == 1 and a.status == SequenceStatus.WAITING
+
+
+def test_finish_frees_blocks_from_any_state():
+    sched = make(budget=4)
+    a, b = seq(6), seq(6, 50)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    sched.finish(a)                                      # running, mid-prefill
+    sched.finish(b)                                      # still waiting
+    assert sched.block_manager.num_free_blocks == 16
+    assert not sched.has_unfinished()
