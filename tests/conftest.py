@@ -1,8 +1,14 @@
 """Shared fixtures: the default model loaded once per session, tiny random models, and a check
 that every test leaves all KV blocks free."""
-import pytest
+import os
 
-from chatengine import LLM
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run under the interpreter on CPU (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from chatengine import LLM  # noqa: E402
 
 
 @pytest.fixture(scope="session")

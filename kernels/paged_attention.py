@@ -1,0 +1,292 @@
+"""Paged attention over the page-first KV cache: a Triton kernel family and its plain-torch reference.
+
+The cache of one layer is a view `[num_blocks, block_size, kv_heads, head_dim]` of the page-first
+tensor `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]` (so its block stride is
+`num_layers * 2 * block_size * kv_heads * head_dim`, not `block_size * kv_heads * head_dim`).
+
+A batch is varlen: the new queries of all sequences are packed into `q [T, H_q, D]`;
+sequence b owns rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]`, has `seq_lens[b]` tokens of context in
+total (cached prefix + new), and its pages are `block_tables[b, :ceil(seq_lens[b] / block_size)]`.
+Query i of sequence b sits at absolute position `seq_lens[b] - q_len[b] + i` and attends causally
+to every key at or before it. Decode is the case q_len = 1.
+
+Backends: `paged_attention(..., backend=None)` runs Triton on CUDA tensors and the torch reference
+elsewhere; `backend="triton"` (or `CHATENGINE_KERNELS=triton`) forces Triton. On CPU tensors Triton
+runs only under its interpreter (slow: for tests), and only if TRITON_INTERPRET=1 was set before
+triton was first imported: the flag is read when a kernel is defined, Triton's own helpers included.
+
+Ideas adapted (code is our own): online softmax from the Triton fused-attention tutorial; the
+per-key page lookup and the two-stage split-KV decode (partial outputs + log-sum-exp merge) from
+SGLang/lightllm's `decode_attention` as kept in vLLM; packing the query heads of one KV head into the
+rows of one program (GQA) from vLLM's `triton_unified_attention`.
+"""
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    jit = triton.jit
+except ImportError:                      # CPU-only installs: the torch references still work
+    triton, jit = None, (lambda fn: fn)
+
+    class tl:                            # just enough for the kernel signatures to be defined
+        constexpr = None
+
+
+def resolve_backend(device: torch.device, backend: str | None = None) -> str:
+    """"triton" or "ref": the argument, else $CHATENGINE_KERNELS, else Triton on CUDA, ref elsewhere."""
+    backend = backend or os.environ.get("CHATENGINE_KERNELS") or (
+        "triton" if device.type == "cuda" and triton is not None else "ref")
+    if backend not in ("triton", "ref"):
+        raise ValueError(f"kernel backend must be 'triton' or 'ref', not {backend!r}")
+    if backend == "triton" and triton is None:
+        raise RuntimeError("the Triton kernel backend was asked for, but triton is not installed")
+    return backend
+
+
+@jit
+def _paged_attention_kernel(
+    Q, K, V, Out, PartialOut, PartialLse,           # PartialOut/Lse: (T, H_q, NUM_SPLITS, [D]) fp32
+    cu_seqlens_q, seq_lens, block_tables,
+    scale_log2,                                     # softmax scale * log2(e): we use exp2
+    num_kv_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,     # head_dim strides are 1 everywhere
+    stride_kb, stride_ks, stride_kh,                # (block, slot, head): the block stride is large
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,                            # query heads per KV head
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,                          # rows = BLOCK_Q query tokens x GROUP heads
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,                          # keys per step; may span several pages
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,                       # > 1: split the keys, write partials + lse
+    DOT_DTYPE: tl.constexpr,                        # tl.dot operand dtype: the input's, but see launcher
+    DOT_PRECISION: tl.constexpr,                    # "ieee" for fp32 operands (no TF32), else None
+):
+    seq = tl.program_id(0) // num_kv_heads          # axis 0: B * H_kv can pass the 65535 of axis 1
+    kv_head = tl.program_id(0) % num_kv_heads
+    q_block = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    ctx_len = seq_len - q_len                       # cached prefix before the new queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP       # query token within the sequence
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = ctx_len + q_idx                         # absolute position: sees keys <= q_pos
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    t = q_start + q_idx
+    q = tl.load(Q + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)    # (M, D)
+
+    # keys of this program: its split of [0, seq_len), cut at the block's last query (causal)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = split * split_len
+    kv_end = tl.minimum(tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q), kv_start + split_len)
+
+    # finite start for the running max: fully masked rows then give p = 0, never NaN
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        page = tl.load(block_tables + seq * stride_bt + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+        page = page.to(tl.int64)                    # page * block stride can pass 2**31
+        slot = offs_n % PAGE_SIZE
+        k = tl.load(K + page[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh
+                    + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)    # (D, N)
+        k = k.to(DOT_DTYPE)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2                 # (M, N)
+        s = tl.where(row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]),
+                     s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)    # (N, D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(Out + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(Out.dtype.element_ty), mask=mask)
+    else:
+        row = ((t * num_kv_heads * GROUP + head) * NUM_SPLITS + split).to(tl.int64)
+        tl.store(PartialOut + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
+        # an empty split (past this block's causal limit) gets lse = -inf: weight 0 in the merge
+        tl.store(PartialLse + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+
+
+@jit
+def _merge_splits_kernel(Out, PartialOut, PartialLse, num_q_heads, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    row = (t * num_q_heads + head).to(tl.int64) * NUM_SPLITS
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(PartialLse + row + offs_s, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))               # split 0 always holds key 0: max is finite
+    part = tl.load(PartialOut + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)                 # (S, D)
+    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    tl.store(Out + t * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def check_device(x: torch.Tensor) -> None:
+    if not (x.is_cuda or interpreting()):
+        raise RuntimeError("Triton kernels take CPU tensors only under TRITON_INTERPRET=1, "
+                           "set before triton is first imported")
+
+
+def interpreting() -> bool:
+    """Whether the kernels run under Triton's interpreter: TRITON_INTERPRET=1 must be set before
+    triton is first imported in the process. Only then can they take CPU tensors."""
+    if triton is None:
+        return False
+    compiled = (_paged_attention_kernel, tl.cdiv)   # ours, and Triton's own (defined at its import)
+    return not any(isinstance(f, triton.runtime.JITFunction) for f in compiled)
+
+
+def _decode_splits(num_programs: int, max_seqlen_k: int) -> int:
+    # Flash-decoding: split the keys only when batch x kv_heads programs cannot fill the GPU
+    # (132 SMs on an H100), keep every split >= 256 keys so the merge stays cheap, and cap at 16.
+    return max(1, min(triton.cdiv(128, num_programs), max_seqlen_k // 256, 16))
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, scale: float, max_seqlen_q: int | None = None,
+                           max_seqlen_k: int | None = None, num_splits: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton varlen paged attention, same contract as `paged_attention_ref`; writes `out` if given.
+
+    Decode-only batches (max_seqlen_q == 1) put the GQA group of one KV head in one program and
+    split long contexts over `num_splits` programs (default: a heuristic on max_seqlen_k); other
+    batches tile BLOCK_Q queries x GROUP heads per program. Pass max_seqlen_q (and num_splits, or
+    max_seqlen_k, for decode) to avoid a host sync; a fixed num_splits is safe for CUDA graphs.
+    """
+    T, H_q, D = q.shape
+    B = seq_lens.shape[0]
+    _, page_size, H_kv, _ = k_cache.shape
+    assert H_q % H_kv == 0 and k_cache.shape == v_cache.shape and q.dtype == k_cache.dtype
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1, "head_dim must be contiguous"
+    check_device(q)
+    if out is None:
+        out = torch.empty(T, H_q, D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    group = H_q // H_kv
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())         # host sync
+    if max_seqlen_q == 1:                           # decode: one token, the GQA group in the rows
+        block_m, block_q = max(16, triton.next_power_of_2(group)), 1          # tl.dot needs M >= 16
+        if num_splits is None:
+            max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
+            num_splits = _decode_splits(B * H_kv, max_seqlen_k)
+    else:                                           # prefill chunks (mixed with decodes)
+        block_m = max(64, triton.next_power_of_2(group))
+        block_q = block_m // group
+        num_splits = num_splits or 1
+    dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q.dtype]
+    if interpreting() and q.dtype == torch.bfloat16:
+        dot_dtype = tl.float32                      # triton 3.9's interpreter multiplies bf16 bit patterns
+    block_d = triton.next_power_of_2(D)
+    # Registers bound these (ptxas for sm_90, no GPU run yet): each K/V tile holds one 64-bit pointer
+    # per element, so 64 keys at head_dim 128, or 4 warps at head_dim >= 128, spill.
+    block_n = 32 if block_d <= 128 else 16
+    num_warps = 4 if block_d <= 64 else 8
+    if num_splits > 1:
+        partial = torch.empty(T, H_q, num_splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(T, H_q, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        partial = lse = out                         # unused
+    grid = (B * H_kv, triton.cdiv(max_seqlen_q, block_q), num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, partial, lse, cu_seqlens_q, seq_lens, block_tables,
+        scale * 1.4426950408889634, H_kv,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),   # page-first: (block, slot, head)
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
+        num_warps=num_warps, num_stages=2)          # untuned: measure before changing
+    if num_splits > 1:
+        _merge_splits_kernel[(T, H_q)](
+            out, partial, lse, H_q, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=D, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                        scale: float, max_seqlen_q: int | None = None,
+                        max_seqlen_k: int | None = None) -> torch.Tensor:
+    """Reference varlen paged attention (prefill chunks and decodes mixed). Returns [T, H_q, D]."""
+    T, H_q, D = q.shape
+    B = seq_lens.shape[0]
+    block_size, H_kv = k_cache.shape[1], k_cache.shape[2]
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if max_seqlen_q is None:
+        max_seqlen_q = int(q_lens.max())
+    if max_seqlen_k is None:
+        max_seqlen_k = int(seq_lens.max())
+    num_pages = (max_seqlen_k + block_size - 1) // block_size
+    pages = block_tables[:, :num_pages].clamp(min=0).long().reshape(-1)  # (B*P,); padding reads page 0
+    # index_select, not k_cache[pages]: advanced indexing of the strided view is ~1000x slower on CPU
+    k = k_cache.index_select(0, pages).reshape(B, num_pages * block_size, H_kv, D)   # (B, S, H_kv, D)
+    v = v_cache.index_select(0, pages).reshape(B, num_pages * block_size, H_kv, D)
+    if H_q != H_kv:   # GQA: expand KV heads (SDPA's enable_gqa takes a slow path on CPU)
+        k = k.repeat_interleave(H_q // H_kv, dim=2)
+        v = v.repeat_interleave(H_q // H_kv, dim=2)
+
+    # pad the packed queries to (B, max_q): row t of q goes to (batch_idx[t], pos_in_seq[t])
+    batch_idx = torch.repeat_interleave(torch.arange(B, device=q.device), q_lens)
+    pos_in_seq = torch.arange(T, device=q.device) - cu_seqlens_q[:-1].long()[batch_idx]
+    qp = q.new_zeros(B, max_seqlen_q, H_q, D)
+    qp[batch_idx, pos_in_seq] = q
+
+    # mask[b, i, j]: key j is real and not after query i's absolute position
+    q_abs = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=q.device)[None, :]   # (B, Q)
+    key_pos = torch.arange(num_pages * block_size, device=q.device)
+    mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+    mask[:, :, 0] = True                                                 # padded query rows: avoid NaN
+
+    # an additive float mask and contiguous inputs: with a bool mask or strided inputs CPU SDPA
+    # falls back to a path ~50x slower
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qp.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
+        attn_mask=bias[:, None], scale=scale)                            # (B, H_q, Q, D)
+    return out.transpose(1, 2)[batch_idx, pos_in_seq]
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                    max_seqlen_q=None, max_seqlen_k=None, num_splits=None, backend=None):
+    """Varlen paged attention on the backend `resolve_backend(q.device, backend)` picks."""
+    if resolve_backend(q.device, backend) == "triton":
+        return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                      max_seqlen_q, max_seqlen_k, num_splits)
+    return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                               max_seqlen_q, max_seqlen_k)

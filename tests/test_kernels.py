@@ -1,0 +1,249 @@
+"""Kernels against their torch references, and the attention reference against a float64 loop.
+
+On a CPU-only machine the Triton kernels run under Triton's interpreter. TRITON_INTERPRET=1 is read
+when a kernel is defined (Triton's own helpers at `import triton`), so this module sets it before
+importing the kernels; if triton was imported first (tests/conftest.py imports chatengine, which
+imports kernels/), the kernel tests here skip and `test_interpreter_in_subprocess` reruns this file
+in a fresh interpreter instead. On a GPU machine
+the same tests run compiled on CUDA (bigger shapes) and the CPU ones skip; run
+`TRITON_INTERPRET=1 pytest tests/test_kernels.py` there to exercise the interpreter.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before kernels/ imports triton
+
+from kernels import cache_ops, paged_attention as pa  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED = pa.interpreting()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not INTERPRETED, reason="needs TRITON_INTERPRET=1 before triton is first imported")),
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not HAS_CUDA or INTERPRETED, reason="needs CUDA and compiled (not interpreted) kernels")),
+]
+REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}   # max err / max |ref|
+CLOSE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+         torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+# (q_lens, seq_lens): decode of a 1-token sequence, fresh prefill, cached prefix + chunk, decodes
+MIXED = ([1, 7, 17, 1, 33, 5], [1, 7, 33, 100, 100, 64])
+DECODE = ([1, 1, 1, 1], [1, 17, 100, 300])
+MIXED_CUDA = ([1, 300, 17, 1, 1000, 64, 1], [1, 300, 529, 2000, 1100, 4000, 4097])
+DECODE_CUDA = ([1] * 6, [1, 17, 1000, 4096, 8191, 20000])
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+def make_batch(q_lens, seq_lens, H_q, H_kv, D, page_size, dtype, device, num_layers=2):
+    """Varlen queries (a strided view of a packed qkv) and one layer's K/V views of a random
+    page-first cache; every sequence gets shuffled pages, tables padded with -1."""
+    B = len(q_lens)
+    num_pages = [-(-s // page_size) for s in seq_lens]
+    num_blocks = sum(num_pages) + 3                         # a few pages that belong to nobody
+    kv = torch.randn(num_blocks, num_layers, 2, page_size, H_kv, D).to(device, dtype)
+    perm = torch.randperm(num_blocks).tolist()
+    block_tables = torch.full((B, max(num_pages) + 1), -1, dtype=torch.int32)
+    for b, n in enumerate(num_pages):
+        block_tables[b, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    T = sum(q_lens)
+    qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)
+    q = qkv[:, :H_q * D].view(T, H_q, D)                    # stride(0) != H_q * D
+    cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    layer = num_layers - 1
+    return (q, kv[:, layer, 0], kv[:, layer, 1], cu_seqlens_q.to(device), seq_lens.to(device),
+            block_tables.to(device))
+
+
+def naive_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    """float64, one sequence and one head at a time, causal mask written out by hand."""
+    T, H_q, D = q.shape
+    page_size, H_kv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(T, H_q, D, dtype=torch.float64)
+    cu, lens, tables = cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables.tolist()
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
+    for b, L in enumerate(lens):
+        start, q_len = cu[b], cu[b + 1] - cu[b]
+        pos = torch.arange(L)
+        pages = torch.tensor(tables[b])[pos // page_size]
+        keys = k_cache[pages, pos % page_size].double()                    # (L, H_kv, D)
+        values = v_cache[pages, pos % page_size].double()
+        for h in range(H_q):
+            kv_head = h // (H_q // H_kv)
+            scores = q[start:start + q_len, h].cpu().double() @ keys[:, kv_head].T * scale  # (q_len, L)
+            for i in range(q_len):                          # query i sits at position L - q_len + i
+                scores[i, L - q_len + i + 1:] = float("-inf")
+            out[start:start + q_len, h] = scores.softmax(-1) @ values[:, kv_head]
+    return out
+
+
+def rel_err(out, expected):
+    return ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+
+
+# ---------------------------------------------------------------------------- attention reference
+@pytest.mark.parametrize("batch", [MIXED, DECODE])
+@pytest.mark.parametrize("H_q, H_kv, page_size", [(4, 4, 16), (8, 2, 32), (7, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_ref_matches_naive(batch, H_q, H_kv, page_size, dtype):
+    args = make_batch(*batch, H_q, H_kv, 64, page_size, dtype, "cpu")
+    out = pa.paged_attention_ref(*args, scale=0.125)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    assert rel_err(out, naive_attention(*args, scale=0.125)) < REL_TOL[dtype]
+
+
+# ---------------------------------------------------------------------------- paged attention
+def check_attention(device, batch, H_q, H_kv, D, page_size, dtype, num_splits=None):
+    q, *rest = make_batch(*batch, H_q, H_kv, D, page_size, dtype, device)
+    scale = D ** -0.5
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)    # poisoned
+    res = pa.paged_attention_triton(q, *rest, scale, num_splits=num_splits, out=out)
+    assert res is out and not out.isnan().any()
+    assert rel_err(out, naive_attention(q, *rest, scale)) < REL_TOL[dtype]
+    torch.testing.assert_close(out, pa.paged_attention_ref(q, *rest, scale), **CLOSE[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("H_q, H_kv", [(4, 4), (8, 2), (7, 1)])
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_mixed(device, H_q, H_kv, page_size, dtype):
+    check_attention(device, MIXED_CUDA if device == "cuda" else MIXED, H_q, H_kv, 64, page_size, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("H_q, H_kv, D, page_size, dtype", [
+    (14, 2, 128, 64, torch.bfloat16), (2, 1, 32, 16, torch.float32), (4, 2, 256, 32, torch.float16),
+    (4, 1, 96, 16, torch.float32)])                      # head_dim 96: not a power of two
+def test_paged_attention_shapes(device, H_q, H_kv, D, page_size, dtype):
+    check_attention(device, MIXED_CUDA if device == "cuda" else MIXED, H_q, H_kv, D, page_size, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("H_q, H_kv, dtype", [
+    (8, 2, torch.bfloat16), (7, 7, torch.float32), (7, 1, torch.float32)])
+def test_split_kv_decode(device, num_splits, H_q, H_kv, dtype, monkeypatch):
+    # poison every buffer the launcher allocates (partial outputs, lse): each split must write its own
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    check_attention(device, DECODE_CUDA if device == "cuda" else DECODE, H_q, H_kv, 64, 16, dtype,
+                    num_splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_kv_prefill(device):
+    # splits in a mixed batch: splits past a query block's causal limit are empty (lse = -inf)
+    check_attention(device, MIXED, 8, 2, 64, 16, torch.float32, num_splits=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    q = torch.empty(0, 4, 64, device=device)
+    k_cache = torch.zeros(2, 16, 2, 64, device=device)
+    no_seqs = torch.zeros(0, dtype=torch.int32, device=device)
+    out = pa.paged_attention_triton(q, k_cache, k_cache, torch.zeros(1, dtype=torch.int32, device=device),
+                                    no_seqs, torch.zeros(0, 1, dtype=torch.int32, device=device), 0.125)
+    assert out.shape == (0, 4, 64)
+    cache_ops.store_kv_triton(q[:, :2], q[:, :2], k_cache, k_cache, no_seqs)   # nothing to write
+    assert not k_cache.any()
+
+
+def test_decode_splits_heuristic():
+    assert pa._decode_splits(num_programs=2, max_seqlen_k=32768) == 16   # small batch, long context
+    assert pa._decode_splits(num_programs=2, max_seqlen_k=1000) == 3     # splits of >= 256 keys
+    assert pa._decode_splits(num_programs=256, max_seqlen_k=32768) == 1  # the batch fills the GPU
+    assert pa._decode_splits(num_programs=1, max_seqlen_k=100) == 1
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv("CHATENGINE_KERNELS", raising=False)
+    assert pa.resolve_backend(torch.device("cpu")) == "ref"
+    assert pa.resolve_backend(torch.device("cpu"), "triton") == "triton"
+    assert pa.resolve_backend(torch.device("cuda")) == ("triton" if pa.triton else "ref")
+    monkeypatch.setenv("CHATENGINE_KERNELS", "triton")
+    assert pa.resolve_backend(torch.device("cpu")) == "triton"
+    assert pa.resolve_backend(torch.device("cpu"), "ref") == "ref"
+    with pytest.raises(ValueError):
+        pa.resolve_backend(torch.device("cpu"), "cuda")
+    args = make_batch(*MIXED, 4, 2, 64, 16, torch.float32, "cpu")
+    assert torch.equal(pa.paged_attention(*args, 0.125, backend="ref"), pa.paged_attention_ref(*args, 0.125))
+    if INTERPRETED:
+        torch.testing.assert_close(pa.paged_attention(*args, 0.125), pa.paged_attention_ref(*args, 0.125),
+                                   **CLOSE[torch.float32])   # forced by the environment
+
+
+# ---------------------------------------------------------------------------- cache ops
+def make_cache(num_blocks, page_size, H_kv, D, dtype, device, num_layers=3):
+    return torch.randn(num_blocks, num_layers, 2, page_size, H_kv, D).to(device, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("dtype, cache_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_store_kv(device, page_size, dtype, cache_dtype):
+    H_q, H_kv, D, T = 6, 3, 64, 37
+    kv = make_cache(8, page_size, H_kv, D, cache_dtype, device)
+    qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)
+    key = qkv[:, H_q * D:(H_q + H_kv) * D].view(T, H_kv, D)                  # strided views
+    value = qkv[:, (H_q + H_kv) * D:].view(T, H_kv, D)
+    slots = torch.randperm(8 * page_size)[:T].to(device, torch.int32)
+    slots[::5] = -1                                                         # padding lanes
+    expected = kv.clone()
+    cache_ops.store_kv_ref(key, value, expected[:, 1, 0], expected[:, 1, 1], slots)
+    cache_ops.store_kv_triton(key, value, kv[:, 1, 0], kv[:, 1, 1], slots)
+    # exact, except that Triton's interpreter truncates fp32 -> bf16 where the GPU rounds to nearest
+    tol = dict(rtol=2 ** -7, atol=0) if device == "cpu" and dtype != cache_dtype else dict(rtol=0, atol=0)
+    torch.testing.assert_close(kv, expected, **tol)      # written slots and untouched ones alike
+    keep = slots >= 0
+    blocks, offsets = slots[keep].long() // page_size, slots[keep].long() % page_size
+    torch.testing.assert_close(kv[blocks, 1, 0, offsets], key[keep].to(cache_dtype), **tol)
+    torch.testing.assert_close(kv[blocks, 1, 1, offsets], value[keep].to(cache_dtype), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_blocks(device, dtype):
+    kv = make_cache(12, 16, 2, 64, dtype, device)       # page = 3*2*16*2*64 = 12288 elements
+    src = torch.tensor([3, 0, 7, 7], dtype=torch.int32, device=device)
+    dst = torch.tensor([5, 11, 1, 2], dtype=torch.int32, device=device)
+    expected = kv.clone()
+    cache_ops.copy_blocks_ref(expected, src, dst)
+    cache_ops.copy_blocks_triton(kv, src, dst)
+    assert torch.equal(kv, expected)
+    assert torch.equal(kv[11], kv[0]) and torch.equal(kv[2], kv[7])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
+                                                                                        reason="CUDA"))])
+def test_gather_scatter_roundtrip(device):
+    kv = make_cache(10, 16, 2, 32, torch.bfloat16, device)
+    ids = torch.tensor([4, 1, 8], device=device)
+    pages = cache_ops.gather_blocks(kv, ids).cpu()      # to CPU, as the offload tier does
+    assert pages.is_contiguous() and pages.shape == (3, *kv.shape[1:])
+    other = torch.zeros_like(kv)
+    cache_ops.scatter_blocks(other, torch.tensor([0, 2, 9], device=device), pages)
+    assert torch.equal(other[[0, 2, 9]], kv[[4, 1, 8]]) and not other[[1, 3]].any()
+
+
+@pytest.mark.skipif(INTERPRETED or HAS_CUDA or pa.triton is None,
+                    reason="only when triton was imported, compiled, before this module on a CPU box")
+def test_interpreter_in_subprocess():
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-o", "addopts=", "-p", "no:cacheprovider", __file__]
+    run = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "needs TRITON_INTERPRET" not in run.stdout, run.stdout[-4000:]
