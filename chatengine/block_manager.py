@@ -118,6 +118,25 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return True
 
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Give child the KV of parent's first num_tokens tokens: full blocks are shared (ref += 1),
+        a partial tail gets a fresh block of its own. Returns the (src, dst) block copy the device
+        must make, or None when no copy is needed. Raises MemoryError (changing nothing) when no
+        block is free for the tail."""
+        assert not child.block_table
+        num_full, partial = divmod(num_tokens, self.block_size)
+        if partial and not self.free_lru:
+            raise MemoryError("no free block for the forked tail")
+        for block_id in parent.block_table[:num_full]:
+            self._ref(block_id)
+        child.block_table = parent.block_table[:num_full]
+        child.num_computed_tokens = num_tokens
+        child.block_hashes = parent.block_hashes[:num_full]
+        if not partial:
+            return None
+        child.block_table.append(self._take_free())
+        return parent.block_table[num_full], child.block_table[-1]
+
     def count_prefix_hit(self, seq: Sequence, num_hit_tokens: int) -> None:
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += num_hit_tokens

@@ -10,6 +10,8 @@ class EngineConfig:
     block_size: int = 16                  # tokens per KV page
     enable_prefix_caching: bool = True
     kv_store_dir: str | None = None       # disk tier of the KV cache (persistent prefix cache)
+    data_dir: str | None = None           # keeps the server secret (per-user cache salts); None: ephemeral
+    register_personas: bool = True        # register prompts/*.md as public shared prefixes at start
     max_num_seqs: int = 256               # sequences in one step
     max_num_batched_tokens: int = 2048    # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None      # None: the model's context, capped at 8192

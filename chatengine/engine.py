@@ -12,7 +12,7 @@ from collections import deque
 
 from chatengine.block_manager import BlockManager
 from chatengine.config import EngineConfig
-from chatengine.hashing import model_fingerprint, user_salt
+from chatengine.hashing import load_or_create_secret, model_fingerprint, user_salt
 from chatengine.loader import load_model
 from chatengine.model_runner import ModelRunner, resolve_device_dtype
 from chatengine.outputs import CompletionOutput, RequestOutput
@@ -26,6 +26,8 @@ KV_LAYOUT = "page-first/v1"
 
 
 class Request:
+    """One prompt and its n samples (sequences)."""
+
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  user: str | None):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
@@ -37,8 +39,12 @@ class Request:
         self.first_token_time: float | None = None
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
 
 
 class LLMEngine:
@@ -60,11 +66,39 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, root)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.secret = secrets.token_bytes(32)       # replaced by the data dir's secret when there is one
+        # per-user salts derive from this secret; kept in the data dir so salted blocks outlive restarts
+        self.secret = load_or_create_secret(config.data_dir) if config.data_dir else secrets.token_bytes(32)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.personas: dict[str, list[int]] = {}    # name -> token ids of its public prefix
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.num_forks = 0
+        if config.register_personas and self.tokenizer is not None:
+            from chatengine.personas import load_personas
+            for persona in load_personas().values():
+                self.register_persona(persona.name, persona.system_prompt)
+
+    # ---- personas -------------------------------------------------------------------------------
+    def persona_prefix_ids(self, system_prompt: str) -> list[int]:
+        """Token ids that every conversation starting with this system prompt begins with."""
+        system = [{"role": "system", "content": system_prompt}]
+        a = apply_chat_template(self.tokenizer, system + [{"role": "user", "content": "a"}])
+        b = apply_chat_template(self.tokenizer, system + [{"role": "user", "content": "Zz 9"}])
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return a[:n]
+
+    def register_persona(self, name: str, system_prompt: str) -> None:
+        """Make conversations that open with this system prompt share its KV pages across users."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("a persona needs a non-empty name")
+        if not isinstance(system_prompt, str) or not system_prompt.strip():
+            raise ValueError(f"persona {name!r} needs a non-empty system prompt")
+        self.personas[name] = self.persona_prefix_ids(system_prompt)
+
+    def public_prefix_len(self, prompt_ids: list[int]) -> int:
+        """Length of the registered persona prefix this prompt starts with (0: none, all private)."""
+        return max((len(p) for p in self.personas.values() if prompt_ids[:len(p)] == p), default=0)
 
     # ---- requests -------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -100,16 +134,40 @@ class LLMEngine:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already running")
-        salt = user_salt(self.secret, req.user) if req.user is not None else b""
-        for i in range(req.params.n):
-            seq = Sequence(req.prompt_token_ids, req.params, req.request_id, i, self.config.block_size)
-            seq.salt = salt
-            if req.params.seed is not None:
-                seq.generator = self.runner.make_generator(req.params.seed, i)
-            req.seqs.append(seq)
-            req.detoks.append(IncrementalDetokenizer(self.tokenizer))
-            self.scheduler.add(seq)
+        # n > 1: only sample 0 prefills; the others fork from it once the prompt is in the cache
+        self.scheduler.add(self._new_seq(req))
         self.requests[req.request_id] = req
+
+    def _new_seq(self, req: Request) -> Sequence:
+        i = len(req.seqs)
+        seq = Sequence(req.prompt_token_ids, req.params, req.request_id, i, self.config.block_size)
+        if req.user is not None:   # single-tenant (user=None) shares everything
+            seq.salt = user_salt(self.secret, req.user)
+            seq.public_prefix_len = self.public_prefix_len(req.prompt_token_ids)
+        if req.params.seed is not None:
+            seq.generator = self.runner.make_generator(req.params.seed, i)
+        req.seqs.append(seq)
+        req.detoks.append(IncrementalDetokenizer(self.tokenizer))
+        return seq
+
+    def _fork(self, req: Request, parent: Sequence) -> None:
+        """Samples 1..n-1 of a request: share the parent's prompt blocks, copy its partial tail, and
+        recompute only the last prompt token (to draw their own first token from their own RNG)."""
+        num_tokens = req.num_prompt_tokens - 1
+        copies = []
+        while len(req.seqs) < req.params.n:
+            child = self._new_seq(req)
+            try:
+                copy = self.block_manager.fork(parent, child, num_tokens)
+            except MemoryError:        # no room now: it queues and finds the prompt in the prefix cache
+                self.scheduler.add(child)
+                continue
+            if copy is not None:
+                copies.append(copy)
+            self.scheduler.add_running(child)
+            self.num_forks += 1
+        if copies:
+            self.runner.copy_blocks(copies)
 
     def add_request(self, prompt, params=None, *, request_id=None, user=None) -> str:
         req = self.make_request(prompt, params, request_id=request_id, user=user)
@@ -124,7 +182,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
-        return self._output(req)
+        return self._output(req, final=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -148,6 +206,8 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
+            if seq.index == 0 and seq.num_output_tokens == 0 and len(req.seqs) < req.params.n:
+                self._fork(req, seq)
             seq.append_token(token_id)
             self.num_generated_tokens += 1
             self._check_stop(seq, req.detoks[seq.index], token_id)
@@ -193,10 +253,10 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     self._finish(seq, "error")
-            outputs.append(self._output(req))
+            outputs.append(self._output(req, final=True))
         return outputs
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request, final: bool = False) -> RequestOutput:
         completions = []
         for seq, detok in zip(req.seqs, req.detoks):
             text = detok.text
@@ -206,7 +266,7 @@ class LLMEngine:
             completions.append(CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
                                                 seq.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             req.seqs[0].num_cached_tokens, req.finished, req.error)
+                             req.seqs[0].num_cached_tokens, final or req.finished, req.error)
 
     # ---- introspection --------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -229,6 +289,8 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_forks": self.num_forks,
+            "kv_blocks_shared": sum(1 for b in bm.blocks if b.ref_count > 1),
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             "block_size": self.config.block_size,
@@ -297,6 +359,9 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def register_persona(self, name: str, system_prompt: str) -> None:
+        self.engine.register_persona(name, system_prompt)
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -353,6 +418,9 @@ class AsyncLLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def register_persona(self, name: str, system_prompt: str) -> None:
+        self.engine.register_persona(name, system_prompt)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from chatengine.attention import get_backend
+from kernels import cache_ops
 from chatengine.config import EngineConfig
 from chatengine.loader import LoadedModel
 from chatengine.models.llama import AttentionMetadata, LlamaModel
@@ -121,6 +122,12 @@ class ModelRunner:
             return [None] * len(seqs)
         token_ids = iter(self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling]).tolist())
         return [next(token_ids) if s else None for s in samples]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole pages (all layers, K and V) src -> dst, e.g. a forked sequence's partial tail."""
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        cache_ops.copy_blocks(self.kv_cache, src, dst)
 
     def make_generator(self, seed: int, index: int) -> torch.Generator:
         return self.sampler.make_generator(seed, index)

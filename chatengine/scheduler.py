@@ -40,6 +40,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sequence that already holds its blocks joins the running set directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
