@@ -24,9 +24,10 @@ class TritonBackend:
         cache_ops.store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
 
     def attention(self, q, k_cache, v_cache, meta, scale):
+        # num_splits: fixed by the model runner for a CUDA graph (no host-dependent launch inside it)
         return paged_attention.paged_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                                       meta.block_tables, scale, meta.max_seqlen_q,
-                                                      meta.max_seqlen_k)
+                                                      meta.max_seqlen_k, getattr(meta, "num_splits", None))
 
 
 def get_backend(name: str, device_type: str):

@@ -7,22 +7,45 @@ allocation takes it from the LRU head, which drops the hash. Sequences free thei
 first, so a chain's tail is evicted before its head. Unhashed free blocks go to the head (they are
 worth nothing). Allocation is all-or-nothing: a failed `allocate` changes nothing.
 
+With lower tiers (offload.TieredCache), a hashed block evicted from the LRU is queued for
+write-back to host memory, a lookup continues the device hit in host memory and on disk, and a hit
+there gets a fresh device block that is published at once and queued for a restore copy. The engine
+runs the queued copies (evictions first, then restores) before the step's forward.
+
 The block manager never touches tensors: copies (fork, offload) are requested from the runner.
 """
+
+
+def owner_tag(salt: bytes) -> bytes:
+    """Which user a salted block belongs to (lets a user's blocks be dropped); b"" when public."""
+    return hashlib.blake2b(salt, digest_size=8, person=b"kv-owner").digest() if salt else b""
+import hashlib
 from collections import OrderedDict
 
 from chatengine.hashing import hash_block, salt_extra, salt_start_block
+from chatengine.offload import BlockMeta
 from chatengine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "owner")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.parent = b""                 # the previous block's hash (the root for block 0)
+        self.owner = b""                  # tag of the user whose salt is in the hash (b"": public)
+
+    def meta(self) -> BlockMeta:
+        return BlockMeta(self.hash, self.parent, self.token_ids, self.owner)
+
+    def set_hash(self, meta: BlockMeta) -> None:
+        self.hash, self.parent, self.token_ids, self.owner = meta.hash, meta.parent, meta.token_ids, meta.owner
+
+    def clear_hash(self) -> None:
+        self.hash, self.parent, self.token_ids, self.owner = None, b"", (), b""
 
     def __repr__(self):
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.hash.hex()[:8] if self.hash else None})"
@@ -36,7 +59,11 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
         self.cached: dict[bytes, int] = {}                # hash -> block id (in use or free)
-        self.on_evict = None                              # callback(block) before a hashed block is reused
+        self.tiers = None                                 # offload.TieredCache, if any
+        self.write_behind = False                         # queue newly published blocks for the disk
+        self.pending_evictions: list[tuple[int, BlockMeta]] = []   # device -> host copies to make
+        self.pending_restores: list[tuple[int, bytes]] = []        # host -> device copies to make
+        self.pending_publishes: list[tuple[int, BlockMeta]] = []   # device -> disk write-behind
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_evictions = 0
@@ -68,48 +95,73 @@ class BlockManager:
             hashes.append(hash_block(parent, seq.block_tokens(i), salted if i >= first_salted else b""))
         return hashes[:num_blocks]
 
-    def lookup(self, seq: Sequence) -> list[int]:
-        """Ids of the longest run of cached blocks that starts seq's prompt (no side effects).
-        Capped at num_tokens - 1: the last token is always computed, to get logits."""
+    def lookup(self, seq: Sequence) -> tuple[list[int], int]:
+        """The longest cached prefix of seq: ids of the device blocks it starts with, and how many
+        blocks continue it in the lower tiers. Capped at num_tokens - 1: the last token is always
+        computed, to get logits. No side effects on the device pool."""
         if not self.enable_prefix_caching or seq.block_table:
-            return []
+            return [], 0
+        hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
         hits = []
-        for i, h in enumerate(self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):
+        for i, h in enumerate(hashes):
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
                 break
             hits.append(block_id)
-        return hits
+        num_lower = 0
+        if self.tiers is not None and len(hits) < len(hashes):
+            rest = range(len(hits), len(hashes))
+            num_lower = self.tiers.lookup(hashes[len(hits):], [seq.block_tokens(i) for i in rest])
+        return hits, num_lower
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish seq's blocks that are full and computed (call after the step that wrote them)."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        for i, h in enumerate(self.block_hashes(seq, num_full)):
+        first_salted = salt_start_block(seq.public_prefix_len, self.block_size)
+        hashes = self.block_hashes(seq, num_full)
+        for i, h in enumerate(hashes):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue
             if h in self.cached:          # computed twice concurrently: keep the first, no dedup
                 continue
-            block.hash, block.token_ids = h, tuple(seq.block_tokens(i))
+            block.set_hash(BlockMeta(h, hashes[i - 1] if i else self.root, tuple(seq.block_tokens(i)),
+                                     owner_tag(seq.salt) if i >= first_salted else b""))
             self.cached[h] = block.block_id
+            if self.write_behind:
+                self.pending_publishes.append((block.block_id, block.meta()))
 
     # ---- allocation -----------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Grow seq's table to hold num_new_tokens more tokens, first claiming `cached_blocks`
-        (a lookup() result, only for a sequence with no blocks yet). All or nothing."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (),
+                 num_restore: int = 0) -> bool:
+        """Grow seq's table to hold num_new_tokens more tokens, first claiming `cached_blocks` and
+        then `num_restore` blocks restored from the lower tiers (a lookup() result, only for a
+        sequence with no blocks yet). All or nothing."""
         num_claimed_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
-        num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_hit = len(cached_blocks) + num_restore
+        num_computed = seq.num_computed_tokens + num_hit * self.block_size
         num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
         if num_needed + num_claimed_free > len(self.free_lru):
             return False
-        if cached_blocks:
+        if num_hit:
             assert not seq.block_table and seq.num_computed_tokens == 0
             for block_id in cached_blocks:
                 self._ref(block_id)
             seq.block_table = list(cached_blocks)
+            hashes = self.block_hashes(seq, num_hit)
+            for i in range(len(cached_blocks), num_hit):      # restored: published now, copied before the forward
+                block_id = self._take_free()
+                meta = self.tiers.host.index[hashes[i]][1]
+                self.blocks[block_id].set_hash(meta)
+                self.cached[meta.hash] = block_id
+                seq.block_table.append(block_id)
+                self.pending_restores.append((block_id, meta.hash))
+            if num_restore:
+                self.tiers.pin(hashes[len(cached_blocks):num_hit])
             seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+            num_needed -= num_restore
         if num_new_tokens and seq.num_computed_tokens % self.block_size:
             # NOTE: the partial tail is about to be written; it must be ours alone
             tail = self.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]]
@@ -168,14 +220,32 @@ class BlockManager:
         block_id, _ = self.free_lru.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:                       # evict: drop the old hash (stale-entry bug)
-            if self.on_evict is not None:
-                self.on_evict(block)
+            if self.tiers is not None:                   # write back to host memory before reuse
+                self.pending_evictions.append((block_id, block.meta()))
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.clear_hash()
             self.num_evictions += 1
         block.ref_count = 1
         return block_id
+
+    def unpublish(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.clear_hash()
+
+    def drop_owner(self, owner: bytes) -> int:
+        """Unpublish free cached blocks of one user (a deleted user); blocks in use are left alone."""
+        n = 0
+        for block_id in list(self.free_lru):
+            block = self.blocks[block_id]
+            if block.hash is not None and block.owner == owner:
+                del self.cached[block.hash]
+                block.clear_hash()
+                self.free_lru.move_to_end(block_id, last=False)
+                n += 1
+        return n
 
     def check_invariants(self, seqs: list[Sequence]) -> None:
         """Conservation, ref counts = table membership, index consistency. Names the bad blocks."""
@@ -193,3 +263,6 @@ class BlockManager:
             assert self.blocks[block_id].hash == h, f"index entry {h.hex()[:8]} -> {self.blocks[block_id]}"
         orphans = [b for b in self.blocks if b.hash is not None and self.cached.get(b.hash) != b.block_id]
         assert not orphans, f"hashed blocks missing from the index: {orphans[:8]}"
+        # copies in flight: a block waiting for its restore is held by a sequence, never free
+        in_flight = [b for b, _ in self.pending_restores if self.blocks[b].ref_count == 0]
+        assert not in_flight, f"blocks freed while their restore copy is pending: {in_flight[:8]}"

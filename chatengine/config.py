@@ -10,6 +10,8 @@ class EngineConfig:
     block_size: int = 16                  # tokens per KV page
     enable_prefix_caching: bool = True
     kv_store_dir: str | None = None       # disk tier of the KV cache (persistent prefix cache)
+    kv_store_gib: float = 8.0             # disk tier budget
+    cpu_offload_gib: float = 0.5          # host tier: evicted device blocks are written back here
     data_dir: str | None = None           # keeps the server secret (per-user cache salts); None: ephemeral
     register_personas: bool = True        # register prompts/*.md as public shared prefixes at start
     max_num_seqs: int = 256               # sequences in one step
@@ -37,6 +39,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
+        if self.cpu_offload_gib < 0 or self.kv_store_gib <= 0:
+            raise ValueError("cpu_offload_gib must be >= 0 and kv_store_gib > 0")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

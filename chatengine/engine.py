@@ -10,11 +10,12 @@ import time
 import uuid
 from collections import deque
 
-from chatengine.block_manager import BlockManager
+from chatengine.block_manager import BlockManager, owner_tag
 from chatengine.config import EngineConfig
 from chatengine.hashing import load_or_create_secret, model_fingerprint, user_salt
 from chatengine.loader import load_model
 from chatengine.model_runner import ModelRunner, resolve_device_dtype
+from chatengine.offload import TieredCache
 from chatengine.outputs import CompletionOutput, RequestOutput
 from chatengine.sampling_params import SamplingParams
 from chatengine.scheduler import Scheduler
@@ -66,8 +67,12 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, root)
         self.scheduler = Scheduler(config, self.block_manager)
-        # per-user salts derive from this secret; kept in the data dir so salted blocks outlive restarts
-        self.secret = load_or_create_secret(config.data_dir) if config.data_dir else secrets.token_bytes(32)
+        self.tiers = self._make_tiers(root)
+        self.block_manager.tiers = self.tiers
+        self.block_manager.write_behind = config.kv_store_dir is not None and config.enable_prefix_caching
+        # per-user salts derive from this secret; kept on disk so salted blocks outlive restarts
+        secret_dir = config.data_dir or config.kv_store_dir
+        self.secret = load_or_create_secret(secret_dir) if secret_dir else secrets.token_bytes(32)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.personas: dict[str, list[int]] = {}    # name -> token ids of its public prefix
@@ -78,6 +83,70 @@ class LLMEngine:
             from chatengine.personas import load_personas
             for persona in load_personas().values():
                 self.register_persona(persona.name, persona.system_prompt)
+
+    def _make_tiers(self, root: bytes) -> TieredCache | None:
+        config, runner = self.config, self.runner
+        if not config.enable_prefix_caching or (config.cpu_offload_gib == 0 and not config.kv_store_dir):
+            return None
+        num_host = int(config.cpu_offload_gib * 2**30) // runner.block_bytes
+        if config.kv_store_dir:   # restores go through host memory: room for at least one whole context
+            num_host = max(num_host, self.block_manager.num_blocks_for(self.max_model_len) + 1)
+        return TieredCache(root, runner.kv_cache.shape[1:], runner.dtype, num_host, runner.device.type == "cuda",
+                           config.kv_store_dir, int(config.kv_store_gib * 2**30))
+
+    def _run_transfers(self) -> None:
+        """Copies the schedule asked for, before the forward: evicted pages to host memory first
+        (their device blocks may be restore targets), then restores into the device pool."""
+        bm, tiers = self.block_manager, self.tiers
+        if bm.pending_evictions:
+            evicted, bm.pending_evictions = bm.pending_evictions, []
+            pages = self.runner.gather_blocks([b for b, _ in evicted])
+            for (_, meta), page in zip(evicted, pages):
+                tiers.put(meta, page)
+        if bm.pending_restores:
+            restores, bm.pending_restores = bm.pending_restores, []
+            hashes = [h for _, h in restores]
+            try:
+                self.runner.scatter_blocks([b for b, _ in restores], tiers.pages(hashes))
+            except BaseException:   # never leave a published block without its data
+                for block_id, _ in restores:
+                    bm.unpublish(block_id)
+                raise
+            finally:
+                tiers.unpin(hashes)
+
+    def _write_behind(self) -> None:
+        bm = self.block_manager
+        if bm.pending_publishes:
+            published, bm.pending_publishes = bm.pending_publishes, []
+            pages = self.runner.gather_blocks([b for b, _ in published])
+            for (_, meta), page in zip(published, pages):
+                self.tiers.write_behind(meta, page)
+
+    def flush_kv(self) -> None:
+        """Write every cached block of every tier to the disk store and wait for it."""
+        if self.tiers is None or self.tiers.disk is None:
+            return
+        hashed = [b for b in self.block_manager.blocks if b.hash is not None]
+        for i in range(0, len(hashed), 64):
+            chunk = hashed[i:i + 64]
+            pages = self.runner.gather_blocks([b.block_id for b in chunk])
+            for block, page in zip(chunk, pages):
+                self.tiers.disk.write_behind(block.meta(), page, block=True)
+        self.tiers.flush()
+
+    def forget_user(self, user: str) -> int:
+        """Drop a (deleted) user's cached KV from every tier; returns the number of blocks dropped."""
+        owner = owner_tag(user_salt(self.secret, user))
+        n = self.block_manager.drop_owner(owner)
+        return n + (self.tiers.drop_owner(owner) if self.tiers is not None else 0)
+
+    def close(self) -> None:
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self.flush_kv()
+        if self.tiers is not None:
+            self.tiers.close()
 
     # ---- personas -------------------------------------------------------------------------------
     def persona_prefix_ids(self, system_prompt: str) -> list[int]:
@@ -193,11 +262,15 @@ class LLMEngine:
         if not out.seqs:
             return []
         try:
+            if self.tiers is not None:
+                self._run_transfers()
             token_ids = self.runner.run(out.seqs, out.num_new_tokens)
         except Exception as e:   # fail this step's requests cleanly; the engine serves the others
             log.exception("forward pass failed")
             return self._fail({seq.request_id for seq in out.seqs}, f"{type(e).__name__}: {e}")
         self.scheduler.postprocess(out)
+        if self.block_manager.pending_publishes:
+            self._write_behind()
         self.num_steps += 1
         touched = {}
         for seq, token_id in zip(out.seqs, token_ids):
@@ -280,8 +353,8 @@ class LLMEngine:
             "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
             "kv_blocks_cached": bm.num_cached_free_blocks,
             "kv_blocks_free": bm.num_free_blocks,
-            "cpu_blocks_used": 0,
-            "disk_blocks": 0,
+            **(self.tiers.stats() if self.tiers is not None else
+               {"cpu_blocks_total": 0, "cpu_blocks_used": 0, "disk_blocks": 0, "disk_bytes": 0}),
             "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0,
             "prefix_cache_hit_tokens": bm.num_hit_tokens,
             "prefix_cache_queried_tokens": bm.num_queried_tokens,
@@ -365,9 +438,12 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def forget_user(self, user: str) -> int:
+        return self.engine.forget_user(user)
+
     def shutdown(self) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
+        """Abort what runs and flush the KV cache to the disk store (if any)."""
+        self.engine.close()
 
 
 class AsyncLLM:
@@ -425,10 +501,17 @@ class AsyncLLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def forget_user(self, user: str) -> None:
+        self._post(("forget", user))
+
     def shutdown(self) -> None:
+        """Abort what runs, stop the loop and flush the KV cache to the disk store (if any)."""
+        if self._stopped:
+            return
         self._stopped = True
         self._post(("stop",))
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=60)
+        self.engine.close()
 
     def _post(self, item) -> None:
         with self._wake:
@@ -460,6 +543,9 @@ class AsyncLLM:
                     for request_id in list(engine.requests):
                         self._deliver(engine.abort(request_id), request_id)
                     return
+                if item[0] == "forget":
+                    engine.forget_user(item[1])
+                    continue
                 if item[0] == "add":
                     _, req, loop, queue = item
                     self._queues[req.request_id] = (loop, queue)

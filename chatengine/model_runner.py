@@ -2,19 +2,38 @@
 tensors (input ids, positions, slot mapping, block tables), runs the forward and samples.
 
 It reads `seq.block_table` and `seq.num_computed_tokens` but never touches free lists.
+
+The CUDA fast path (bf16 by default):
+- One pinned int32 staging buffer holds every index array of a step, filled with numpy (no loop
+  over tokens), and goes to the device in one non-blocking copy.
+- Pure-decode steps (one new token per sequence) replay a CUDA graph captured for the next batch
+  size up (1, 2, 4, 8, 16, 32, ... max_num_seqs) over persistent device buffers. Padded lanes get
+  slot -1 (nothing stored) and seq_len 0 (attention reads nothing, writes 0); the decode kernel's
+  split count is fixed per graph, so nothing inside a graph syncs with the host.
+- Sampling without top-k/top-p or per-request seeds runs in one Triton pass over the logits
+  (kernels/sampling.py); the token ids are the step's only device-to-host copy.
+`enforce_eager=True`, the torch attention backend, or a CPU device take the eager path.
 """
+import itertools
+import logging
+import random
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from chatengine.attention import get_backend
 from kernels import cache_ops
+from kernels import sampling as sampling_ops
 from chatengine.config import EngineConfig
 from chatengine.loader import LoadedModel
 from chatengine.models.llama import AttentionMetadata, LlamaModel
 from chatengine.sampler import Sampler
 from chatengine.sequence import Sequence
 
+log = logging.getLogger("chatengine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALIGN = 32                     # staging regions start at multiples of 32 int32 (128 bytes)
 
 
 def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
@@ -32,11 +51,29 @@ def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
     return device, DTYPES[dtype]
 
 
+@dataclass
+class StepMetadata(AttentionMetadata):
+    num_splits: int | None = None       # decode: split-KV count fixed for a CUDA graph; None: heuristic
+
+
+def _layout(T: int, B: int, S: int, W: int) -> dict[str, tuple[int, int]]:
+    """(offset, length) of each index array in the int32 staging buffer, regions 128-byte aligned."""
+    sizes = {"input_ids": T, "positions": T, "slot_mapping": T, "seq_lens": B, "cu_seqlens_q": B + 1,
+             "logits_indices": S, "block_tables": B * W}
+    out, offset = {}, 0
+    for name, n in sizes.items():
+        out[name] = (offset, n)
+        offset += -(-n // ALIGN) * ALIGN
+    out["_end"] = (offset, 0)
+    return out
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                  max_model_len: int):
         self.config, self.device, self.dtype = config, device, dtype
         self.block_size = config.block_size
+        self.max_model_len = max_model_len
         mc = self.model_config = loaded.config
         self.backend = get_backend(config.attention_backend, device.type)
         with torch.device("meta"):
@@ -46,6 +83,20 @@ class ModelRunner:
         self.model = model.to(dtype).eval()
         self.model.rope.build()
         self.sampler = Sampler(device, config.seed)
+        self._sample_seeds = random.Random(config.seed)          # per-step seeds of the fused sampler
+        self.fused_sampling = device.type == "cuda" and self.backend.name == "triton"
+        # staging: sized for the largest step (a full token budget, or max_num_seqs decodes)
+        self.max_num_pages = -(-max_model_len // self.block_size) + 1  # block-table width (graphs)
+        self.max_graph_bs = min(config.max_num_seqs, config.max_num_batched_tokens)
+        max_t = max(config.max_num_batched_tokens, self.max_graph_bs)
+        max_b = max(self.max_graph_bs, -(-config.max_num_batched_tokens // max_model_len))  # (the profile's)
+        size = _layout(max_t, max_b, max_b, -(-self.max_num_pages // 16) * 16)["_end"][0]
+        pin = device.type == "cuda"
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(size, dtype=torch.int32, device=device) if pin else self._host
+        self._temps_host = torch.zeros(max_b, dtype=torch.float32, pin_memory=pin)
+        self._temps_dev = torch.zeros(max_b, dtype=torch.float32, device=device) if pin else self._temps_host
         self.block_bytes = mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
         self.num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         if self.num_blocks < 2:
@@ -54,6 +105,13 @@ class ModelRunner:
         # page-first: one block is one contiguous span (all layers, K and V)
         self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=dtype, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # batch size -> (graph, logits)
+        self.num_graph_steps = 0                                                  # decode steps replayed
+        if device.type == "cuda" and not config.enforce_eager:
+            if self.backend.name == "triton":
+                self._capture_graphs()
+            else:   # the torch reference syncs (boolean masks, data-dependent shapes): not capturable
+                log.info("CUDA graphs are off: the %r attention backend cannot be captured", self.backend.name)
 
     def _num_blocks_from_budget(self) -> int:
         if self.device.type == "cpu":
@@ -61,57 +119,166 @@ class ModelRunner:
         # CUDA: profile one full-budget forward with a throwaway cache, then give the rest to KV
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        # the budget as prompts of at most max_model_len tokens (positions stay inside the RoPE table)
         num_tokens = self.config.max_num_batched_tokens
-        probe_blocks = (num_tokens + self.block_size - 1) // self.block_size
+        lens = [min(self.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.max_model_len)]
+        pages = [-(-n // self.block_size) for n in lens]
         mc = self.model_config
-        self.kv_cache = torch.zeros(probe_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
+        self.kv_cache = torch.zeros(sum(pages), mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
                                     dtype=self.dtype, device=self.device)
-        seq = Sequence([0] * num_tokens, None, block_size=self.block_size)
-        seq.block_table = list(range(probe_blocks))
-        self._forward([seq], [num_tokens])
+        seqs, first = [], 0
+        for n, k in zip(lens, pages):
+            seqs.append(Sequence([0] * n, None, block_size=self.block_size))
+            seqs[-1].block_table, first = list(range(first, first + k)), first + k
+        self._forward(seqs, lens)
+        # room for decode-sized logits: a graph's output plus the sampler's temporaries
+        probe = torch.empty(4 * self.max_graph_bs, mc.vocab_size, dtype=torch.float32, device=self.device)
         torch.cuda.synchronize(self.device)
-        del self.kv_cache
+        del self.kv_cache, probe
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
         peak, current = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
         budget = total * self.config.gpu_memory_utilization - used - (peak - current)
         return max(int(budget) // self.block_bytes, 0)
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        """Batch tensors for the scheduled tokens: (input_ids, positions, meta, logits_indices, sample_mask)."""
+    # ---- batch tensors ------------------------------------------------------------------------
+    def _stage(self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: int | None = None):
+        """Fill the staging buffer for this step; returns (layout, samples, max_seqlen_q, max_seqlen_k, T).
+
+        pad_to: a CUDA graph's batch size. Lanes B..pad_to-1 are decode lanes that do nothing
+        (token 0 at position 0, slot -1, seq_len 0), and the block table is pad_to x max_num_pages."""
         bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        cu_seqlens_q, seq_lens, logits_indices, samples = [0], [], [], []
-        max_pages = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.full((len(seqs), max_pages), -1, dtype=np.int32)
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
-            start = seq.num_computed_tokens
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            block_tables[i, :len(table)] = table
-            pos = np.arange(start, start + n)
-            input_ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-            seq_lens.append(start + n)
-            samples.append(start + n == seq.num_tokens)     # the chunk reaches the end: sample
-            if samples[-1]:
-                logits_indices.append(cu_seqlens_q[-1] - 1)
+        B = len(seqs)
+        n = np.fromiter(num_new_tokens, np.int32, B)
+        start = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, B)
+        seq_lens = start + n
+        samples = seq_lens == np.fromiter((s.num_tokens for s in seqs), np.int32, B)  # chunk reaches the end
+        T = int(n.sum())
+        tables = [s.block_table for s in seqs]
+        num_pages = np.fromiter(map(len, tables), np.int32, B)
+        if pad_to is None:
+            # width a multiple of 16: one Triton specialization of the block-table stride
+            Bp, Tp, W = B, T, -(-int(num_pages.max()) // 16) * 16
+            S = int(samples.sum())
+        else:
+            Bp = Tp = S = pad_to
+            W = self.max_num_pages
+        lay = _layout(Tp, Bp, S, W)
+        h = self._host_np
+        assert lay["_end"][0] <= len(h), "step larger than the staging buffer (max_num_batched_tokens?)"
 
-        def t(x, dtype):
-            return torch.from_numpy(np.asarray(x)).to(device=self.device, dtype=dtype, non_blocking=True)
+        def view(name):
+            off, length = lay[name]
+            return h[off:off + length]
 
-        meta = AttentionMetadata(
-            slot_mapping=t(np.concatenate(slots), torch.int64), cu_seqlens_q=t(cu_seqlens_q, torch.int32),
-            seq_lens=t(seq_lens, torch.int32), block_tables=t(block_tables, torch.int32),
-            max_seqlen_q=max(num_new_tokens), max_seqlen_k=max(seq_lens))
-        return (t(np.concatenate(input_ids), torch.int64), t(np.concatenate(positions), torch.int64), meta,
-                t(logits_indices, torch.int64), samples)
+        ids, pos, slots = view("input_ids"), view("positions"), view("slot_mapping")
+        if T == B:                                      # one token each: no slicing
+            ids[:B] = np.fromiter((s.token_ids[c] for s, c in zip(seqs, start.tolist())), np.int32, B)
+        else:
+            ids[:T] = np.fromiter(itertools.chain.from_iterable(
+                s.token_ids[c:c + k] for s, c, k in zip(seqs, start.tolist(), n.tolist())), np.int32, T)
+        bt = view("block_tables").reshape(Bp, W)
+        bt.fill(-1)
+        for i, table in enumerate(tables):
+            bt[i, :len(table)] = table
+        cu = view("cu_seqlens_q")
+        cu[0] = 0
+        np.cumsum(n, out=cu[1:B + 1])
+        token_seq = np.repeat(np.arange(B), n)          # (T,) the sequence of each token
+        p = start[token_seq] + (np.arange(T, dtype=np.int32) - cu[token_seq])
+        pos[:T] = p
+        slots[:T] = bt[token_seq, p // bs] * bs + p % bs
+        view("seq_lens")[:B] = seq_lens
+        if pad_to is None:
+            view("logits_indices")[:] = (cu[1:B + 1] - 1)[samples]
+        else:                                           # padded decode lanes
+            ids[B:], pos[B:], slots[B:] = 0, 0, -1
+            view("seq_lens")[B:] = 0
+            cu[B + 1:] = np.arange(T + 1, T + 1 + Bp - B, dtype=np.int32)
+            view("logits_indices")[:] = np.arange(Bp, dtype=np.int32)
+        return lay, samples, int(n.max(initial=1)), int(seq_lens.max(initial=0)), T
+
+    def _upload(self, lay) -> dict[str, torch.Tensor]:
+        """One non-blocking copy of the staged prefix; device views by name."""
+        end = lay["_end"][0]
+        if self._dev is not self._host:
+            self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        return {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
+
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        """Batch tensors for the scheduled tokens: (input_ids, positions, meta, logits_indices, samples).
+
+        NOTE: the tensors are views of staging buffers that the next step overwrites."""
+        lay, samples, max_q, max_k, _ = self._stage(seqs, num_new_tokens)
+        d = self._upload(lay)
+        B = len(seqs)
+        meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
+                            seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(B, -1),
+                            max_seqlen_q=max_q, max_seqlen_k=max_k)
+        return d["input_ids"], d["positions"], meta, d["logits_indices"], samples.tolist()
+
+    # ---- CUDA graphs for decode -------------------------------------------------------------------
+    def graph_batch_sizes(self) -> list[int]:
+        m = self.max_graph_bs
+        return sorted({b for b in [1, 2, 4, 8, *range(16, m + 1, 16)] if b <= m} | {m})
+
+    def _graph_inputs(self, bs: int):
+        lay = _layout(bs, bs, bs, self.max_num_pages)
+        d = {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
+        H_kv = self.model_config.num_kv_heads
+        from kernels.paged_attention import _decode_splits, num_sms
+        meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
+                            seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(bs, self.max_num_pages),
+                            max_seqlen_q=1, max_seqlen_k=self.max_model_len,
+                            num_splits=_decode_splits(bs * H_kv, self.max_model_len, num_sms(self.device)))
+        return d, meta
 
     @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        pool = None
+        for bs in reversed(self.graph_batch_sizes()):   # largest first: the others reuse its pool
+            lay, *_ = self._stage([], [], pad_to=bs)     # all lanes padded: reads and writes nothing
+            self._upload(lay)
+            d, meta = self._graph_inputs(bs)
+            args = (d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
+            self.model(*args)                           # compiles the kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model(*args)
+            pool = graph.pool()
+            self.graphs[bs] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self._graph_sizes = sorted(self.graphs)
+
+    # ---- forward and sampling --------------------------------------------------------------------
+    @torch.inference_mode()
     def _forward(self, seqs, num_new_tokens):
+        B = len(seqs)
+        if self.graphs and B <= self.max_graph_bs and max(num_new_tokens) == 1:
+            bs = next(b for b in self._graph_sizes if b >= B)
+            lay, samples, *_ = self._stage(seqs, num_new_tokens, pad_to=bs)
+            self._upload(lay)
+            graph, logits = self.graphs[bs]
+            graph.replay()
+            self.num_graph_steps += 1
+            logits = logits[:B]
+            if not samples.all():                       # a 1-token chunk that does not end its prompt
+                logits = logits[torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
+            return logits, samples.tolist()
         input_ids, positions, meta, logits_indices, samples = self.prepare(seqs, num_new_tokens)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices), samples
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        params = [s.params for s in seqs]
+        if self.fused_sampling and all(s.generator is None and p.top_k == 0 and p.top_p >= 1
+                                       for s, p in zip(seqs, params)):
+            N = len(seqs)
+            self._temps_host.numpy()[:N] = [p.temperature for p in params]
+            temps = self._temps_dev[:N]
+            temps.copy_(self._temps_host[:N], non_blocking=True)
+            return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31)).tolist()
+        return self.sampler(logits, params, [s.generator for s in seqs]).tolist()
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
@@ -120,7 +287,7 @@ class ModelRunner:
         sampling = [seq for seq, s in zip(seqs, samples) if s]
         if not sampling:
             return [None] * len(seqs)
-        token_ids = iter(self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling]).tolist())
+        token_ids = iter(self._sample(logits, sampling))
         return [next(token_ids) if s else None for s in samples]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -131,3 +298,25 @@ class ModelRunner:
 
     def make_generator(self, seed: int, index: int) -> torch.Generator:
         return self.sampler.make_generator(seed, index)
+
+    # ---- KV offload: whole pages between the device pool and host memory ----------------------------
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Pages block_ids as one host tensor (n, num_layers, 2, block_size, kv_heads, head_dim)."""
+        ids = torch.tensor(block_ids, device=self.device)
+        return self.kv_cache.index_select(0, ids).to("cpu")
+
+    def scatter_blocks(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        """kv_cache[block_ids[i]] = pages[i]; on CUDA the copy runs on a side stream that the
+        compute stream then waits for, so the next forward sees the restored pages."""
+        ids = torch.tensor(block_ids, device=self.device)
+        if self.device.type != "cuda":
+            self.kv_cache.index_copy_(0, ids, pages.to(self.dtype))
+            return
+        if not hasattr(self, "copy_stream"):
+            self.copy_stream = torch.cuda.Stream(self.device)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.kv_cache.index_copy_(0, ids, pages.to(self.device, non_blocking=True))
+        # NOTE: no host sync: torch's pinned-memory allocator keeps `pages` alive until the copy is done
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+

@@ -73,14 +73,15 @@ class Scheduler:
         # then admit waiting sequences, first come first served
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
-            cached = bm.lookup(seq)
-            num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-            need = bm.num_blocks_for(len(cached) * bm.block_size + num_new) - len(cached)
+            cached, num_restore = bm.lookup(seq)
+            num_hit_tokens = (len(cached) + num_restore) * bm.block_size
+            num_new = min(seq.num_tokens - num_hit_tokens, budget)
+            need = bm.num_blocks_for(num_hit_tokens + num_new) - len(cached)
             if self.running and bm.num_free_blocks - need < self.watermark_blocks:
                 break
-            if not bm.allocate(seq, num_new, cached):
+            if not bm.allocate(seq, num_new, cached, num_restore):
                 break
-            bm.count_prefix_hit(seq, len(cached) * bm.block_size)
+            bm.count_prefix_hit(seq, num_hit_tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

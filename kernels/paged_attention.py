@@ -20,6 +20,7 @@ per-key page lookup and the two-stage split-KV decode (partial outputs + log-sum
 SGLang/lightllm's `decode_attention` as kept in vLLM; packing the query heads of one KV head into the
 rows of one program (GQA) from vLLM's `triton_unified_attention`.
 """
+import functools
 import os
 
 import torch
@@ -145,10 +146,14 @@ def _merge_splits_kernel(Out, PartialOut, PartialLse, num_q_heads, stride_ot, st
     s_ok = offs_s < NUM_SPLITS
     d_ok = offs_d < HEAD_DIM
     lse = tl.load(PartialLse + row + offs_s, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))               # split 0 always holds key 0: max is finite
+    # every split is empty only for a padded lane (seq_len 0, CUDA graphs): write 0 there, not NaN
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
     part = tl.load(PartialOut + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)                 # (S, D)
-    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(w_sum > 0, w_sum, 1.0)
     tl.store(Out + t * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
@@ -167,23 +172,53 @@ def interpreting() -> bool:
     return not any(isinstance(f, triton.runtime.JITFunction) for f in compiled)
 
 
-def _decode_splits(num_programs: int, max_seqlen_k: int) -> int:
-    # Flash-decoding: split the keys only when batch x kv_heads programs cannot fill the GPU
-    # (132 SMs on an H100), keep every split >= 256 keys so the merge stays cheap, and cap at 16.
-    return max(1, min(triton.cdiv(128, num_programs), max_seqlen_k // 256, 16))
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (132 on an H100 SXM / H200); 132 under the interpreter."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _decode_splits(num_programs: int, max_seqlen_k: int, sms: int = 132) -> int:
+    """Flash-decoding: split the keys when batch x kv_heads programs cannot fill the GPU. Aim at
+    ~4 programs per multiprocessor (a decode program is memory-bound: more in flight hides latency),
+    keep each split >= MIN_SPLIT_KEYS keys so the merge stays cheap, cap at MAX_SPLITS."""
+    want = triton.cdiv(4 * sms, num_programs)
+    return max(1, min(want, max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+MIN_SPLIT_KEYS = 128
+MAX_SPLITS = 64
+# Launch parameters, (BLOCK_N, num_warps, num_stages) by kind and padded head_dim; BLOCK_N keys per
+# loop step (may span pages). `benchmarks/gpu_bench.py --part sweep` measures alternatives
+# (benchmarks/NOTES.md). Registers bound head_dim >= 128: each K/V tile holds one 64-bit pointer per
+# element, so 64 keys at head_dim 128, or 4 warps at head_dim >= 128, spill (ptxas, sm_90).
+DECODE_LAUNCH = {64: (32, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}
+PREFILL_LAUNCH = {64: (32, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}
+
+
+def _launch(table: dict, block_d: int) -> tuple[int, int, int]:
+    return table[max(64, block_d)] if max(64, block_d) in table else table[256]
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, max_seqlen_q: int | None = None,
                            max_seqlen_k: int | None = None, num_splits: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton varlen paged attention, same contract as `paged_attention_ref`; writes `out` if given.
 
     Decode-only batches (max_seqlen_q == 1) put the GQA group of one KV head in one program and
     split long contexts over `num_splits` programs (default: a heuristic on max_seqlen_k); other
     batches tile BLOCK_Q queries x GROUP heads per program. Pass max_seqlen_q (and num_splits, or
     max_seqlen_k, for decode) to avoid a host sync; a fixed num_splits is safe for CUDA graphs.
+    `launch` = (BLOCK_N, num_warps, num_stages) overrides the tables (for benchmarks/gpu_bench.py).
     """
     T, H_q, D = q.shape
     B = seq_lens.shape[0]
@@ -202,7 +237,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_m, block_q = max(16, triton.next_power_of_2(group)), 1          # tl.dot needs M >= 16
         if num_splits is None:
             max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
-            num_splits = _decode_splits(B * H_kv, max_seqlen_k)
+            num_splits = _decode_splits(B * H_kv, max_seqlen_k, num_sms(q.device))
     else:                                           # prefill chunks (mixed with decodes)
         block_m = max(64, triton.next_power_of_2(group))
         block_q = block_m // group
@@ -211,10 +246,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if interpreting() and q.dtype == torch.bfloat16:
         dot_dtype = tl.float32                      # triton 3.9's interpreter multiplies bf16 bit patterns
     block_d = triton.next_power_of_2(D)
-    # Registers bound these (ptxas for sm_90, no GPU run yet): each K/V tile holds one 64-bit pointer
-    # per element, so 64 keys at head_dim 128, or 4 warps at head_dim >= 128, spill.
-    block_n = 32 if block_d <= 128 else 16
-    num_warps = 4 if block_d <= 64 else 8
+    block_n, num_warps, num_stages = launch or _launch(DECODE_LAUNCH if max_seqlen_q == 1 else PREFILL_LAUNCH,
+                                                       block_d)
     if num_splits > 1:
         partial = torch.empty(T, H_q, num_splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, H_q, num_splits, dtype=torch.float32, device=q.device)
@@ -231,7 +264,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
-        num_warps=num_warps, num_stages=2)          # untuned: measure before changing
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(T, H_q)](
             out, partial, lse, H_q, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
@@ -262,7 +295,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v.repeat_interleave(H_q // H_kv, dim=2)
 
     # pad the packed queries to (B, max_q): row t of q goes to (batch_idx[t], pos_in_seq[t])
-    batch_idx = torch.repeat_interleave(torch.arange(B, device=q.device), q_lens)
+    batch_idx = torch.repeat_interleave(torch.arange(B, device=q.device), q_lens, output_size=T)  # no sync
     pos_in_seq = torch.arange(T, device=q.device) - cu_seqlens_q[:-1].long()[batch_idx]
     qp = q.new_zeros(B, max_seqlen_q, H_q, D)
     qp[batch_idx, pos_in_seq] = q

@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before kernels/ imports triton
 
-from kernels import cache_ops, paged_attention as pa  # noqa: E402
+from kernels import cache_ops, paged_attention as pa, sampling  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = pa.interpreting()
@@ -162,10 +162,39 @@ def test_empty_batch(device):
 
 
 def test_decode_splits_heuristic():
-    assert pa._decode_splits(num_programs=2, max_seqlen_k=32768) == 16   # small batch, long context
-    assert pa._decode_splits(num_programs=2, max_seqlen_k=1000) == 3     # splits of >= 256 keys
-    assert pa._decode_splits(num_programs=256, max_seqlen_k=32768) == 1  # the batch fills the GPU
+    assert pa._decode_splits(num_programs=2, max_seqlen_k=32768) == pa.MAX_SPLITS   # small batch, long context
+    assert pa._decode_splits(num_programs=2, max_seqlen_k=1000) == 7     # splits of >= 128 keys
+    assert pa._decode_splits(num_programs=256, max_seqlen_k=32768) == 3  # ~4 programs per SM
+    assert pa._decode_splits(num_programs=2048, max_seqlen_k=32768) == 1  # the batch fills the GPU
     assert pa._decode_splits(num_programs=1, max_seqlen_k=100) == 1
+    assert pa._decode_splits(num_programs=8, max_seqlen_k=8192, sms=78) == 39
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_padded_decode_lanes(device, num_splits):
+    # CUDA-graph padding: lanes with seq_len 0 and an all -1 block table read nothing and give 0
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch([1, 1, 1], [5, 40, 1], 8, 2, 64, 16,
+                                                           torch.float32, device)
+    q = torch.cat([q, torch.randn(2, 8, 64, device=device)])
+    cu = torch.arange(6, dtype=torch.int32, device=device)
+    seq_lens = torch.cat([seq_lens, torch.zeros(2, dtype=torch.int32, device=device)])
+    tables = torch.cat([tables, torch.full((2, tables.shape[1]), -1, dtype=torch.int32, device=device)])
+    out = torch.full(q.shape, float("nan"), device=device)
+    pa.paged_attention_triton(q, k_cache, v_cache, cu, seq_lens, tables, 0.125, max_seqlen_q=1,
+                              num_splits=num_splits, out=out)
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+    expected = naive_attention(q[:3], k_cache, v_cache, cu[:4], seq_lens[:3], tables[:3], 0.125)
+    assert rel_err(out[:3], expected) < REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("launch", [(16, 2, 2), (64, 4, 3)])
+def test_launch_overrides(device, launch):
+    # the parameters gpu_bench.py sweeps compute the same function
+    q, *rest = make_batch(*DECODE, 8, 2, 64, 16, torch.float32, device)
+    out = pa.paged_attention_triton(q, *rest, 0.125, launch=launch)
+    assert rel_err(out, naive_attention(q, *rest, 0.125)) < REL_TOL[torch.float32]
 
 
 def test_backend_selection(monkeypatch):
@@ -247,3 +276,34 @@ def test_interpreter_in_subprocess():
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "needs TRITON_INTERPRET" not in run.stdout, run.stdout[-4000:]
+
+
+# ---------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_greedy_rows_exact(device, dtype):
+    logits = torch.randn(6, 5003).to(device, dtype)          # vocab not a multiple of the block
+    logits[2, 17] = logits[2, 4000] = logits[2].max() + 1    # a tie: the lowest index wins
+    temps = torch.tensor([0, 0.7, 0, 1.0, 0, 0], device=device)
+    out = torch.full((6,), -1, dtype=torch.int64, device=device)
+    sampling.sample_triton(logits, temps, seed=5, out=out)
+    greedy = (temps == 0).nonzero().flatten()
+    assert torch.equal(out[greedy], logits.float().argmax(-1)[greedy]) and out[2] == 17
+    assert ((out >= 0) & (out < 5003)).all()
+    assert torch.equal(sampling.sample_ref(logits, temps)[greedy], out[greedy])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_distribution(device):
+    # N rows of one small distribution: frequencies within 4 sigma of softmax(logits / T), for the
+    # kernel (Philox uniforms) and the reference (torch uniforms) alike; the interpreter runs ~50 rows/s
+    V, N, T = 12, (4000 if device == "cuda" else 300), 0.7
+    logits = torch.randn(V).repeat(N, 1).to(device)
+    temps = torch.full((N,), T, device=device)
+    p = torch.softmax(logits[0].cpu().double() / T, -1)
+    sigma = (p * (1 - p) / N).sqrt()
+    for ids in (sampling.sample_triton(logits, temps, seed=11), sampling.sample_ref(logits, temps)):
+        freq = torch.bincount(ids.cpu(), minlength=V).double() / N
+        assert ((freq - p).abs() <= 4 * sigma + 1e-3).all(), (freq, p)
+    a, b = sampling.sample_triton(logits[:64], temps[:64], 11), sampling.sample_triton(logits[:64], temps[:64], 12)
+    assert torch.equal(a, sampling.sample_triton(logits[:64], temps[:64], 11)) and not torch.equal(a, b)

@@ -1,0 +1,355 @@
+"""Lower KV tiers: a host (pinned on CUDA) pool of blocks and a disk store, keyed by block hash.
+
+A block evicted from the device LRU is written back here (same hash, so the same user salt); when
+the host pool is full its LRU spills to disk. With a disk store, published blocks are also written
+behind in the background and `flush()` writes everything, so a restart finds them.
+
+Disk layout: `<kv_store_dir>/<root hex>/<hash[:2]>/<hash hex>.kv`, one file per block: a fixed
+prefix (magic, version, header length), a JSON header (root, hash, parent, owner, token ids, dtype,
+shape, crc32 of the payload) and the raw page bytes. Files are written to a temp name and renamed,
+so a crash leaves either the whole file or none. Anything that fails to verify is a miss and is
+deleted. The index is rebuilt by scanning the directory at start.
+
+Lookups go host -> disk; a disk hit is read, verified and promoted to the host pool at lookup time,
+so a restore copies from host memory only. Entries a pending restore needs are pinned: never
+evicted until the copy is done.
+"""
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("chatengine.offload")
+MAGIC, VERSION = b"CEKV", 1
+PREFIX = struct.Struct("<4sHI")          # magic, format version, header length
+
+
+@dataclass
+class BlockMeta:
+    hash: bytes
+    parent: bytes
+    token_ids: tuple[int, ...]
+    owner: bytes = b""                    # a tag of the salting user (b"": public / single-tenant)
+
+
+class DiskStore:
+    def __init__(self, directory: str | Path, root: bytes, budget_bytes: int, block_shape, dtype: torch.dtype,
+                 queue_size: int = 256):
+        self.dir = Path(directory) / root.hex()
+        self.root, self.budget, self.block_shape, self.dtype = root, budget_bytes, tuple(block_shape), dtype
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.dir, 0o700)
+        self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()   # LRU: head evicted first
+        self.lock = threading.Lock()
+        self.num_dropped = self.num_write_errors = self.num_damaged = 0
+        self._scan()
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self.writer.start()
+
+    def path(self, h: bytes) -> Path:
+        return self.dir / h.hex()[:2] / f"{h.hex()}.kv"
+
+    def _scan(self) -> None:
+        found = []
+        for path in self.dir.glob("*/*.kv"):
+            try:
+                meta, _ = self._read_header(path)
+                found.append((path.stat().st_mtime, meta, path))
+            except (OSError, ValueError):
+                self._delete(path)
+        for _, meta, path in sorted(found, key=lambda x: x[0]):
+            self.index[meta.hash] = (path, path.stat().st_size, meta)
+        for tmp in self.dir.glob("*/.*.tmp"):   # a crash mid-write leaves only temp files behind
+            self._delete(tmp)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(size for _, size, _ in self.index.values())
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.index
+
+    def meta(self, h: bytes) -> BlockMeta | None:
+        entry = self.index.get(h)
+        return entry[2] if entry else None
+
+    # ---- writing ----------------------------------------------------------------------------------
+    def write_behind(self, meta: BlockMeta, page: torch.Tensor, block: bool = False) -> bool:
+        """Queue a write; when the queue is full, drop it (block=False) rather than stall the engine."""
+        if meta.hash in self.index:
+            return True
+        try:
+            self.queue.put((meta, page), block=block)
+            return True
+        except queue.Full:
+            self.num_dropped += 1
+            return False
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            finally:
+                self.queue.task_done()
+
+    def _write(self, meta: BlockMeta, page: torch.Tensor) -> None:
+        if meta.hash in self.index:
+            return
+        payload = page.contiguous().view(torch.uint8).numpy().tobytes()
+        header = json.dumps({"root": self.root.hex(), "hash": meta.hash.hex(), "parent": meta.parent.hex(),
+                             "owner": meta.owner.hex(), "tokens": list(meta.token_ids),
+                             "dtype": str(self.dtype).removeprefix("torch."), "shape": list(self.block_shape),
+                             "crc32": zlib.crc32(payload)}).encode()
+        path = self.path(meta.hash)
+        tmp = path.parent / f".{path.name}.{threading.get_ident()}.tmp"
+        try:
+            path.parent.mkdir(exist_ok=True, mode=0o700)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(PREFIX.pack(MAGIC, VERSION, len(header)) + header + payload)
+            os.replace(tmp, path)
+        except OSError as e:        # e.g. a full disk: the block stays recomputable, nothing breaks
+            self.num_write_errors += 1
+            if self.num_write_errors == 1 or self.num_write_errors % 100 == 0:
+                log.warning("KV disk store write failed (%s); falling back to recompute", e)
+            self._delete(tmp)
+            return
+        with self.lock:
+            self.index[meta.hash] = (path, path.stat().st_size, meta)
+            self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        total = self.num_bytes
+        while total > self.budget and len(self.index) > 1:
+            _, (path, size, _) = self.index.popitem(last=False)
+            self._delete(path)
+            total -= size
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def _read_header(self, path: Path) -> tuple[BlockMeta, int]:
+        with open(path, "rb") as f:
+            magic, version, n = PREFIX.unpack(f.read(PREFIX.size))
+            if magic != MAGIC or version != VERSION:
+                raise ValueError("bad magic or version")
+            h = json.loads(f.read(n))
+        if h["root"] != self.root.hex() or h["dtype"] != str(self.dtype).removeprefix("torch.") \
+                or tuple(h["shape"]) != self.block_shape:
+            raise ValueError("block of another model, dtype or layout")
+        meta = BlockMeta(bytes.fromhex(h["hash"]), bytes.fromhex(h["parent"]), tuple(h["tokens"]),
+                         bytes.fromhex(h["owner"]))
+        if path.name != f"{meta.hash.hex()}.kv":
+            raise ValueError("file name does not match its hash")
+        return meta, h["crc32"]
+
+    def read(self, h: bytes) -> tuple[BlockMeta, torch.Tensor] | None:
+        """The block's meta and page, verified; None (and the file deleted) when anything is off."""
+        entry = self.index.get(h)
+        if entry is None:
+            return None
+        path = entry[0]
+        try:
+            meta, crc = self._read_header(path)
+            with open(path, "rb") as f:
+                f.seek(PREFIX.size + PREFIX.unpack(f.read(PREFIX.size))[2])
+                payload = f.read()
+            numel = 1
+            for d in self.block_shape:
+                numel *= d
+            if meta.hash != h or zlib.crc32(payload) != crc or len(payload) != numel * self.dtype.itemsize:
+                raise ValueError("checksum or size mismatch")
+        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+            log.warning("KV block file %s is damaged (%s): dropped", path.name, e)
+            self.num_damaged += 1
+            self.drop(h)
+            return None
+        with self.lock:
+            if h in self.index:
+                self.index.move_to_end(h)
+        os.utime(path)       # the mtime is the LRU order across restarts
+        page = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+        return meta, page
+
+    def drop(self, h: bytes) -> None:
+        with self.lock:
+            entry = self.index.pop(h, None)
+        self._delete(entry[0] if entry else self.path(h))
+
+    @staticmethod
+    def _delete(path: Path) -> None:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    def flush(self) -> None:
+        self.queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self.queue.put(None)
+        self.writer.join(timeout=10)
+
+
+class HostPool:
+    """A fixed pool of block-sized host buffers, LRU by hash."""
+
+    def __init__(self, num_blocks: int, block_shape, dtype: torch.dtype, pin: bool):
+        self.data = torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.free_slots = list(range(num_blocks - 1, -1, -1))
+        self.index: OrderedDict[bytes, tuple[int, BlockMeta]] = OrderedDict()   # head = LRU
+        self.pinned: dict[bytes, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.index
+
+
+class TieredCache:
+    """The host pool and the optional disk store behind the device pool."""
+
+    def __init__(self, root: bytes, block_shape, dtype: torch.dtype, cpu_blocks: int, pin: bool,
+                 disk_dir: str | None = None, disk_budget_bytes: int = 0):
+        self.host = HostPool(cpu_blocks, block_shape, dtype, pin) if cpu_blocks > 0 else None
+        self.disk = DiskStore(disk_dir, root, disk_budget_bytes, block_shape, dtype) if disk_dir else None
+        self.num_restored = self.num_promoted = 0
+
+    # ---- lookup (metadata + disk promotion) -------------------------------------------------------
+    def lookup(self, hashes: list[bytes], token_lists: list[list[int]]) -> int:
+        """How many of `hashes` (a chain continuing a device hit) are here, in order. Disk hits are
+        read, verified and promoted to host memory now; a damaged file ends the run."""
+        n = 0
+        for h, tokens in zip(hashes, token_lists):
+            if self.host is not None and h in self.host.index:
+                slot, meta = self.host.index[h]
+                if meta.token_ids != tuple(tokens):
+                    break
+                self.host.index.move_to_end(h)
+            elif self.disk is not None and h in self.disk and self.host is not None:
+                meta = self.disk.meta(h)
+                if meta.token_ids != tuple(tokens) or not self._promote(h):
+                    break
+            else:
+                break
+            n += 1
+        return n
+
+    def _promote(self, h: bytes) -> bool:
+        got = self.disk.read(h)
+        if got is None:
+            return False
+        meta, page = got
+        if not self.put(meta, page):
+            return False
+        self.num_promoted += 1
+        return True
+
+    def pin(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.host.pinned[h] = self.host.pinned.get(h, 0) + 1
+
+    def unpin(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            left = self.host.pinned[h] - 1
+            if left:
+                self.host.pinned[h] = left
+            else:
+                del self.host.pinned[h]
+
+    def pages(self, hashes: list[bytes]) -> torch.Tensor:
+        """Host pages of pinned hashes, as one (n, *block_shape) tensor."""
+        slots = torch.tensor([self.host.index[h][0] for h in hashes])
+        self.num_restored += len(hashes)
+        data = self.host.data
+        out = torch.empty((len(hashes), *data.shape[1:]), dtype=data.dtype, pin_memory=data.is_pinned())
+        return torch.index_select(data, 0, slots, out=out)      # pinned staging: the H2D copy is async
+
+    # ---- write-back from the device ---------------------------------------------------------------
+    def put(self, meta: BlockMeta, page: torch.Tensor) -> bool:
+        """Store one page in host memory (LRU spills to disk). False if every slot is pinned."""
+        host = self.host
+        if host is None:
+            if self.disk is not None:
+                self.disk.write_behind(meta, page.clone(), block=True)
+            return False
+        if meta.hash in host.index:
+            host.index.move_to_end(meta.hash)
+            return True
+        if not host.free_slots and not self._spill_one():
+            return False
+        slot = host.free_slots.pop()
+        host.data[slot].copy_(page)
+        host.index[meta.hash] = (slot, meta)
+        return True
+
+    def _spill_one(self) -> bool:
+        host = self.host
+        for h in host.index:                            # oldest first, skipping pinned entries
+            if h not in host.pinned:
+                slot, meta = host.index.pop(h)
+                if self.disk is not None:
+                    self.disk.write_behind(meta, host.data[slot].clone(), block=True)
+                host.free_slots.append(slot)
+                return True
+        return False
+
+    def write_behind(self, meta: BlockMeta, page: torch.Tensor) -> None:
+        if self.disk is not None:
+            self.disk.write_behind(meta, page)
+
+    def drop_owner(self, owner: bytes) -> int:
+        """Forget every block salted for one user (host and disk). Returns how many."""
+        n = 0
+        if self.host is not None:
+            for h, (slot, meta) in list(self.host.index.items()):
+                if meta.owner == owner and h not in self.host.pinned:
+                    del self.host.index[h]
+                    self.host.free_slots.append(slot)
+                    n += 1
+        if self.disk is not None:
+            self.disk.flush()
+            for h, (_, _, meta) in list(self.disk.index.items()):
+                if meta.owner == owner:
+                    self.disk.drop(h)
+                    n += 1
+        return n
+
+    def flush(self) -> None:
+        """Write every host block to disk and wait for the writer."""
+        if self.disk is None:
+            return
+        if self.host is not None:
+            for h, (slot, meta) in list(self.host.index.items()):
+                self.disk.write_behind(meta, self.host.data[slot].clone(), block=True)
+        self.disk.flush()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.flush()
+            self.disk.close()
+
+    def stats(self) -> dict:
+        return {
+            "cpu_blocks_total": self.host.num_blocks if self.host else 0,
+            "cpu_blocks_used": len(self.host.index) if self.host else 0,
+            "disk_blocks": len(self.disk.index) if self.disk else 0,
+            "disk_bytes": self.disk.num_bytes if self.disk else 0,
+            "disk_writes_dropped": self.disk.num_dropped if self.disk else 0,
+            "disk_write_errors": self.disk.num_write_errors if self.disk else 0,
+            "disk_damaged_files": self.disk.num_damaged if self.disk else 0,
+            "blocks_restored": self.num_restored,
+        }

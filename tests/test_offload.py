@@ -1,0 +1,163 @@
+"""Tiered KV: device -> host -> disk and back, bitwise; restores give the uncached answer; the disk
+store survives restarts, ignores damage and other models; memory pressure completes correctly."""
+import os
+
+import pytest
+import torch
+
+from chatengine import LLM, SamplingParams
+from chatengine.offload import BlockMeta, TieredCache
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+SHAPE = (2, 2, 4, 2, 8)                 # (layers, K/V, block_size, kv_heads, head_dim)
+
+
+def chat(topic):
+    return [{"role": "user", "content": f"{topic.capitalize()}! Write two careful sentences about {topic}, "
+                                        f"for a curious child who asked about it at breakfast this morning."}]
+
+
+def metas(n, seed=0):
+    return [BlockMeta(bytes([seed, i]) * 8, b"\0" * 16, tuple(range(i, i + 4))) for i in range(n)]
+
+
+def test_host_disk_round_trip_is_bitwise(tmp_path):
+    tiers = TieredCache(b"r" * 16, SHAPE, torch.bfloat16, cpu_blocks=2, pin=False, disk_dir=str(tmp_path),
+                        disk_budget_bytes=1 << 20)
+    pages = torch.randn(5, *SHAPE).to(torch.bfloat16)
+    ms = metas(5)
+    for m, p in zip(ms, pages):
+        assert tiers.put(m, p)
+    tiers.disk.flush()
+    assert tiers.stats()["cpu_blocks_used"] == 2 and tiers.stats()["disk_blocks"] == 3   # 3 spilled
+    hashes = [m.hash for m in ms]
+    assert tiers.lookup(hashes[:2], [m.token_ids for m in ms[:2]]) == 2          # promoted from disk
+    tiers.pin(hashes[:2])
+    got = tiers.pages(hashes[:2])
+    tiers.unpin(hashes[:2])
+    assert torch.equal(got.view(torch.int16), pages[:2].view(torch.int16))
+    # a token mismatch (a hash collision) is a miss
+    assert tiers.lookup([hashes[0]], [(9, 9, 9, 9)]) == 0
+    tiers.close()
+    files = list((tmp_path / (b"r" * 16).hex()).glob("*/*.kv"))
+    assert all(os.stat(f).st_mode & 0o077 == 0 for f in files)                    # private to the server
+
+
+def test_disk_store_index_rebuilt_damage_dropped_other_root_ignored(tmp_path):
+    tiers = TieredCache(b"a" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path),
+                        disk_budget_bytes=1 << 20)
+    pages = torch.randn(3, *SHAPE)
+    ms = metas(3)
+    for m, p in zip(ms, pages):
+        tiers.disk.write_behind(m, p, block=True)
+    tiers.close()
+    reopened = TieredCache(b"a" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path),
+                           disk_budget_bytes=1 << 20)
+    assert reopened.stats()["disk_blocks"] == 3
+    victim = reopened.disk.path(ms[1].hash)
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF                                     # flip a payload byte: the checksum fails
+    victim.write_bytes(bytes(data))
+    assert reopened.lookup([m.hash for m in ms], [m.token_ids for m in ms]) == 1   # stops at the damage
+    assert not victim.exists() and reopened.stats()["disk_damaged_files"] == 1
+    other = TieredCache(b"b" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path),
+                        disk_budget_bytes=1 << 20)
+    assert other.stats()["disk_blocks"] == 0 and other.lookup([ms[0].hash], [ms[0].token_ids]) == 0
+
+
+def test_disk_budget_evicts_oldest(tmp_path):
+    one = 4 * 2 * 2 * 4 * 2 * 8 + 600                    # a page plus its header, roughly
+    tiers = TieredCache(b"c" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path),
+                        disk_budget_bytes=3 * one)
+    ms = metas(6)
+    for m in ms:
+        tiers.disk.write_behind(m, torch.randn(*SHAPE), block=True)
+    tiers.disk.flush()
+    assert 1 <= tiers.stats()["disk_blocks"] <= 3
+    assert ms[-1].hash in tiers.disk and ms[0].hash not in tiers.disk
+    tiers.close()
+
+
+def test_idle_conversation_comes_back_from_host_memory(llm):
+    # 12 device blocks: other users' chats push the first one's pages out to host memory
+    small = LLM(num_kv_blocks=12, cpu_offload_gib=0.05, max_num_batched_tokens=256, debug_checks=True)
+    first = small.chat(chat("volcanoes"), GREEDY)[0]
+    for topic in ("glaciers", "tides", "comets", "bees", "clouds", "maps", "moss"):
+        small.chat(chat(topic), GREEDY)
+    stats = small.stats()
+    assert stats["evictions"] > 0 and stats["cpu_blocks_used"] > 0
+    again = small.chat(chat("volcanoes"), GREEDY)[0]
+    full_blocks = (len(first.prompt_token_ids) - 1) // 16 * 16
+    assert again.num_cached_tokens == full_blocks
+    assert small.stats()["blocks_restored"] > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == \
+        llm.chat(chat("volcanoes"), GREEDY)[0].outputs[0].token_ids
+    assert small.stats()["kv_blocks_used"] == 0
+
+
+def test_restart_restores_from_disk(tmp_path, llm):
+    kv = str(tmp_path / "kv")
+    convo = chat("the history of tea in three short parts")
+    reference = llm.chat(convo, GREEDY)[0].outputs[0].token_ids
+    a = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05)
+    out_a = a.chat(convo, GREEDY, user="alice")[0]
+    a.shutdown()                                          # flushes every cached block to disk
+    b = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05, debug_checks=True)
+    assert b.stats()["disk_blocks"] > 0
+    assert b.chat(convo, GREEDY, user="bob")[0].num_cached_tokens == 0      # another user: no hit
+    out_b = b.chat(convo, GREEDY, user="alice")[0]
+    assert out_b.num_cached_tokens == (len(out_a.prompt_token_ids) - 1) // 16 * 16
+    assert out_b.outputs[0].token_ids == out_a.outputs[0].token_ids == reference
+    # damage every file: the next process treats them as misses and deletes them
+    b.shutdown()
+    root_dirs = [d for d in (tmp_path / "kv").iterdir() if d.is_dir()]
+    files = [f for d in root_dirs for f in d.glob("*/*.kv")]
+    for f in files:
+        f.write_bytes(f.read_bytes()[:-7])
+    c = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05)
+    out_c = c.chat(convo, GREEDY, user="alice")[0]
+    assert out_c.num_cached_tokens == 0 and out_c.outputs[0].token_ids == reference
+    assert c.stats()["disk_damaged_files"] >= 1
+    c.shutdown()
+
+
+def test_another_model_ignores_the_directory(tmp_path):
+    kv = str(tmp_path / "kv")
+    a = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32, seed=1)
+    a.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4))
+    a.shutdown()
+    assert a.stats()["disk_blocks"] > 0
+    b = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32, seed=2)   # other weights: other fingerprint
+    assert b.stats()["disk_blocks"] == 0
+    assert b.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4))[0].num_cached_tokens == 0
+    same = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32, seed=1)
+    assert same.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4))[0].num_cached_tokens == 32
+
+
+def test_memory_pressure_completes_correctly(llm):
+    topics = ["owls", "deserts", "bridges", "pianos", "lighthouses", "coral reefs", "trains", "honey"]
+    reference = [o.outputs[0].token_ids for o in llm.chat([chat(t) for t in topics], GREEDY)]
+    # 20 blocks cannot hold 8 prompts of ~60 tokens at once: preemption + eviction + restore
+    tight = LLM(num_kv_blocks=20, cpu_offload_gib=0.05, max_num_batched_tokens=128, debug_checks=True)
+    outs = tight.chat([chat(t) for t in topics], GREEDY)
+    stats = tight.stats()
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_used"] == 0
+    tight.engine.check_invariants()
+
+
+def test_forget_user_drops_their_blocks(tmp_path):
+    kv = str(tmp_path / "kv")
+    e = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32)
+    e.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4), user="zoe")
+    e.generate([list(range(100, 140))], SamplingParams(temperature=0, max_tokens=4), user="yan")
+    e.engine.flush_kv()
+    before = e.stats()["disk_blocks"]
+    assert e.forget_user("zoe") > 0
+    assert e.stats()["disk_blocks"] == before - 2                # zoe's two full blocks are gone
+    assert e.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4),
+                      user="zoe")[0].num_cached_tokens == 0
+    assert e.generate([list(range(100, 140))], SamplingParams(temperature=0, max_tokens=4),
+                      user="yan")[0].num_cached_tokens == 32
+    e.shutdown()
