@@ -20,6 +20,7 @@ def owner_tag(salt: bytes) -> bytes:
     """Which user a salted block belongs to (lets a user's blocks be dropped); b"" when public."""
     return hashlib.blake2b(salt, digest_size=8, person=b"kv-owner").digest() if salt else b""
 import hashlib
+import time
 from collections import OrderedDict
 
 from chatengine.hashing import hash_block, salt_extra, salt_start_block
@@ -28,7 +29,7 @@ from chatengine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "owner")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "owner", "freed_at")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -37,6 +38,7 @@ class Block:
         self.token_ids: tuple[int, ...] = ()
         self.parent = b""                 # the previous block's hash (the root for block 0)
         self.owner = b""                  # tag of the user whose salt is in the hash (b"": public)
+        self.freed_at = 0.0               # when its ref count last dropped to 0 (idle since)
 
     def meta(self) -> BlockMeta:
         return BlockMeta(self.hash, self.parent, self.token_ids, self.owner)
@@ -212,6 +214,7 @@ class BlockManager:
         assert block.ref_count > 0, f"double free of {block}"
         block.ref_count -= 1
         if block.ref_count == 0:
+            block.freed_at = time.monotonic()
             self.free_lru[block_id] = None
             if block.hash is None:
                 self.free_lru.move_to_end(block_id, last=False)

@@ -12,6 +12,7 @@ class EngineConfig:
     kv_store_dir: str | None = None       # disk tier of the KV cache (persistent prefix cache)
     kv_store_gib: float = 8.0             # disk tier budget
     cpu_offload_gib: float = 0.5          # host tier: evicted device blocks are written back here
+    idle_offload_s: float | None = None   # AsyncLLM: move pages idle this long to host memory (None: on demand)
     data_dir: str | None = None           # keeps the server secret (per-user cache salts); None: ephemeral
     register_personas: bool = True        # register prompts/*.md as public shared prefixes at start
     max_num_seqs: int = 256               # sequences in one step

@@ -135,6 +135,25 @@ class LLMEngine:
                 self.tiers.disk.write_behind(block.meta(), page, block=True)
         self.tiers.flush()
 
+    def offload_cached_blocks(self, max_blocks: int | None = None, idle_for_s: float = 0.0) -> int:
+        """Move idle cached pages (free on the device for at least idle_for_s, oldest first) to host
+        memory now, freeing the device for active users. Blocks of running requests never move.
+        Returns how many moved."""
+        bm = self.block_manager
+        if self.tiers is None or self.tiers.host is None:
+            return 0
+        cutoff = time.monotonic() - idle_for_s
+        idle = [b for b in bm.free_lru if bm.blocks[b].hash is not None and bm.blocks[b].freed_at <= cutoff]
+        idle = idle[:max_blocks]
+        for i in range(0, len(idle), 64):
+            chunk = idle[i:i + 64]
+            pages = self.runner.gather_blocks(chunk)
+            for block_id, page in zip(chunk, pages):
+                if self.tiers.put(bm.blocks[block_id].meta(), page):
+                    bm.unpublish(block_id)
+                    bm.free_lru.move_to_end(block_id, last=False)
+        return len(idle)
+
     def forget_user(self, user: str) -> int:
         """Drop a (deleted) user's cached KV from every tier; returns the number of blocks dropped."""
         owner = owner_tag(user_salt(self.secret, user))
@@ -492,6 +511,11 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    @property
+    def is_running(self) -> bool:
+        """True while the engine loop is alive and accepting requests."""
+        return not self._stopped and self._thread.is_alive()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -534,9 +558,11 @@ class AsyncLLM:
     def _loop(self) -> None:
         engine = self.engine
         while True:
+            idle_s = engine.config.idle_offload_s
             with self._wake:
                 while not self._inbox and not engine.has_unfinished_requests():
-                    self._wake.wait()
+                    if not self._wake.wait(timeout=idle_s) and idle_s is not None:
+                        engine.offload_cached_blocks(idle_for_s=idle_s)   # idle conversations move out
                 inbox, self._inbox = self._inbox, deque()
             for item in inbox:
                 if item[0] == "stop":

@@ -161,3 +161,27 @@ def test_forget_user_drops_their_blocks(tmp_path):
     assert e.generate([list(range(100, 140))], SamplingParams(temperature=0, max_tokens=4),
                       user="yan")[0].num_cached_tokens == 32
     e.shutdown()
+
+
+def test_idle_pages_move_to_host_memory_proactively():
+    import asyncio
+    import time
+    engine = __import__("chatengine").AsyncLLM("dummy:tiny", num_kv_blocks=32, idle_offload_s=0.2)
+
+    async def one():
+        async for out in engine.generate(list(range(50)), SamplingParams(temperature=0, max_tokens=3)):
+            pass
+        return out
+
+    try:
+        first = asyncio.run(one())
+        assert engine.stats()["kv_blocks_cached"] == 3          # 3 full blocks stay on the device...
+        deadline = time.monotonic() + 10
+        while engine.stats()["cpu_blocks_used"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats()["cpu_blocks_used"] == 3           # ...until idle: then host memory
+        assert engine.stats()["kv_blocks_cached"] == 0
+        again = asyncio.run(one())
+        assert again.num_cached_tokens == 48 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        engine.shutdown()
