@@ -1,0 +1,520 @@
+"""ChatService: one chat turn, shared by the UI (and the HTTP API).
+
+A conversation is a tree in the ChatStore. Its root is the persona's system message; user and
+assistant turns alternate below it; siblings are alternatives (regenerate, edit, n samples).
+
+Conversations are token ids (DESIGN.md): every message stores the exact ids of its own turn, so
+the prompt of the next turn is the concatenation of the stored ids along the path plus the ids
+of the new user turn, and a follow-up hits every cached KV block of its history. For ChatML
+(SmolLM2, Qwen2) the pieces are
+
+    system     <|im_start|>system\\n{persona prompt}<|im_end|>\\n
+    user       <|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n   (+ generation prompt)
+    assistant  {generated ids ...}<|im_end|>\\n          (the closing is added when missing)
+
+and their concatenation is the model's own full template rendering. The pieces are derived
+from the model's chat template by rendering marker texts (`TurnTemplate`), and checked once
+against a full rendering; a template whose turns do not concatenate (or a path whose ids are
+missing and cannot be re-derived) falls back to rendering the whole conversation's text.
+
+Everything is scoped by the authenticated ``user``: the store checks ownership in SQL, and an id
+of another user's conversation raises ``NotFound`` exactly like an id that does not exist.
+
+    svc = ChatService(engine, store, personas)
+    cid = svc.new_conversation(user, persona="assistant")
+    async for update in svc.send(user, cid, "Hello", settings):   # -> ReplyUpdate (cumulative)
+        ...
+    async for update in svc.regenerate(user, cid, assistant_msg_id, settings): ...
+    async for update in svc.edit(user, cid, user_msg_id, "new text", settings): ...
+    await svc.stop(user, cid)          # abort; the partial reply is kept with status "aborted"
+    svc.view(user, cid)                # the active branch with k/N of every message
+    svc.switch(user, cid, msg_id, +1)  # show the next alternative of msg_id
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+from chatengine.sampling_params import SamplingParams
+from chatengine.store import ChatStore, NotFound
+from chatengine.tokenizer import apply_chat_template, encode
+
+__all__ = ["ChatService", "ChatSettings", "ReplyUpdate", "TurnTemplate", "NotFound"]
+
+log = logging.getLogger("chatengine.chat")
+
+DEFAULT_TITLE = "New chat"
+TITLE_CHARS = 48
+SAVE_EVERY_S = 1.0          # partial replies are written to the store this often while streaming
+
+
+@dataclass
+class ChatSettings:
+    """Sampling settings of one turn (the UI's settings panel)."""
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 256
+    seed: int | None = None
+    n: int = 1
+
+    @classmethod
+    def from_any(cls, value) -> "ChatSettings":
+        if value is None:
+            return cls()
+        if isinstance(value, ChatSettings):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"settings must be a dict, got {type(value).__name__}")
+        known = {k: value[k] for k in ("temperature", "top_p", "max_tokens", "seed", "n") if k in value}
+        s = cls(**known)
+        # UI sliders deliver floats; accept integral floats for the integer fields
+        for name in ("max_tokens", "n"):
+            v = getattr(s, name)
+            if isinstance(v, float) and v.is_integer():
+                setattr(s, name, int(v))
+        if isinstance(s.seed, float) and s.seed.is_integer():
+            s.seed = int(s.seed)
+        if s.seed is not None and s.seed < 0:       # a negative seed (the UI's -1) means random
+            s.seed = None
+        return s
+
+
+@dataclass
+class ReplyUpdate:
+    """A cumulative snapshot of a reply being generated (all n alternatives)."""
+    conversation_id: str
+    user_message_id: str
+    message_ids: list[str]
+    texts: list[str]
+    num_tokens: list[int]
+    finish_reasons: list[str | None]
+    stats: list[dict] = field(default_factory=list)
+    status: str = "streaming"            # streaming | done | aborted | error
+    error: str | None = None
+    num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status != "streaming"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class TurnTemplate:
+    """Token ids of single turns that concatenate to the model's full chat-template rendering."""
+
+    MARK = "\u2063@@chatengine-content@@\u2063"
+
+    def __init__(self, tokenizer, eos_token_ids=()):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        try:
+            self._derive()
+            self.incremental = self._check()
+        except Exception as e:          # an odd template: render whole conversations instead
+            log.warning("chat template turns cannot be derived (%s); re-rendering full conversations", e)
+            self.incremental = False
+        if not self.incremental:
+            log.warning("chat template is not turn-incremental; prompts are re-rendered from text")
+
+    def _render(self, messages, gen: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+    def _split(self, text: str) -> tuple[str, str]:
+        if text.count(self.MARK) != 1:
+            raise ValueError("marker not found exactly once")
+        before, after = text.split(self.MARK)
+        return before, after
+
+    def _delta(self, base: str, full: str) -> str:
+        if not full.startswith(base):
+            raise ValueError("the rendering of a longer conversation does not extend the shorter one")
+        return full[len(base):]
+
+    def _derive(self) -> None:
+        S = {"role": "system", "content": "S"}
+        U = {"role": "user", "content": "U"}
+        A = {"role": "assistant", "content": "A"}
+        M = self.MARK
+        self.system_affix = self._split(self._render([{"role": "system", "content": M}], False))
+        self.first_user_affix = self._split(self._render([{"role": "user", "content": M}], True))
+        base = self._render([S, U, A], False)
+        self.user_affix = self._split(self._delta(base, self._render([S, U, A, {"role": "user", "content": M}], True)))
+        base = self._render([S, U], True)
+        a_before, a_after = self._split(self._delta(base, self._render([S, U, {"role": "assistant", "content": M}], False)))
+        if a_before:
+            raise ValueError("the assistant turn has text before its content beyond the generation prompt")
+        self.close_ids = self.encode(a_after)
+
+    def encode(self, text: str) -> list[int]:
+        return encode(self.tokenizer, text)
+
+    def _check(self) -> bool:
+        sample = [("system", "You are a test persona."), ("user", "Hi there! <b>x</b>"),
+                  ("assistant", "Hello, how can I help?\n\n```py\nprint(1)\n```"), ("user", "Thanks 🙂 ok")]
+        msgs = [{"role": r, "content": c} for r, c in sample]
+        ids = self.system_ids(sample[0][1])
+        ids += self.user_ids(sample[1][1])
+        ids += self.assistant_ids_from_text(sample[2][1])
+        ids += self.user_ids(sample[3][1])
+        ok = ids == apply_chat_template(self.tokenizer, msgs)
+        first = self.first_user_ids("Hello") == apply_chat_template(self.tokenizer, [{"role": "user", "content": "Hello"}])
+        return ok and first
+
+    # the pieces ---------------------------------------------------------------------------------
+    def system_ids(self, text: str) -> list[int]:
+        return self.encode(self.system_affix[0] + text + self.system_affix[1])
+
+    def user_ids(self, text: str) -> list[int]:
+        """A user turn after earlier turns, with the generation prompt of the reply."""
+        return self.encode(self.user_affix[0] + text + self.user_affix[1])
+
+    def first_user_ids(self, text: str) -> list[int]:
+        """A user turn that opens a conversation without a system message (the template may add
+        its default system prompt)."""
+        return self.encode(self.first_user_affix[0] + text + self.first_user_affix[1])
+
+    def assistant_ids(self, generated: list[int]) -> list[int]:
+        """Generated ids, closed like the template closes an assistant turn."""
+        ids = list(generated)
+        close = self.close_ids
+        if ids and close and ids[-1] == close[0]:
+            return ids + close[1:]
+        if ids and ids[-1] in self.eos_token_ids:      # another end token: the template's closes it
+            ids = ids[:-1]
+        return ids + close
+
+    def assistant_ids_from_text(self, text: str) -> list[int]:
+        return self.encode(text) + self.close_ids
+
+
+class _Turn:
+    """One generation in flight (for stop)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.stop_requested = False
+        self.done = asyncio.Event()
+
+
+class ChatService:
+    def __init__(self, engine, store: ChatStore, personas: dict | None = None, *,
+                 default_persona: str | None = "assistant"):
+        self.engine = engine
+        self.store = store
+        self.personas = dict(personas or {})
+        if default_persona not in self.personas:
+            default_persona = next(iter(self.personas), None)
+        self.default_persona = default_persona
+        self.tokenizer = engine.get_tokenizer()
+        inner = getattr(engine, "engine", None)
+        self.max_model_len = getattr(inner, "max_model_len", None)
+        self.template = TurnTemplate(self.tokenizer, getattr(inner, "eos_token_ids", ()))
+        self._active: dict[tuple[str, str], dict[str, _Turn]] = {}
+
+    # ---- conversations --------------------------------------------------------------------------
+    def new_conversation(self, user: str, persona: str | None = None, title: str = DEFAULT_TITLE,
+                         settings: dict | None = None) -> str:
+        persona = persona or self.default_persona
+        if persona is not None and persona not in self.personas:
+            raise ValueError(f"unknown persona {persona!r}; choose one of {', '.join(self.personas)}")
+        cid = self.store.create_conversation(user, title=title, persona=persona, settings=settings)
+        if persona is not None:
+            prompt = self.personas[persona].system_prompt
+            ids = self.template.system_ids(prompt) if self.template.incremental else None
+            self.store.add_message(user, cid, "system", prompt, None, token_ids=ids)
+        return cid
+
+    def list_conversations(self, user: str, query: str | None = None) -> list[dict]:
+        return self.store.list_conversations(user, query=query or None)
+
+    def get_conversation(self, user: str, cid: str) -> dict:
+        return self.store.get_conversation(user, cid)
+
+    def rename_conversation(self, user: str, cid: str, title: str) -> None:
+        self.store.rename_conversation(user, cid, title)
+
+    def delete_conversation(self, user: str, cid: str) -> None:
+        self.store.delete_conversation(user, cid)
+
+    def view(self, user: str, cid: str) -> list[dict]:
+        """The active branch without the system message: message dicts plus ``k``, ``n`` (this is
+        alternative k of n) and ``sibling_ids``."""
+        out = []
+        for m in self.store.active_path(user, cid):
+            if m["role"] == "system":
+                continue
+            sibs = [s for s in self.store.siblings(user, m["id"]) if s["role"] == m["role"]]
+            ids = [s["id"] for s in sibs]
+            out.append(dict(m, k=ids.index(m["id"]) + 1, n=len(ids), sibling_ids=ids))
+        return out
+
+    def switch(self, user: str, cid: str, msg_id: str, step: int = 0, *, to: int | None = None) -> str:
+        """Show another alternative of ``msg_id``: ``step`` siblings further (clamped), or sibling
+        number ``to`` (1-based). The branch on screen continues with that sibling's most recent
+        descendant. Returns the id of the sibling now shown."""
+        msg = self.store.get_message(user, msg_id)
+        if msg["conversation_id"] != cid:
+            raise NotFound(f"message {msg_id!r} not found")
+        ids = [s["id"] for s in self.store.siblings(user, msg_id) if s["role"] == msg["role"]]
+        k = ids.index(msg_id) if to is None else int(to) - 1
+        k = min(max(k + (step if to is None else 0), 0), len(ids) - 1)
+        target = ids[k]
+        self.store.set_active_leaf(user, cid, self.store.latest_leaf(user, target))
+        return target
+
+    # ---- turns ----------------------------------------------------------------------------------
+    def send(self, user: str, cid: str, text: str, settings=None):
+        """Append a user message after the active leaf and stream the reply."""
+        text = self._user_text(text)
+        s = self._settings(settings)
+        conv = self.store.get_conversation(user, cid)
+        leaf = conv["active_leaf_id"]
+        if leaf is not None:
+            leaf_msg = self.store.get_message(user, leaf)
+            if leaf_msg["role"] == "user":     # a user turn without reply (error): answer below it
+                leaf = leaf_msg["parent_id"]
+        return self._new_user_turn(user, cid, leaf, text, s, conv)
+
+    def edit(self, user: str, cid: str, user_msg_id: str, text: str, settings=None):
+        """Fork: a sibling of ``user_msg_id`` with ``text``, and a reply to it."""
+        text = self._user_text(text)
+        s = self._settings(settings)
+        conv = self.store.get_conversation(user, cid)
+        msg = self.store.get_message(user, user_msg_id)
+        if msg["conversation_id"] != cid or msg["role"] != "user":
+            raise NotFound(f"user message {user_msg_id!r} not found")
+        return self._new_user_turn(user, cid, msg["parent_id"], text, s, conv)
+
+    def regenerate(self, user: str, cid: str, msg_id: str | None = None, settings=None):
+        """Add alternative replies (``settings.n`` of them) beside ``msg_id`` (an assistant
+        message; None: the active leaf), or replies to ``msg_id`` if it is a user message."""
+        s = self._settings(settings)
+        conv = self.store.get_conversation(user, cid)
+        msg_id = msg_id or conv["active_leaf_id"]
+        if msg_id is None:
+            raise ValueError("nothing to regenerate: the conversation is empty")
+        msg = self.store.get_message(user, msg_id)
+        if msg["conversation_id"] != cid:
+            raise NotFound(f"message {msg_id!r} not found")
+        if msg["role"] == "assistant":
+            parent = msg["parent_id"]
+        elif msg["role"] == "user":
+            parent = msg_id
+        else:
+            raise ValueError("regenerate needs a reply or a user message")
+        prompt = self._prompt(user, parent)
+        self._check_length(prompt, s)
+        existing = len(self.store.children(user, parent))
+        return self._generate(user, cid, parent, prompt, s, seed_offset=existing)
+
+    async def stop(self, user: str, cid: str, timeout: float = 10.0) -> bool:
+        """Abort the generation(s) running in this conversation; the partial replies are kept
+        (status "aborted"). Waits until they are stored, so call it from another task than the
+        one consuming the stream (the UI's Stop is its own event); that consumer then gets the
+        final, "aborted" update. Returns whether anything was running."""
+        self.store.get_conversation(user, cid)          # NotFound for others' conversations
+        turns = list(self._active.get((user, cid), {}).values())
+        for t in turns:
+            t.stop_requested = True
+            await self.engine.abort(t.request_id)
+        if turns:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(t.done.wait() for t in turns)), timeout)
+            except asyncio.TimeoutError:
+                log.warning("stop: generation did not finish within %.0f s", timeout)
+        return bool(turns)
+
+    def is_generating(self, user: str, cid: str) -> bool:
+        return bool(self._active.get((user, cid)))
+
+    # ---- internals ------------------------------------------------------------------------------
+    @staticmethod
+    def _user_text(text) -> str:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("the message is empty")
+        return text
+
+    def _settings(self, settings) -> ChatSettings:
+        s = ChatSettings.from_any(settings)
+        # validate now, before anything is written
+        SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
+                       seed=s.seed).validate(self._max_n(), self.max_model_len or 1 << 30)
+        return s
+
+    def _max_n(self) -> int:
+        cfg = getattr(getattr(self.engine, "engine", None), "config", None)
+        return getattr(cfg, "max_n", 16)
+
+    def _check_length(self, prompt: list[int], s: ChatSettings) -> None:
+        if self.max_model_len and len(prompt) >= self.max_model_len:
+            raise ValueError(f"this conversation has {len(prompt)} tokens but the model's context is "
+                             f"{self.max_model_len}; start a new chat (or edit an earlier message)")
+
+    def _new_user_turn(self, user, cid, parent, text, s: ChatSettings, conv):
+        tpl = self.template
+        if tpl.incremental:
+            if parent is None:
+                new_ids = tpl.first_user_ids(text)
+                prompt = list(new_ids)
+            else:
+                prompt = self._path_ids(user, parent)
+                new_ids = tpl.user_ids(text)
+                prompt = prompt + new_ids
+        else:
+            new_ids = None
+            msgs = [] if parent is None else self._path_messages(user, parent)
+            prompt = apply_chat_template(self.tokenizer, msgs + [{"role": "user", "content": text}])
+        self._check_length(prompt, s)
+        umid = self.store.add_message(user, cid, "user", text, parent, token_ids=new_ids)
+        if conv["title"] == DEFAULT_TITLE:            # name the chat after its first message
+            self.store.rename_conversation(user, cid, _title_from(text))
+        return self._generate(user, cid, umid, prompt, s, seed_offset=0)
+
+    def _path_messages(self, user, msg_id) -> list[dict]:
+        return [{"role": m["role"], "content": m["content"]} for m in self.store.path_to(user, msg_id)]
+
+    def _path_ids(self, user, msg_id) -> list[int]:
+        """The stored ids from the root to ``msg_id``; a message without ids gets them re-derived
+        from its text (and stored), so the path is whole again."""
+        ids: list[int] = []
+        tpl = self.template
+        for i, m in enumerate(self.store.path_to(user, msg_id)):
+            t = m["token_ids"]
+            if t is None:
+                if m["role"] == "system":
+                    t = tpl.system_ids(m["content"])
+                elif m["role"] == "user":
+                    t = tpl.first_user_ids(m["content"]) if i == 0 else tpl.user_ids(m["content"])
+                else:
+                    t = tpl.assistant_ids_from_text(m["content"])
+                self.store.update_message(user, m["id"], token_ids=t)
+            ids += t
+        return ids
+
+    def _prompt(self, user, user_msg_id) -> list[int]:
+        if self.template.incremental:
+            return self._path_ids(user, user_msg_id)
+        return apply_chat_template(self.tokenizer, self._path_messages(user, user_msg_id))
+
+    async def _generate(self, user, cid, parent_id, prompt, s: ChatSettings, seed_offset: int):
+        """Stream one engine request with n samples into n new assistant siblings under
+        ``parent_id``. An async generator of ReplyUpdate; closing it aborts and keeps the partial
+        replies."""
+        seed = s.seed + seed_offset if s.seed is not None else random.randrange(2**31)
+        params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
+                                seed=seed)
+        settings = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed, n=s.n)
+        mids = []
+        for i in range(s.n):
+            mids.append(self.store.add_message(user, cid, "assistant", "", parent_id, status="streaming",
+                                               settings=dict(settings, index=i), activate=(i == 0)))
+        request_id = f"chat-{uuid.uuid4().hex}"
+        turn = _Turn(request_id)
+        self._active.setdefault((user, cid), {})[request_id] = turn
+        up = ReplyUpdate(cid, parent_id, mids, [""] * s.n, [0] * s.n, [None] * s.n,
+                         stats=[{} for _ in range(s.n)], num_prompt_tokens=len(prompt))
+        t0 = time.monotonic()
+        t_first: float | None = None
+        t_end: list[float | None] = [None] * s.n
+        last: object = None
+        last_save = t0
+        stream = self.engine.generate(prompt, params, request_id=request_id, user=user)
+
+        def stats_for(i: int, now: float) -> dict:
+            ntok = up.num_tokens[i]
+            end = t_end[i] or now
+            st = {"tokens": ntok, "prompt_tokens": len(prompt), "cached_tokens": up.num_cached_tokens}
+            if t_first is not None:
+                st["ttft_ms"] = round((t_first - t0) * 1000, 1)
+                if ntok > 1 and end > t_first:
+                    st["tok_s"] = round((ntok - 1) / (end - t_first), 2)
+            st["duration_ms"] = round((end - t0) * 1000, 1)
+            if up.finish_reasons[i]:
+                st["finish_reason"] = up.finish_reasons[i]
+            return st
+
+        def save(final_status: str | None) -> None:
+            now = time.monotonic()
+            outs = last.outputs if last is not None else []
+            for i, mid in enumerate(mids):
+                st = stats_for(i, now)
+                if final_status is None:
+                    self.store.update_message(user, mid, content=up.texts[i], stats=st)
+                    continue
+                status = final_status
+                if final_status == "done" and up.finish_reasons[i] == "abort":
+                    status = "aborted"
+                gen = outs[i].token_ids if i < len(outs) else []
+                ids = self.template.assistant_ids(gen) if self.template.incremental else None
+                if up.error:
+                    st["error"] = up.error
+                up.stats[i] = st
+                self.store.update_message(user, mid, content=up.texts[i], token_ids=ids, stats=st,
+                                          status=status)
+
+        try:
+            try:
+                async for out in stream:
+                    last = out
+                    now = time.monotonic()
+                    if t_first is None:
+                        t_first = now
+                    up.num_cached_tokens = out.num_cached_tokens
+                    for c in out.outputs[:s.n]:
+                        i = c.index
+                        up.texts[i], up.num_tokens[i] = c.text, len(c.token_ids)
+                        if c.finish_reason and up.finish_reasons[i] is None:
+                            up.finish_reasons[i], t_end[i] = c.finish_reason, now
+                    if out.error:
+                        up.error = out.error
+                    if out.finished:
+                        break
+                    if now - last_save >= SAVE_EVERY_S:
+                        last_save = now
+                        save(None)
+                    up.stats = [stats_for(i, now) for i in range(s.n)]
+                    yield up
+            except ValueError as e:          # the engine refused the request (length, memory)
+                up.error = str(e)
+            if up.error:
+                up.status = "error"
+            elif turn.stop_requested or any(r == "abort" for r in up.finish_reasons):
+                up.status = "aborted"
+            else:
+                up.status = "done"
+            save(up.status)
+            yield up
+        finally:
+            # normal end, Stop, or the consumer closed us (cancelled event): keep what we have
+            try:
+                await stream.aclose()
+            except Exception:   # pragma: no cover - defensive
+                pass
+            if up.status == "streaming":
+                up.status = "aborted"
+                for i in range(s.n):
+                    if up.finish_reasons[i] is None:
+                        up.finish_reasons[i] = "abort"
+                try:
+                    save("aborted")
+                except Exception:
+                    log.exception("could not save the partial reply")
+            turns = self._active.get((user, cid), {})
+            turns.pop(request_id, None)
+            if not turns:
+                self._active.pop((user, cid), None)
+            turn.done.set()
+
+
+def _title_from(text: str) -> str:
+    line = " ".join(text.strip().split())
+    return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1].rstrip() + "…"

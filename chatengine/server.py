@@ -1,0 +1,204 @@
+"""The chat server: one process serving the browser UI at / and the OpenAI-compatible API at /v1.
+
+    python app.py [--host 127.0.0.1] [--port 7860] [--data-dir ./data] [--users users.json] ...
+
+Without --users it is a single local user and no login (bind it to loopback only). With --users
+Gradio's login page guards the UI and the API asks for the users' API keys.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no outbound calls from Gradio
+
+log = logging.getLogger("chatengine.server")
+
+DB_FILE = "chat.db"
+KV_DIR = "kv"
+
+
+def _auth_module():
+    try:
+        from chatengine import auth
+        return auth
+    except ImportError:          # not written yet: no users-file login
+        return None
+
+
+def _api_builder():
+    try:
+        from chatengine.api import build_api
+        return build_api
+    except ImportError:
+        return None
+
+
+def engine_kwargs(data_dir: str | os.PathLike | None, *, disk_kv: bool = True, **kwargs) -> dict:
+    """EngineConfig keyword arguments, with data_dir / kv_store_dir only where the engine knows
+    them; None values are left out (engine defaults)."""
+    from chatengine.config import EngineConfig
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    out = {k: v for k, v in kwargs.items() if v is not None and k in names}
+    if data_dir is not None:
+        if "data_dir" in names:
+            out["data_dir"] = os.fspath(data_dir)
+        if disk_kv and "kv_store_dir" in names:
+            out["kv_store_dir"] = os.fspath(Path(data_dir) / KV_DIR)
+    return out
+
+
+def create_app(*, data_dir: str | os.PathLike = "data", users: dict | None = None,
+               users_file: str | os.PathLike | None = None, engine=None, model: str | None = None,
+               engine_options: dict | None = None, personas: dict | None = None,
+               title: str = "chatengine", max_n: int = 4, disk_kv: bool = True):
+    """Build the ASGI app (FastAPI with the API routes and the Gradio UI mounted at "/").
+
+    ``engine``: an AsyncLLM to use (tests share one); otherwise one is built from ``model`` and
+    ``engine_options``. ``users``: the dict of ``auth.load_users`` (or ``users_file`` to load);
+    None = a single local user without login. The pieces are in ``app.state.chat`` (engine,
+    store, service, demo) for shutdown and tests.
+    """
+    import gradio as gr
+    from fastapi import FastAPI
+
+    from chatengine.chat import ChatService
+    from chatengine.engine import AsyncLLM
+    from chatengine.personas import load_personas
+    from chatengine.store import ChatStore
+    from chatengine.ui import CSS, build_ui, theme
+
+    data = Path(data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    auth = _auth_module()
+    if users is None and users_file is not None:
+        if auth is None:
+            raise SystemExit("--users needs chatengine.auth, which is not available in this build")
+        users = auth.load_users(users_file)
+    if users is not None and auth is None:
+        raise SystemExit("login needs chatengine.auth, which is not available in this build")
+
+    own_engine = engine is None
+    if own_engine:
+        engine = AsyncLLM(model, **engine_kwargs(data, disk_kv=disk_kv, **(engine_options or {})))
+    store = ChatStore(data / DB_FILE)
+    interrupted = store.recover_interrupted()
+    if interrupted:
+        log.info("marked %d replies interrupted by the last shutdown", interrupted)
+    personas = load_personas() if personas is None else personas
+    service = ChatService(engine, store, personas)
+
+    build_api = _api_builder()
+    model_name = getattr(getattr(engine, "engine", None), "model_id", None) or model or "chatengine"
+    if build_api is not None:
+        app = build_api(engine, users, model_name=str(model_name))
+    else:
+        log.warning("chatengine.api is not available: serving the UI without the /v1 API")
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n)
+    async def check_login(username: str, password: str) -> bool:
+        # a hashed password costs ~0.5 s of PBKDF2: off the event loop that streams replies
+        return await asyncio.to_thread(auth.verify_password, users, username, password)
+
+    login = check_login if users is not None else None
+    app = gr.mount_gradio_app(app, demo, path="/", auth=login,
+                              auth_message="Sign in to chatengine" if login else None,
+                              theme=theme(), css=CSS, ssr_mode=False, footer_links=["settings"],
+                              show_error=True)
+    app.state.chat = SimpleNamespace(engine=engine, store=store, service=service, demo=demo,
+                                     own_engine=own_engine)
+    return app
+
+
+def close_app(app) -> None:
+    """Shut the engine down (flushing its KV store) and close the database."""
+    chat = getattr(app.state, "chat", None)
+    if chat is None:
+        return
+    if chat.own_engine:
+        chat.engine.shutdown()
+    chat.store.close()
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows "(default: X)" only where there is a default worth naming."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="chatengine: a multi-user chat app (browser UI at /, OpenAI-compatible API at /v1) "
+                    "on its own paged-KV LLM engine.",
+        formatter_class=_HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; use 0.0.0.0 to accept other machines (only with --users)")
+    p.add_argument("--port", type=int, default=7860, help="TCP port")
+    p.add_argument("--data-dir", default="./data",
+                   help=f"where the server keeps its state: the SQLite database ({DB_FILE}), the disk tier "
+                        f"of the KV cache ({KV_DIR}/) and the server secret that salts per-user cache keys")
+    p.add_argument("--users", metavar="FILE", default=None,
+                   help='JSON file of users: {"alice": {"password": "...", "api_key": "..."}}; passwords may '
+                        "be hashed (python -m chatengine.auth hash). Without it: one local user, no login")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face model directory; default: the embedded "
+                        "SmolLM2-135M-Instruct")
+    p.add_argument("--device", default=None, help='"cuda" or "cpu"; default: cuda when available')
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="CPU: size of the KV page pool in GiB (engine default 1.0)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: share of GPU memory the engine may use (engine default 0.85)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences in one engine step (engine default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step: prefill chunks plus decodes (engine default 2048)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens; default: the model's, capped at 8192")
+    p.add_argument("--no-disk-kv", action="store_true",
+                   help="keep the KV cache in memory only (no disk tier under --data-dir)")
+    p.add_argument("--max-alternatives", type=int, default=4,
+                   help="largest n (parallel alternatives per turn) offered in the UI")
+    p.add_argument("--title", default="chatengine", help="name shown in the browser tab and sidebar")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.users is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --users: anyone who can reach it is the local user", args.host)
+    import uvicorn
+    try:
+        app = create_app(
+            data_dir=args.data_dir, users_file=args.users, model=args.model, title=args.title,
+            max_n=args.max_alternatives, disk_kv=not args.no_disk_kv,
+            engine_options=dict(device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                                gpu_memory_utilization=args.gpu_memory_utilization,
+                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                max_model_len=args.max_model_len))
+    except ValueError as e:           # a bad flag value, users file or model path
+        sys.exit(f"error: {e}")
+    print(f"chatengine: open http://{args.host}:{args.port}/  (API at /v1)", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        close_app(app)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""End to end in a real headless Chromium (Debian's `chromium`, driven by Playwright through
+executable_path; never `playwright install`): log in, chat, see the reply stream, switch
+alternatives, edit and fork, stop, HTML stays inert, a second user sees nothing, and a SIGKILL
+mid-reply loses no finished message. Screenshots go to $E2E_ARTIFACTS (default
+/tmp/chatengine-e2e). Skips cleanly without chromium or playwright."""
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "", shutil.which("chromium-browser") or "")
+                 if p and os.path.exists(p)), None)
+if CHROMIUM is None:
+    pytest.skip("chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
+pytest.importorskip("chatengine.auth", reason="login needs chatengine.auth")
+
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("E2E_ARTIFACTS", "/tmp/chatengine-e2e"))
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"},
+         "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
+LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."
+KNIGHT_PROMPT = "Write a very long story about a knight, at least 1000 words."
+T = 60_000   # ms: generous on 2 shared cores
+expect.set_options(timeout=T)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, data_dir: Path):
+        self.data_dir, self.port = data_dir, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.proc = None
+
+    def start(self):
+        users = self.data_dir / "users.json"
+        users.write_text(json.dumps(USERS))
+        self.log = open(self.data_dir / f"server-{time.time():.0f}.log", "w")
+        env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "app.py", "--port", str(self.port), "--data-dir", str(self.data_dir),
+             "--users", str(users), "--kv-cache-gib", "0.25", "--max-num-batched-tokens", "512",
+             "--log-level", "warning"], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, f"server exited: {(self.data_dir / self.log.name).read_text()[-2000:]}"
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.25)
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=15)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    data = Path(tempfile.mkdtemp(prefix="chatengine-e2e-"))
+    srv = Server(data).start()
+    yield srv
+    srv.stop()
+    shutil.copy(srv.log.name, ARTIFACTS / "server.log") if ARTIFACTS.is_dir() else None
+    shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser_ctx():
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    profile = tempfile.mkdtemp(prefix="chromium-profile-")
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                                   headless=True, viewport={"width": 1360, "height": 900})
+        ctx.set_default_timeout(T)
+        yield ctx
+        ctx.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def chat_page(browser_ctx):
+    page = browser_ctx.new_page()
+    page.errors = []
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    return page
+
+
+def login(page, url, user, password):
+    page.goto(url)
+    page.get_by_label("username").fill(user)
+    page.get_by_label("password").fill(password)
+    page.get_by_role("button", name="Login").click()
+    page.locator("#msg textarea").wait_for()
+
+
+def send(page, text):
+    box = page.locator("#msg textarea")
+    box.fill(text)
+    box.press("Enter")
+
+
+def last_bot(page):
+    return page.locator('#chat [data-testid="bot"]').last
+
+
+def wait_idle(page):
+    expect(page.locator("#send")).to_be_visible()
+    expect(last_bot(page)).not_to_contain_text("▍")
+
+
+def set_setting(page, elem_id, value):
+    acc = page.locator("#settings")
+    box = page.locator(f"#{elem_id} input[type=number]")
+    if not box.is_visible():
+        acc.get_by_text("Generation settings").first.click()
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def test_chat_stream_alternatives_edit_stop(server, chat_page):
+    page = chat_page
+    login(page, server.url, "alice", "pw-alice")
+    set_setting(page, "max-tokens", 24)
+    send(page, "Tell me about the moon.")
+    # the reply streams: the cursor shows while tokens arrive, then the stats line
+    expect(page.locator("#chat")).to_contain_text("Tell me about the moon.")
+    expect(last_bot(page)).to_contain_text("▍")
+    wait_idle(page)
+    expect(last_bot(page)).to_contain_text("tokens")
+    expect(last_bot(page)).to_contain_text("TTFT")
+    expect(page.locator("#conv-list")).to_contain_text("Tell me about the moon.")
+    page.screenshot(path=str(ARTIFACTS / "01-reply.png"))
+
+    # regenerate -> alternative 2/2; ◀ back to 1/2; ▶ to 2/2
+    first_reply = last_bot(page).inner_text()
+    page.locator("#regenerate").click()
+    expect(page.locator("#alt-label")).to_contain_text("2 / 2")
+    wait_idle(page)
+    page.locator("#alt-prev").click()
+    expect(page.locator("#alt-label")).to_contain_text("1 / 2")
+    expect(last_bot(page)).to_contain_text(first_reply.split("\n")[0][:20])
+    page.locator("#alt-next").click()
+    expect(page.locator("#alt-label")).to_contain_text("2 / 2")
+    page.screenshot(path=str(ARTIFACTS / "02-alternatives.png"))
+
+    # n = 2 alternatives in one request
+    set_setting(page, "n", 2)
+    send(page, "Name a planet.")
+    expect(page.locator("#alt-label")).to_contain_text("1 / 2", timeout=T)
+    wait_idle(page)
+    set_setting(page, "n", 1)
+
+    # edit the first user message -> a fork with its own reply; the old branch survives
+    page.locator('#chat [data-testid="user"]').first.click()
+    page.locator('#chat button[aria-label="Edit"]').first.click()
+    page.locator("#chat textarea").fill("Tell me about the sun.")
+    page.locator("#chat").get_by_role("button", name="Submit").click()
+    expect(page.locator("#chat")).to_contain_text("Tell me about the sun.")
+    wait_idle(page)
+    expect(page.locator("#chat")).not_to_contain_text("Name a planet.")
+    page.locator('#chat [data-testid="user"]').first.click()
+    expect(page.locator("#alt-label")).to_contain_text("version 2 / 2")
+    page.locator("#alt-prev").click()
+    expect(page.locator("#chat")).to_contain_text("Name a planet.")
+
+    # stop: the partial reply stays, marked stopped (a new chat; greedy, this prompt runs to
+    # max tokens)
+    page.locator("#new-chat").click()
+    expect(page.locator('#chat [data-testid="user"]')).to_have_count(0)
+    set_setting(page, "temperature", 0)
+    set_setting(page, "max-tokens", 400)
+    send(page, KNIGHT_PROMPT)
+    expect(page.locator("#stop")).to_be_visible()
+    expect(last_bot(page)).to_contain_text("▍")
+    time.sleep(0.5)
+    page.locator("#stop").click()
+    expect(page.locator("#send")).to_be_visible()
+    expect(last_bot(page)).to_contain_text("stopped")
+    page.screenshot(path=str(ARTIFACTS / "03-stopped.png"))
+
+    # HTML and script in a message are shown as text and never run
+    set_setting(page, "temperature", 0.7)
+    set_setting(page, "max-tokens", 4)
+    send(page, 'look <img src=x onerror="window.__xss=1"> <script>window.__xss=2</script> <b>bold</b> '
+               '[link](javascript:window.__xss=3)')
+    wait_idle(page)
+    user_msg = page.locator('#chat [data-testid="user"]').last
+    expect(user_msg).to_contain_text("<img src=x")
+    expect(user_msg).to_contain_text("<b>bold</b>")
+    assert page.evaluate("window.__xss") is None
+    assert page.locator("#chat img[src='x']").count() == 0
+    assert page.locator("#chat a[href^='javascript']").count() == 0
+
+    # the Engine tab draws the KV pages and the plots
+    page.get_by_role("tab", name="Engine").click()
+    expect(page.locator("#kv-view")).to_contain_text("device pages")
+    time.sleep(2.5)
+    page.screenshot(path=str(ARTIFACTS / "04-engine.png"), full_page=True)
+    page.get_by_role("tab", name="Chat").click()
+    assert not page.errors, page.errors
+
+
+def test_second_user_sees_nothing(server, chat_page, browser_ctx):
+    page = chat_page
+    browser_ctx.clear_cookies()
+    login(page, server.url, "bob", "pw-bob")
+    expect(page.locator("#conv-list")).not_to_contain_text("moon")
+    expect(page.locator("#conv-list")).not_to_contain_text("sun")
+    page.locator("#search input, #search textarea").first.fill("moon")
+    time.sleep(0.5)
+    assert page.locator("#conv-list label").count() == 0
+    page.screenshot(path=str(ARTIFACTS / "05-bob.png"))
+    browser_ctx.clear_cookies()
+
+
+def test_reload_and_sigkill_mid_reply(server, chat_page, browser_ctx):
+    page = chat_page
+    login(page, server.url, "alice", "pw-alice")
+    # the conversation is there after a reload
+    page.locator("#conv-list label", has_text="Tell me about the").first.click()
+    expect(page.locator("#chat")).to_contain_text("Tell me about the")
+    # a reply in progress when the server is SIGKILLed (a new chat, greedy: this prompt runs
+    # to max tokens)
+    page.locator("#new-chat").click()
+    expect(page.locator('#chat [data-testid="user"]')).to_have_count(0)
+    set_setting(page, "temperature", 0)
+    set_setting(page, "max-tokens", 400)
+    send(page, LONG_PROMPT)
+    expect(last_bot(page)).to_contain_text("▍")
+    time.sleep(1.5)                          # a partial save happens every second
+    server.kill()
+    page.goto("about:blank")
+    page.close()
+    db = sqlite3.connect(server.data_dir / "chat.db")
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        rows = db.execute("SELECT status, content FROM messages WHERE role = 'assistant'").fetchall()
+    finally:
+        db.close()
+    statuses = [r[0] for r in rows]
+    assert statuses.count("streaming") == 1, rows           # only the reply being written...
+    assert [r[1] for r in rows if r[0] == "streaming"][0]   # ...with its partial text saved
+    assert statuses.count("done") >= 4, statuses            # every finished reply survived
+    server.start()
+    page = browser_ctx.new_page()
+    login(page, server.url, "alice", "pw-alice")
+    expect(page.locator("#conv-list")).to_contain_text("Tell me about the")
+    page.locator("#conv-list label", has_text="Write a very long story").first.click()
+    expect(last_bot(page)).to_contain_text("interrupted")
+    # and the conversation goes on
+    set_setting(page, "max-tokens", 4)
+    send(page, "Are you back?")
+    expect(page.locator("#chat")).to_contain_text("Are you back?")
+    wait_idle(page)
+    expect(last_bot(page)).to_contain_text("tokens")
+    page.screenshot(path=str(ARTIFACTS / "06-after-restart.png"))

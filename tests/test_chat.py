@@ -1,0 +1,299 @@
+"""ChatService on the real default model (tiny max_tokens): token-id continuity, alternatives,
+forks, stop, user isolation."""
+import asyncio
+import time
+
+import pytest
+
+from chatengine import AsyncLLM
+from chatengine.chat import ChatService, TurnTemplate
+from chatengine.personas import load_personas
+from chatengine.store import ChatStore, NotFound
+from chatengine.tokenizer import apply_chat_template
+
+GREEDY = dict(temperature=0, max_tokens=6)
+
+
+class SpyEngine:
+    """Delegates to an AsyncLLM and records every request (prompt ids, params, user)."""
+
+    def __init__(self, engine):
+        self.inner, self.engine, self.calls = engine, engine.engine, []
+
+    def generate(self, prompt, params, *, request_id=None, user=None):
+        self.calls.append(dict(prompt=list(prompt), params=params, user=user, request_id=request_id))
+        return self.inner.generate(prompt, params, request_id=request_id, user=user)
+
+    async def abort(self, request_id):
+        await self.inner.abort(request_id)
+
+    def get_tokenizer(self):
+        return self.inner.get_tokenizer()
+
+    def stats(self):
+        return self.inner.stats()
+
+
+@pytest.fixture(scope="module")
+def async_engine():
+    engine = AsyncLLM(max_num_batched_tokens=512, kv_cache_gib=0.25)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def svc(async_engine, tmp_path):
+    store = ChatStore(tmp_path / "chat.db")
+    service = ChatService(SpyEngine(async_engine), store, load_personas())
+    yield service
+    # every request of the test has left the engine and holds no KV block
+    inner = async_engine.engine
+    deadline = time.monotonic() + 5
+    while (inner.requests or inner.block_manager.num_free_blocks != inner.block_manager.num_blocks) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not inner.requests
+    assert inner.block_manager.num_free_blocks == inner.block_manager.num_blocks
+    store.close()
+
+
+def run(agen_factory):
+    """Drain an async generator of ReplyUpdates; return the last one."""
+    async def go():
+        last = None
+        async for up in agen_factory():
+            last = up
+        return last
+    return asyncio.run(go())
+
+
+def test_turn_template_matches_full_rendering(svc):
+    tpl = svc.template
+    assert tpl.incremental, "SmolLM2's ChatML template must concatenate turn by turn"
+    tok = svc.tokenizer
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <there> & `x`"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again?"}]
+    ids = tpl.system_ids("Be brief.") + tpl.user_ids(msgs[1]["content"]) + \
+        tpl.assistant_ids_from_text("Hello!") + tpl.user_ids("Again?")
+    assert ids == apply_chat_template(tok, msgs)
+    # generated ids that end with the end-of-turn token get only the newline after it
+    end = tpl.close_ids[0]
+    assert tpl.assistant_ids([5, 6, end]) == [5, 6] + tpl.close_ids
+    assert tpl.assistant_ids([5, 6]) == [5, 6] + tpl.close_ids
+
+
+def test_token_ids_continuity_across_turns(svc):
+    user = "alice"
+    cid = svc.new_conversation(user, persona="assistant")
+    first = run(lambda: svc.send(user, cid, "What is 2+2?", GREEDY))
+    assert first.status == "done" and first.texts[0]
+    second = run(lambda: svc.send(user, cid, "And 3+3?", GREEDY))
+    assert second.status == "done"
+    p1, p2 = svc.engine.calls[0]["prompt"], svc.engine.calls[1]["prompt"]
+    store = svc.store
+    path = store.active_path(user, cid)
+    assert [m["role"] for m in path] == ["system", "user", "assistant", "user", "assistant"]
+    # what the model saw is exactly what is stored
+    assert p1 == store.prompt_token_ids(user, path[1]["id"])
+    assert p2 == store.prompt_token_ids(user, path[3]["id"])
+    # the second prompt extends the first with the reply and the new turn (no re-tokenisation)
+    assert p2[:len(p1)] == p1
+    assert p2 == p1 + path[2]["token_ids"] + path[3]["token_ids"]
+    # the first prompt is the model's own template rendering; the second is a faithful
+    # continuation of it (same text; the reply's ids are the sampled ones)
+    persona = svc.personas["assistant"].system_prompt
+    texts = [{"role": "system", "content": persona}, {"role": "user", "content": "What is 2+2?"}]
+    assert p1 == apply_chat_template(svc.tokenizer, texts)
+    texts += [{"role": "assistant", "content": path[2]["content"]}, {"role": "user", "content": "And 3+3?"}]
+    rendered = svc.tokenizer.apply_chat_template(texts, tokenize=False, add_generation_prompt=True)
+    assert svc.tokenizer.decode(p2) == rendered
+    # the stored reply ids are the generated ids (closed like the template closes a turn)
+    assert path[2]["token_ids"][-len(svc.template.close_ids):] == svc.template.close_ids
+    # stats of a reply
+    st = path[4]["stats"]
+    assert st["tokens"] >= 1 and st["prompt_tokens"] == len(p2) and "ttft_ms" in st
+    assert svc.engine.calls[0]["user"] == user
+    # persona on the first message; the title follows the first user message
+    assert store.get_conversation(user, cid)["title"] == "What is 2+2?"
+
+
+def test_second_turn_reuses_cached_blocks(svc):
+    if not svc.engine.engine.config.enable_prefix_caching:
+        pytest.skip("prefix caching is disabled")
+    cid = svc.new_conversation("carol")
+    run(lambda: svc.send("carol", cid, "Name a colour.", GREEDY))
+    up = run(lambda: svc.send("carol", cid, "Another one?", GREEDY))
+    assert up.num_cached_tokens > 0
+    assert up.stats[0]["cached_tokens"] == up.num_cached_tokens
+
+
+def test_missing_ids_are_rederived(svc):
+    user = "alice"
+    cid = svc.new_conversation(user)
+    run(lambda: svc.send(user, cid, "Hello", GREEDY))
+    path = svc.store.active_path(user, cid)
+    reply = path[-1]
+    want = svc.template.assistant_ids_from_text(reply["content"])
+    # a reply stored without ids (e.g. written by another client) is re-templated from its text
+    with svc.store._write() as db:
+        db.execute("UPDATE messages SET token_ids = NULL WHERE id = ?", [reply["id"]])
+    run(lambda: svc.send(user, cid, "Thanks", GREEDY))
+    assert svc.store.get_message(user, reply["id"])["token_ids"] == want
+    prompt = svc.engine.calls[-1]["prompt"]
+    user_msg = svc.store.active_path(user, cid)[-2]
+    assert prompt == svc.store.prompt_token_ids(user, user_msg["id"])
+
+
+def test_regenerate_adds_sibling(svc):
+    user = "alice"
+    cid = svc.new_conversation(user)
+    first = run(lambda: svc.send(user, cid, "Say hi.", dict(GREEDY, temperature=1.0, seed=1)))
+    again = run(lambda: svc.regenerate(user, cid, first.message_ids[0], dict(GREEDY, temperature=1.0, seed=1)))
+    assert again.status == "done"
+    sibs = svc.store.siblings(user, first.message_ids[0])
+    assert [s["id"] for s in sibs] == [first.message_ids[0], again.message_ids[0]]
+    view = svc.view(user, cid)
+    assert view[-1]["id"] == again.message_ids[0] and (view[-1]["k"], view[-1]["n"]) == (2, 2)
+    # both replies answered the same prompt; the regenerated one used another seed
+    assert svc.engine.calls[0]["prompt"] == svc.engine.calls[1]["prompt"]
+    assert sibs[0]["settings"]["seed"] != sibs[1]["settings"]["seed"]
+    # switching shows the first one again
+    assert svc.switch(user, cid, again.message_ids[0], -1) == first.message_ids[0]
+    assert svc.view(user, cid)[-1]["k"] == 1
+
+
+def test_edit_forks(svc):
+    user = "alice"
+    cid = svc.new_conversation(user)
+    run(lambda: svc.send(user, cid, "First question", GREEDY))
+    run(lambda: svc.send(user, cid, "Second question", GREEDY))
+    old = svc.view(user, cid)
+    assert len(old) == 4
+    up = run(lambda: svc.edit(user, cid, old[0]["id"], "Edited question", GREEDY))
+    assert up.status == "done"
+    new = svc.view(user, cid)
+    assert [m["role"] for m in new] == ["user", "assistant"]
+    assert new[0]["content"] == "Edited question" and (new[0]["k"], new[0]["n"]) == (2, 2)
+    # the edited turn's prompt is the persona + the edited message only
+    sys_ids = svc.store.active_path(user, cid)[0]["token_ids"]
+    assert svc.engine.calls[-1]["prompt"] == sys_ids + svc.template.user_ids("Edited question")
+    # the old branch survives: switching back shows its latest continuation
+    svc.switch(user, cid, new[0]["id"], -1)
+    assert [m["id"] for m in svc.view(user, cid)] == [m["id"] for m in old]
+
+
+def test_n_alternatives_in_one_request(svc):
+    user = "alice"
+    cid = svc.new_conversation(user)
+    up = run(lambda: svc.send(user, cid, "Tell me a word.", dict(temperature=1.0, max_tokens=5, n=2, seed=7)))
+    assert len(svc.engine.calls) == 1 and svc.engine.calls[0]["params"].n == 2
+    assert up.status == "done" and len(up.message_ids) == 2
+    sibs = svc.store.siblings(user, up.message_ids[0])
+    assert [s["id"] for s in sibs] == up.message_ids
+    assert all(s["status"] == "done" and s["token_ids"] for s in sibs)
+    assert [s["content"] for s in sibs] == up.texts
+    assert svc.view(user, cid)[-1]["n"] == 2
+
+
+LONG = dict(temperature=0, max_tokens=400)
+LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."
+
+
+def test_stop_keeps_partial_reply(svc):
+    user = "alice"
+    cid = svc.new_conversation(user)
+
+    async def go():
+        last, stopper = None, None
+        async for up in svc.send(user, cid, LONG_PROMPT, LONG):
+            last = up
+            if up.num_tokens[0] >= 3 and stopper is None:
+                assert svc.is_generating(user, cid)
+                # Stop comes from another task (the UI's Stop button is another event)
+                stopper = asyncio.create_task(svc.stop(user, cid))
+        assert await asyncio.wait_for(stopper, 5)
+        return last
+
+    t0 = time.monotonic()
+    up = asyncio.run(go())
+    assert time.monotonic() - t0 < 15
+    assert up.status == "aborted"
+    msg = svc.store.get_message(user, up.message_ids[0])
+    assert msg["status"] == "aborted" and msg["content"] == up.texts[0] and msg["content"]
+    assert msg["token_ids"][-len(svc.template.close_ids):] == svc.template.close_ids
+    assert not svc.is_generating(user, cid)
+    # the conversation goes on after a stop
+    assert run(lambda: svc.send(user, cid, "ok", GREEDY)).status == "done"
+
+
+def test_closing_the_stream_keeps_partial_reply(svc):
+    """A cancelled UI event closes the generator: the partial reply is kept as 'aborted'."""
+    user = "alice"
+    cid = svc.new_conversation(user)
+
+    async def go():
+        gen = svc.send(user, cid, LONG_PROMPT, LONG)
+        async for up in gen:
+            if up.num_tokens[0] >= 2:
+                break
+        await gen.aclose()
+        return up
+
+    up = asyncio.run(go())
+    msg = svc.store.get_message(user, up.message_ids[0])
+    assert msg["status"] == "aborted" and msg["content"].startswith(up.texts[0])
+
+
+def test_users_are_isolated(svc):
+    cid = svc.new_conversation("alice")
+    up = run(lambda: svc.send("alice", cid, "My secret is 42.", GREEDY))
+    mid = up.message_ids[0]
+    user_mid = up.user_message_id
+    bob = "bob"
+    assert svc.list_conversations(bob) == []
+    assert svc.list_conversations(bob, "secret") == []
+    for call in (lambda: svc.view(bob, cid), lambda: svc.get_conversation(bob, cid),
+                 lambda: svc.send(bob, cid, "hi", GREEDY), lambda: svc.regenerate(bob, cid, mid, GREEDY),
+                 lambda: svc.edit(bob, cid, user_mid, "x", GREEDY), lambda: svc.switch(bob, cid, mid, 1),
+                 lambda: svc.rename_conversation(bob, cid, "mine"), lambda: svc.delete_conversation(bob, cid),
+                 lambda: asyncio.run(svc.stop(bob, cid))):
+        with pytest.raises(NotFound):
+            call()
+    # bob's own conversation cannot reach alice's messages either
+    bcid = svc.new_conversation(bob)
+    with pytest.raises(NotFound):
+        svc.regenerate(bob, bcid, mid, GREEDY)
+    with pytest.raises(NotFound):
+        svc.switch(bob, bcid, mid, 1)
+    assert [c["id"] for c in svc.list_conversations("alice")] == [cid]
+    assert svc.view("alice", cid)[-1]["content"] == up.texts[0]
+    assert {c["user"] for c in svc.engine.calls} == {"alice"}
+
+
+def test_bad_input_writes_nothing(svc):
+    user = "alice"
+    cid = svc.new_conversation(user)
+    before = len(svc.store.active_path(user, cid))
+    with pytest.raises(ValueError):
+        svc.send(user, cid, "   ", GREEDY)
+    with pytest.raises(ValueError):
+        svc.send(user, cid, "hi", dict(GREEDY, temperature=-1))
+    with pytest.raises(ValueError):
+        svc.send(user, cid, "hi", dict(GREEDY, n=10_000))
+    with pytest.raises(ValueError, match="context"):
+        svc.send(user, cid, "hello " * 9000, GREEDY)
+    with pytest.raises(ValueError):
+        svc.new_conversation(user, persona="no-such-persona")
+    assert len(svc.store.active_path(user, cid)) == before
+    assert svc.engine.calls == []
+
+
+def test_template_fallback_renders_full_text():
+    """A template whose turns do not concatenate is rendered whole (no stored ids)."""
+    class Odd:
+        eos_token_id = 0
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            raise RuntimeError("no template")
+
+    assert TurnTemplate(Odd()).incremental is False

@@ -1,0 +1,262 @@
+"""The Gradio UI through gradio_client against a real server on loopback (one per module):
+login, streaming, stop, regenerate, two users isolated."""
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+pytest.importorskip("gradio")
+uvicorn = pytest.importorskip("uvicorn")
+
+from gradio_client import Client  # noqa: E402
+
+from chatengine.server import close_app, create_app  # noqa: E402
+
+USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"},
+         "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
+# text, persona, temperature, top_p, max_tokens, seed, n
+SHORT = ("assistant", 0, 1, 8, -1, 1)
+LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."
+LONG = ("assistant", 0, 1, 400, -1, 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn in a background thread of this process (the test can look at the store)."""
+
+    def __init__(self, app, port):
+        self.app, self.url = app, f"http://127.0.0.1:{port}/"
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            assert self.thread.is_alive(), "server thread died"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("chatengine.auth", reason="login needs chatengine.auth")
+    data = tmp_path_factory.mktemp("ui-data")
+    users_file = data / "users.json"
+    users_file.write_text(json.dumps(USERS))
+    app = create_app(data_dir=data, users_file=users_file,
+                     engine_options=dict(kv_cache_gib=0.25, max_num_batched_tokens=512))
+    with ServerThread(app, free_port()) as srv:
+        yield srv
+    close_app(app)
+
+
+@pytest.fixture
+def alice(server):
+    c = Client(server.url, auth=("alice", "pw-alice"), verbose=False, analytics_enabled=False)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def bob(server):
+    c = Client(server.url, auth=("bob", "pw-bob"), verbose=False, analytics_enabled=False)
+    yield c
+    c.close()
+
+
+def texts(chat) -> list[str]:
+    """The text of every message of a Chatbot value as gradio_client returns it."""
+    out = []
+    for m in chat or []:
+        content = m["content"]
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        out.append(content)
+    return out
+
+
+def send(client, text, args=SHORT):
+    return client.predict(text, *args, api_name="/send")
+
+
+def wait_for(pred, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_login_is_required(server):
+    with pytest.raises(Exception):
+        Client(server.url, auth=("alice", "wrong"), verbose=False, analytics_enabled=False)
+    with pytest.raises(Exception):
+        Client(server.url, verbose=False, analytics_enabled=False)
+
+
+def test_internal_endpoints_are_hidden(alice):
+    names = set(alice.view_api(print_info=False, return_format="dict")["named_endpoints"])
+    assert {"/send", "/stop", "/regenerate", "/open"} <= names
+    assert not any("tick" in n or "lambda" in n or "busy" in n or "retry" in n for n in names)
+
+
+def test_streaming_reply(alice, server):
+    job = alice.submit("Write three short sentences about the sea.", "assistant", 0, 1, 48, -1, 1,
+                       api_name="/send")
+    seen = []
+    for out in job:                                  # every streamed update
+        chat = texts(out[1])
+        if len(chat) == 2:
+            seen.append(chat[1])
+    final = job.result()
+    chat = texts(final[1])
+    assert chat[0] == "Write three short sentences about the sea."
+    assert "tokens" in chat[1] and "TTFT" in chat[1]          # the stats line under the reply
+    partial = [s for s in seen if "▍" in s]
+    assert len(partial) >= 2, f"expected several streamed updates, got {seen}"
+    body = lambda s: s.split("▍")[0].strip()             # noqa: E731
+    assert len(body(partial[-1])) >= len(body(partial[0]))
+    conv_id = final[3]["value"]
+    assert conv_id in [c[1] for c in final[3]["choices"]]
+    store = server.app.state.chat.store
+    path = store.active_path("alice", conv_id)
+    assert [m["role"] for m in path] == ["system", "user", "assistant"]
+    assert path[-1]["status"] in ("done",) and path[-1]["token_ids"]
+
+
+def test_follow_up_turn_reuses_cached_blocks(alice, server):
+    out = send(alice, "Name a fruit.")
+    out = send(alice, "Name another fruit.")
+    conv_id = out[3]["value"]
+    reply = server.app.state.chat.store.active_path("alice", conv_id)[-1]
+    if not server.app.state.chat.engine.engine.config.enable_prefix_caching:
+        pytest.skip("prefix caching is disabled")
+    assert reply["stats"]["cached_tokens"] > 0
+    assert f"{reply['stats']['cached_tokens']}/" in texts(out[1])[-1]
+
+
+def test_regenerate_adds_an_alternative(alice, server):
+    out = send(alice, "Say something nice.")
+    assert "1 / 1" in out[2]["value"]
+    out = alice.predict(1.0, 1, 8, -1, 1, api_name="/regenerate")     # -> chatbot, label, list
+    assert "2 / 2" in out[1]["value"]
+    assert "2/2" in texts(out[0])[-1]
+    conv_id = out[2]["value"]
+    store = server.app.state.chat.store
+    leaf = store.active_path("alice", conv_id)[-1]
+    assert len(store.siblings("alice", leaf["id"])) == 2
+    # ◀ shows the first alternative again
+    out = alice.predict(api_name="/previous_alternative")
+    assert "1 / 2" in out[1]["value"]
+
+
+def test_n_alternatives(alice, server):
+    out = alice.predict("Pick a number.", "assistant", 1.0, 1, 6, 3, 2, api_name="/send")
+    assert "1 / 2" in out[2]["value"]
+    conv_id = out[3]["value"]
+    store = server.app.state.chat.store
+    leaf = store.active_path("alice", conv_id)[-1]
+    assert [s["status"] for s in store.siblings("alice", leaf["id"])] == ["done", "done"]
+
+
+def test_stop_keeps_partial_reply(alice, server):
+    job = alice.submit(LONG_PROMPT, *LONG, api_name="/send")
+    engine = server.app.state.chat.engine.engine
+    wait_for(lambda: any(r.seqs and r.seqs[0].num_output_tokens >= 3 for r in list(engine.requests.values())))
+    t = time.monotonic()
+    alice.predict(api_name="/stop")
+    final = job.result(timeout=30)
+    assert time.monotonic() - t < 10
+    chat = texts(final[1])
+    assert "stopped" in chat[-1]
+    conv_id = final[3]["value"]
+    reply = server.app.state.chat.store.active_path("alice", conv_id)[-1]
+    assert reply["status"] == "aborted" and reply["content"]
+    wait_for(lambda: not engine.requests, timeout=5)
+
+
+def test_two_users_are_isolated(alice, bob, server):
+    out = send(alice, "alice's secret plan")
+    a_conv = out[3]["value"]
+    assert a_conv
+    # bob's list does not show it, search does not find it, and opening it by id shows nothing
+    b_list = bob.predict("", api_name="/search")
+    assert a_conv not in [c[1] for c in b_list["choices"]]
+    assert bob.predict("secret plan", api_name="/search")["choices"] == []
+    try:
+        opened = bob.predict(a_conv, api_name="/open")
+    except gradio_client.exceptions.AppError:
+        pass                     # Gradio itself refuses a value that is not among bob's choices
+    else:
+        assert texts(opened[0]) == []
+        assert a_conv not in [c[1] for c in opened[4].get("choices", [])]
+    # bob's own chat goes to his own conversation, and alice's is untouched
+    out_b = send(bob, "bob here")
+    b_conv = out_b[3]["value"]
+    assert b_conv != a_conv and [c[1] for c in out_b[3]["choices"]] == [b_conv]
+    store = server.app.state.chat.store
+    assert [m["content"] for m in store.active_path("alice", a_conv) if m["role"] == "user"] == ["alice's secret plan"]
+    # alice still sees hers, and opens it
+    assert a_conv in [c[1] for c in alice.predict("", api_name="/search")["choices"]]
+    opened = alice.predict(a_conv, api_name="/open")
+    assert texts(opened[0])[0] == "alice's secret plan"
+
+
+def test_two_users_stream_at_once(alice, bob, server):
+    """No per-event limit: both users' requests are in the engine together (batched)."""
+    engine = server.app.state.chat.engine.engine
+    args = ("assistant", 0, 1, 24, -1, 1)
+    ja = alice.submit(LONG_PROMPT, *args, api_name="/send")
+    jb = bob.submit(LONG_PROMPT, *args, api_name="/send")
+    most = 0
+    deadline = time.monotonic() + 60
+    while not (ja.done() and jb.done()):
+        most = max(most, len(engine.requests))
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert most == 2
+    assert "tokens" in texts(ja.result()[1])[-1] and "tokens" in texts(jb.result()[1])[-1]
+
+
+def test_rename_and_delete(alice, server):
+    out = send(alice, "to be renamed")
+    conv = out[3]["value"]
+    listed = alice.predict("Renamed chat", api_name="/rename")
+    assert ["Renamed chat", conv] in [list(c) for c in listed["choices"]]
+    out = alice.predict("assistant", api_name="/delete")      # -> chatbot, label, list, persona, title
+    assert texts(out[0]["value"] if isinstance(out[0], dict) else out[0]) == []
+    assert conv not in [c[1] for c in out[2]["choices"]]
+    with pytest.raises(Exception):
+        server.app.state.chat.store.get_conversation("alice", conv)
+
+
+def test_local_mode_without_login(server, tmp_path):
+    """Without a users file: one local user and no login page (the engine is shared here)."""
+    engine = server.app.state.chat.engine
+    app = create_app(data_dir=tmp_path, engine=engine)
+    with ServerThread(app, free_port()) as local:
+        c = Client(local.url, verbose=False, analytics_enabled=False)
+        try:
+            out = send(c, "hello")
+            assert "tokens" in texts(out[1])[-1]
+            convs = app.state.chat.store.list_conversations("local")
+            assert [x["id"] for x in convs] == [out[3]["value"]]
+        finally:
+            c.close()
+    close_app(app)          # closes its store; the shared engine stays up
+    assert not engine._stopped
