@@ -81,7 +81,9 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_lru if self.blocks[b].hash is not None)
+        # list() first: stats() runs on other threads, and iterating the LRU while the engine
+        # thread changes it raises "OrderedDict mutated during iteration"; list() copies it in C
+        return sum(1 for b in list(self.free_lru) if self.blocks[b].hash is not None)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size

@@ -3,6 +3,7 @@
 One step: schedule -> run the model -> advance the sequences (stop checks, detokenize) -> outputs.
 """
 import asyncio
+import dataclasses
 import logging
 import secrets
 import threading
@@ -98,22 +99,28 @@ class LLMEngine:
         """Copies the schedule asked for, before the forward: evicted pages to host memory first
         (their device blocks may be restore targets), then restores into the device pool."""
         bm, tiers = self.block_manager, self.tiers
+        restores, bm.pending_restores = bm.pending_restores, []
+        hashes = [h for _, h in restores]
+        try:
+            self._copy_evictions()
+            if restores:
+                self.runner.scatter_blocks([b for b, _ in restores], tiers.pages(hashes))
+        except BaseException:   # never leave a published block without its data
+            for block_id, _ in restores:
+                bm.unpublish(block_id)
+            raise
+        finally:
+            if hashes:
+                tiers.unpin(hashes)
+
+    def _copy_evictions(self) -> None:
+        """Write evicted pages back to host memory (before anything overwrites their blocks)."""
+        bm = self.block_manager
         if bm.pending_evictions:
             evicted, bm.pending_evictions = bm.pending_evictions, []
             pages = self.runner.gather_blocks([b for b, _ in evicted])
             for (_, meta), page in zip(evicted, pages):
-                tiers.put(meta, page)
-        if bm.pending_restores:
-            restores, bm.pending_restores = bm.pending_restores, []
-            hashes = [h for _, h in restores]
-            try:
-                self.runner.scatter_blocks([b for b, _ in restores], tiers.pages(hashes))
-            except BaseException:   # never leave a published block without its data
-                for block_id, _ in restores:
-                    bm.unpublish(block_id)
-                raise
-            finally:
-                tiers.unpin(hashes)
+                self.tiers.put(meta, page)
 
     def _write_behind(self) -> None:
         bm = self.block_manager
@@ -196,6 +203,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.config.max_n, self.config.max_tokens_limit or self.max_model_len)
+        if 0 < params.temperature < 1e-5:   # logits / T would overflow (a denormal T is 0 in fp32): greedy, as vLLM
+            params = dataclasses.replace(params, temperature=0.0)
         if isinstance(prompt, str):
             text, ids = prompt, encode(self.tokenizer, prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -255,6 +264,8 @@ class LLMEngine:
             self.scheduler.add_running(child)
             self.num_forks += 1
         if copies:
+            if self.tiers is not None:    # a tail may land on a block evicted just now: save its page first
+                self._copy_evictions()
             self.runner.copy_blocks(copies)
 
     def add_request(self, prompt, params=None, *, request_id=None, user=None) -> str:
@@ -358,7 +369,8 @@ class LLMEngine:
             completions.append(CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
                                                 seq.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             req.seqs[0].num_cached_tokens, final or req.finished, req.error)
+                             req.seqs[0].num_cached_tokens, final or req.finished, req.error,
+                             req.arrival_time, req.first_token_time)
 
     # ---- introspection --------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -478,6 +490,7 @@ class AsyncLLM:
         self._wake = threading.Condition()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._stats, self._stats_time = self.engine.stats(), time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="chatengine-loop", daemon=True)
         self._thread.start()
 
@@ -494,6 +507,7 @@ class AsyncLLM:
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
+                    finished = True         # refused when added: nothing of ours to abort (the id may be another's)
                     raise item
                 finished = item.finished
                 yield item
@@ -512,6 +526,18 @@ class AsyncLLM:
         self._post(("abort", request_id))
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.engine.eos_token_ids)
+
+    @property
+    def max_n(self) -> int:
+        return self.engine.config.max_n
+
+    @property
     def is_running(self) -> bool:
         """True while the engine loop is alive and accepting requests."""
         return not self._stopped and self._thread.is_alive()
@@ -523,7 +549,13 @@ class AsyncLLM:
         self.engine.register_persona(name, system_prompt)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """A snapshot the engine thread publishes (at most every 0.2 s): safe from any thread."""
+        return dict(self._stats)
+
+    def _publish_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_time >= 0.2:
+            self._stats, self._stats_time = self.engine.stats(), now
 
     def forget_user(self, user: str) -> None:
         self._post(("forget", user))
@@ -559,6 +591,8 @@ class AsyncLLM:
         engine = self.engine
         while True:
             idle_s = engine.config.idle_offload_s
+            if not self._inbox and not engine.has_unfinished_requests():
+                self._publish_stats(force=True)          # the picture at rest is exact
             with self._wake:
                 while not self._inbox and not engine.has_unfinished_requests():
                     if not self._wake.wait(timeout=idle_s) and idle_s is not None:
@@ -574,6 +608,13 @@ class AsyncLLM:
                     continue
                 if item[0] == "add":
                     _, req, loop, queue = item
+                    if req.request_id in self._queues:   # a duplicate id must not take over the running stream
+                        try:
+                            loop.call_soon_threadsafe(queue.put_nowait, ValueError(
+                                f"request id {req.request_id!r} is already running"))
+                        except RuntimeError:   # that caller's loop has closed
+                            pass
+                        continue
                     self._queues[req.request_id] = (loop, queue)
                     try:
                         engine.add(req)
@@ -590,3 +631,4 @@ class AsyncLLM:
                 outputs = engine._fail(set(engine.requests), f"{type(e).__name__}: {e}")
             for out in outputs:
                 self._deliver(out, out.request_id)
+            self._publish_stats()

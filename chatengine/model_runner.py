@@ -68,6 +68,58 @@ def _layout(T: int, B: int, S: int, W: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+class BlockTableRows:
+    """Block tables mirrored as rows of one int32 array across steps, so a step converts only the
+    entries that are new (a decode step: none, or one every block_size steps) and gathers the batch's
+    rows with one numpy take instead of converting every list.
+
+    NOTE: relies on how the block manager edits `seq.block_table`: it only appends to it, or
+    replaces it with a new list (free, admission, fork). A row is refreshed whenever the list object
+    changes or shrinks, and its last mirrored entry is checked each step."""
+
+    def __init__(self, num_rows: int, width: int):
+        self.rows = np.full((num_rows, width), -1, np.int32)
+        self.lists: list[list | None] = [None] * num_rows    # the list object each row mirrors
+        self.lens = [0] * num_rows
+        self.last_step = [0] * num_rows
+        self.row_of: dict[int, int] = {}                      # seq_id -> row
+        self.free = list(range(num_rows - 1, -1, -1))
+        self.step = 0
+
+    def _row(self, seq_id: int) -> int:
+        if not self.free:        # forget every sequence not in this step (the batch fits by construction)
+            for sid, r in list(self.row_of.items()):
+                if self.last_step[r] < self.step:
+                    del self.row_of[sid]
+                    self.lists[r], self.lens[r] = None, 0
+                    self.free.append(r)
+        r = self.row_of[seq_id] = self.free.pop()
+        return r
+
+    def gather(self, seqs: list[Sequence], out: np.ndarray) -> None:
+        """out[i, :width] = seqs[i]'s block table padded with -1 (out: (len(seqs), <= width))."""
+        self.step += 1
+        rows, lens, lists, width = self.rows, self.lens, self.lists, self.rows.shape[1]
+        idx = np.empty(len(seqs), np.intp)
+        for i, s in enumerate(seqs):
+            table = s.block_table
+            r = self.row_of.get(s.seq_id)
+            if r is None:
+                r = self._row(s.seq_id)
+            n, m = len(table), lens[r]
+            if n > width:
+                raise ValueError(f"block table of {n} pages is wider than {width} (max_model_len)")
+            if lists[r] is not table or n < m or (m and table[m - 1] != rows[r, m - 1]):
+                rows[r, :n] = table
+                rows[r, n:m] = -1
+                lists[r] = table
+            elif n > m:
+                rows[r, m:n] = table[m:]
+            lens[r], self.last_step[r] = n, self.step
+            idx[i] = r
+        out[:] = rows[idx, :out.shape[1]]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                  max_model_len: int):
@@ -95,8 +147,11 @@ class ModelRunner:
         self._host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(size, dtype=torch.int32, device=device) if pin else self._host
+        self._tables = BlockTableRows(2 * max_b, -(-self.max_num_pages // 16) * 16)
         self._temps_host = torch.zeros(max_b, dtype=torch.float32, pin_memory=pin)
         self._temps_dev = torch.zeros(max_b, dtype=torch.float32, device=device) if pin else self._temps_host
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # batch size -> (graph, logits)
+        self.num_graph_steps = 0                                                  # decode steps replayed
         self.block_bytes = mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
         self.num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         if self.num_blocks < 2:
@@ -105,8 +160,6 @@ class ModelRunner:
         # page-first: one block is one contiguous span (all layers, K and V)
         self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=dtype, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # batch size -> (graph, logits)
-        self.num_graph_steps = 0                                                  # decode steps replayed
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.name == "triton":
                 self._capture_graphs()
@@ -154,8 +207,7 @@ class ModelRunner:
         seq_lens = start + n
         samples = seq_lens == np.fromiter((s.num_tokens for s in seqs), np.int32, B)  # chunk reaches the end
         T = int(n.sum())
-        tables = [s.block_table for s in seqs]
-        num_pages = np.fromiter(map(len, tables), np.int32, B)
+        num_pages = np.fromiter((len(s.block_table) for s in seqs), np.int32, B)
         if pad_to is None:
             # width a multiple of 16: one Triton specialization of the block-table stride
             Bp, Tp, W = B, T, -(-int(num_pages.max()) // 16) * 16
@@ -178,9 +230,8 @@ class ModelRunner:
             ids[:T] = np.fromiter(itertools.chain.from_iterable(
                 s.token_ids[c:c + k] for s, c, k in zip(seqs, start.tolist(), n.tolist())), np.int32, T)
         bt = view("block_tables").reshape(Bp, W)
-        bt.fill(-1)
-        for i, table in enumerate(tables):
-            bt[i, :len(table)] = table
+        self._tables.gather(seqs, bt[:B])
+        bt[B:] = -1
         cu = view("cu_seqlens_q")
         cu[0] = 0
         np.cumsum(n, out=cu[1:B + 1])

@@ -73,7 +73,8 @@ class DiskStore:
 
     @property
     def num_bytes(self) -> int:
-        return sum(size for _, size, _ in self.index.values())
+        # list() first: stats() reads this on other threads while the writer thread adds entries
+        return sum(size for _, size, _ in list(self.index.values()))
 
     def __contains__(self, h: bytes) -> bool:
         return h in self.index

@@ -20,3 +20,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     error: str | None = None              # set when the engine failed this request (finish_reason "error")
+    arrival_time: float = 0.0             # time.monotonic() when the engine accepted the request
+    first_token_time: float | None = None # time.monotonic() of its first generated token

@@ -185,10 +185,16 @@ def _num_sms(index: int) -> int:
 
 
 def _decode_splits(num_programs: int, max_seqlen_k: int, sms: int = 132) -> int:
-    """Flash-decoding: split the keys when batch x kv_heads programs cannot fill the GPU. Aim at
-    ~4 programs per multiprocessor (a decode program is memory-bound: more in flight hides latency),
-    keep each split >= MIN_SPLIT_KEYS keys so the merge stays cheap, cap at MAX_SPLITS."""
-    want = triton.cdiv(4 * sms, num_programs)
+    """Flash-decoding split count for num_programs = batch x kv_heads decode programs.
+
+    Measured on an H200 (benchmarks/NOTES.md, v4): from ~7 programs per multiprocessor up, one split
+    is best (256x1k, 128x2k); below that, many short programs (~23 per multiprocessor, ~4 waves of
+    the ~6 that fit) beat a few long ones, whose last partial wave leaves the GPU idle (64x4k: 6
+    splits 137 us, 2 splits 173 us, 1 split 162 us). Each split keeps >= MIN_SPLIT_KEYS keys so the
+    merge stays cheap; at most MAX_SPLITS."""
+    if num_programs >= 7 * sms:
+        return 1
+    want = round(23 * sms / num_programs)
     return max(1, min(want, max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
@@ -198,7 +204,7 @@ MAX_SPLITS = 64
 # loop step (may span pages). `benchmarks/gpu_bench.py --part sweep` measures alternatives
 # (benchmarks/NOTES.md). Registers bound head_dim >= 128: each K/V tile holds one 64-bit pointer per
 # element, so 64 keys at head_dim 128, or 4 warps at head_dim >= 128, spill (ptxas, sm_90).
-DECODE_LAUNCH = {64: (32, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}
+DECODE_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}   # 64: H200 sweep, NOTES.md v1
 PREFILL_LAUNCH = {64: (32, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}
 
 

@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before kernels/ imports triton
 
-from kernels import cache_ops, paged_attention as pa, sampling  # noqa: E402
+from kernels import cache_ops, fused_ops, paged_attention as pa, sampling  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = pa.interpreting()
@@ -164,10 +164,11 @@ def test_empty_batch(device):
 def test_decode_splits_heuristic():
     assert pa._decode_splits(num_programs=2, max_seqlen_k=32768) == pa.MAX_SPLITS   # small batch, long context
     assert pa._decode_splits(num_programs=2, max_seqlen_k=1000) == 7     # splits of >= 128 keys
-    assert pa._decode_splits(num_programs=256, max_seqlen_k=32768) == 3  # ~4 programs per SM
-    assert pa._decode_splits(num_programs=2048, max_seqlen_k=32768) == 1  # the batch fills the GPU
+    assert pa._decode_splits(num_programs=512, max_seqlen_k=4096) == 6   # ~23 programs per SM (64x4k)
+    assert pa._decode_splits(num_programs=256, max_seqlen_k=32768) == 12
+    assert pa._decode_splits(num_programs=1024, max_seqlen_k=32768) == 1  # >= 7 per SM: no split
     assert pa._decode_splits(num_programs=1, max_seqlen_k=100) == 1
-    assert pa._decode_splits(num_programs=8, max_seqlen_k=8192, sms=78) == 39
+    assert pa._decode_splits(num_programs=8, max_seqlen_k=8192, sms=78) == pa.MAX_SPLITS
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -307,3 +308,68 @@ def test_sample_distribution(device):
         assert ((freq - p).abs() <= 4 * sigma + 1e-3).all(), (freq, p)
     a, b = sampling.sample_triton(logits[:64], temps[:64], 11), sampling.sample_triton(logits[:64], temps[:64], 12)
     assert torch.equal(a, sampling.sample_triton(logits[:64], temps[:64], 11)) and not torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------- fused layer ops
+# Against the torch references (which round to bf16 after every op): a bf16 ulp or two (inputs
+# ~N(0, 1)); the float64 comparison is the accuracy check.
+def ulp_close(device, dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2 ** -5, rtol=2 ** -5)
+
+
+def truncation(device, dtype) -> int:
+    """Slack on the float64 comparison for the interpreter's truncating bf16 casts."""
+    return 2 if device == "cpu" and dtype == torch.bfloat16 else 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("N", [96, 2048])
+def test_rms_norm(device, dtype, with_residual, N):
+    T = 37
+    x = torch.randn(T, 2 * N).to(device, dtype)[:, :N]                    # strided rows
+    w = (1 + 0.1 * torch.randn(N)).to(device, dtype)
+    r = torch.randn(T, N).to(device, dtype) if with_residual else None
+    got = fused_ops.rms_norm_triton(x, w, 1e-5, r)
+    ref = fused_ops.rms_norm_ref(x, w, 1e-5, r)
+    exact = fused_ops.rms_norm_ref(x.double(), w.double(), 1e-5, None if r is None else r.double())
+    if with_residual:
+        torch.testing.assert_close(got[1], ref[1], **ulp_close(device, dtype))
+        got, ref, exact = got[0], ref[0], exact[0]
+    torch.testing.assert_close(got, ref, **ulp_close(device, dtype))
+    assert rel_err(got, exact.cpu()) < truncation(device, dtype) * REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H_q, H_kv, D", [(32, 8, 64), (14, 2, 64), (4, 4, 128)])
+def test_rotary(device, dtype, H_q, H_kv, D):
+    T = 29
+    qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)           # q, k: views of one qkv
+    q = qkv[:, :H_q * D].view(T, H_q, D)
+    k = qkv[:, H_q * D:(H_q + H_kv) * D].view(T, H_kv, D)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.arange(4096).float()[:, None] * inv_freq
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    positions = torch.randint(0, 4096, (T,), dtype=torch.int32, device=device)
+    ref_q, ref_k = fused_ops.rotary_ref(positions.long(), q, k, cos, sin)
+    exact_q, _ = fused_ops.rotary_ref(positions.long(), q.double(), k.double(), cos.double(), sin.double())
+    v_before = qkv[:, (H_q + H_kv) * D:].clone()
+    got_q, got_k = fused_ops.rotary_triton(positions, q, k, cos, sin)
+    assert got_q is q and got_k is k                                        # in place
+    torch.testing.assert_close(q, ref_q, **ulp_close(device, dtype))
+    torch.testing.assert_close(k, ref_k, **ulp_close(device, dtype))
+    assert torch.equal(qkv[:, (H_q + H_kv) * D:], v_before)                 # v untouched
+    assert rel_err(q, exact_q.cpu()) < truncation(device, dtype) * REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("I", [300, 8192])
+def test_silu_mul(device, dtype, I):
+    gate_up = torch.randn(19, 2 * I).to(device, dtype)
+    got = fused_ops.silu_mul_triton(gate_up)
+    torch.testing.assert_close(got, fused_ops.silu_mul_ref(gate_up), **ulp_close(device, dtype))
+    assert rel_err(got, fused_ops.silu_mul_ref(gate_up.double()).cpu()) < truncation(device, dtype) * REL_TOL[dtype]
