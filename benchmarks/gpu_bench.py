@@ -19,6 +19,7 @@ Saves JSON + a markdown table (device, commit, versions) under --out and prints 
     CHATENGINE_COMMIT=$(git rev-parse --short HEAD) python benchmarks/gpu_bench.py   # .git may not travel
 """
 import argparse
+import functools
 import gc
 import json
 import math
@@ -170,13 +171,13 @@ def part_bandwidth(args, res):
     n = (1 << 30) if not args.quick else (1 << 29)               # bf16 elements: 2 GiB (1 GiB quick)
     x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    ms = statistics.median(event_times(lambda: y.copy_(x), 10))
+    ms = statistics.median(event_times(functools.partial(y.copy_, x), 10))
     bw = 2 * x.numel() * 2 / (ms / 1e3)
-    del x, y
+    x = y = None
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = statistics.median(event_times(lambda: a @ b, 10))
-    del a, b
+    mm = statistics.median(event_times(functools.partial(torch.matmul, a, b), 10))
+    a = b = None
     free_memory()
     res["bandwidth"] = {"copy_bytes_per_s": bw, "copy_ms": ms, "bf16_matmul_flops_per_s": 2 * 8192**3 / (mm / 1e3)}
     log(f"[bandwidth] D2D copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul "
@@ -494,8 +495,8 @@ def attention_bench(B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(N
         pa.paged_attention_triton(q, cache[:, copies - 1, 0], cache[:, copies - 1, 1], cu, lens, tables, scale,
                                   max_seqlen_q=1, max_seqlen_k=ctx, out=out)
         result["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
-        del kvs
-    del cache
+        kvs = None
+    cache = None
     free_memory()
     return result
 
@@ -617,13 +618,14 @@ def markdown(meta, res) -> str:
         L.append("")
     if res.get("decode"):
         L += ["## Decode step, 1k context (ms)", "",
-              "| model | batch | engine step | runner | graph replay | floor | step / floor |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+              "| model | batch | engine step | runner | graph replay | floor | step / floor | graph / floor |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for shape, rows in res["decode"].items():
             for r in rows:
                 L.append(f"| {shape} | {r['batch']} | {r['engine_step_ms']:.3f} | {r['runner_ms']:.3f} | "
                          f"{r['graph_replay_ms'] or float('nan'):.3f} | {r.get('floor_ms', float('nan')):.3f} | "
-                         f"{r.get('step_over_floor', float('nan')):.2f} |")
+                         f"{r.get('step_over_floor', float('nan')):.2f} | "
+                         f"{r.get('replay_over_floor', float('nan')):.2f} |")
         L.append("")
     if res.get("kernel"):
         L += ["## Decode attention kernel (Llama-3.2-1B layer, bf16, page 16)", "",
@@ -642,6 +644,7 @@ def markdown(meta, res) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--render", metavar="JSON", help="only re-render the markdown of a saved JSON (no GPU)")
     ap.add_argument("--part", nargs="+", choices=PARTS, default=None, help="parts to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes and subsets: a smoke run in ~3 min")
     ap.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
@@ -660,6 +663,12 @@ def main(argv=None):
     ap.add_argument("--commit", default=None, help="commit to record (default: $CHATENGINE_COMMIT, else git)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        md = markdown(saved, saved["results"])
+        Path(args.render).with_suffix(".md").write_text(md + "\n")
+        print(md)
+        return
     if not torch.cuda.is_available():
         sys.exit("gpu_bench.py needs a CUDA GPU")
     args.part = args.part or [p for p in PARTS if p != "sweep"]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from chatengine.attention import get_backend
-from kernels import cache_ops
+from kernels import cache_ops, paged_attention
 from kernels import sampling as sampling_ops
 from chatengine.config import EngineConfig
 from chatengine.loader import LoadedModel
@@ -277,11 +277,11 @@ class ModelRunner:
         lay = _layout(bs, bs, bs, self.max_num_pages)
         d = {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
         H_kv = self.model_config.num_kv_heads
-        from kernels.paged_attention import _decode_splits, num_sms
+        splits = paged_attention._decode_splits(bs * H_kv, self.max_model_len, paged_attention.num_sms(self.device))
         meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
                             seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(bs, self.max_num_pages),
                             max_seqlen_q=1, max_seqlen_k=self.max_model_len,
-                            num_splits=_decode_splits(bs * H_kv, self.max_model_len, num_sms(self.device)))
+                            num_splits=splits)
         return d, meta
 
     @torch.inference_mode()
