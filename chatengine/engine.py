@@ -596,7 +596,8 @@ class AsyncLLM:
             with self._wake:
                 while not self._inbox and not engine.has_unfinished_requests():
                     if not self._wake.wait(timeout=idle_s) and idle_s is not None:
-                        engine.offload_cached_blocks(idle_for_s=idle_s)   # idle conversations move out
+                        if engine.offload_cached_blocks(idle_for_s=idle_s):   # idle conversations move out
+                            self._publish_stats(force=True)
                 inbox, self._inbox = self._inbox, deque()
             for item in inbox:
                 if item[0] == "stop":
