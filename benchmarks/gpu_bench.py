@@ -119,51 +119,11 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-_ORIGINAL = {}
-
-
-def set_fused(on: bool) -> None:
-    """What-if for chatengine/models/llama.py (not this file's to change): RMSNorm, RoPE, SiLU-mul
-    and the post-attention residual add through kernels/fused_ops, by swapping the module classes'
-    forward methods. Engines built while it is on capture their CUDA graphs with it."""
-    import inspect
-    from chatengine.models import llama
-    from kernels import fused_ops as fo
-    if "backend" in inspect.signature(llama.RMSNorm.__init__).parameters:
-        return                                   # llama.py already calls the backend's fused ops
-    classes = (llama.RMSNorm, llama.RotaryEmbedding, llama.MLP, llama.DecoderLayer)
-    if not _ORIGINAL:
-        _ORIGINAL.update({c: c.forward for c in classes})
-    if not on:
-        for c in classes:
-            c.forward = _ORIGINAL[c]
-        return
-
-    def layer_forward(self, x, positions, rope, kv_cache, meta):
-        a = self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        norm = self.post_attention_layernorm
-        h, x = fo.rms_norm_triton(a, norm.weight, norm.eps, residual=x)      # x + a, and its norm
-        return x + self.mlp(h)
-    llama.RMSNorm.forward = lambda self, x: fo.rms_norm_triton(x, self.weight, self.eps)
-    llama.RotaryEmbedding.forward = lambda self, positions, q, k: fo.rotary_triton(positions, q, k, self.cos,
-                                                                                   self.sin)
-    llama.MLP.forward = lambda self, x: self.down_proj(fo.silu_mul_triton(self.gate_up_proj(x)))
-    llama.DecoderLayer.forward = layer_forward
-
-
-def fused_modes(args):
-    """(label suffix, fused) for each mode --fused asks for; leaves the patch off afterwards."""
-    for on in {"off": [False], "on": [True], "both": [False, True]}[args.fused]:
-        set_fused(on)
-        yield ("+fused" if on else ""), on
-    set_fused(False)
-
-
 def model_modes(args):
-    """(model, suffix, fused) lazily: the patch is on while the loop body runs."""
+    """(model, label suffix, fused): one mode now that llama.py calls the backend's fused ops (the
+    earlier `--fused` what-if patched them in; its numbers are in benchmarks/NOTES.md)."""
     for shape in args.models:
-        for suffix, on in fused_modes(args):
-            yield shape, suffix, on
+        yield shape, "", True
 
 
 # ---------------------------------------------------------------------------- parts
@@ -384,7 +344,7 @@ def part_decode(args, res):
                 eng.step()
                 steps.append(1e3 * (time.perf_counter() - t))
             host_profile = None
-            if B == max(args.decode_batches) and not fused:     # where the engine's host time goes
+            if B == max(args.decode_batches):     # where the engine's host time goes
                 import cProfile
                 import pstats
                 pr = cProfile.Profile()
@@ -549,8 +509,7 @@ def part_sweep(args, res):
 
 
 def part_profile(args, res):
-    for suffix, _ in fused_modes(args):
-        profile_eager_decode(args, res, suffix)
+    profile_eager_decode(args, res, "")
 
 
 def profile_eager_decode(args, res, suffix):
@@ -655,8 +614,6 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--variant", action="append", default=[],
                     help="extra engine settings as JSON, e.g. '{\"cpu_offload_gib\": 0}' (throughput part)")
-    ap.add_argument("--fused", choices=["off", "on", "both"], default="off",
-                    help="what-if: llama.py's RMSNorm/RoPE/SiLU-mul through kernels/fused_ops (set_fused)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--sweep", choices=["launch", "splits", "both"], default="both", help="what --part sweep varies")

@@ -329,7 +329,7 @@ class ModelRunner:
             temps = self._temps_dev[:N]
             temps.copy_(self._temps_host[:N], non_blocking=True)
             return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31)).tolist()
-        return self.sampler(logits, params, [s.generator for s in seqs]).tolist()
+        return self.sampler(logits.float(), params, [s.generator for s in seqs]).tolist()
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
