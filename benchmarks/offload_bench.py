@@ -44,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one restore")
     args = ap.parse_args(argv)
 
     llm = LLM(args.model, cpu_offload_gib=4.0 if cuda else 1.0, max_num_batched_tokens=8192 if cuda else 2048,
@@ -72,10 +73,34 @@ def main(argv=None):
             n = ctx // engine.config.block_size
             pages = torch.empty((n, *runner.kv_cache.shape[1:]), dtype=runner.dtype, pin_memory=cuda)
             ids = list(range(n))
-            runner.scatter_blocks(ids, pages)
+            runner.restore_blocks(ids, pages, ids)
             sync(); t = time.perf_counter()
-            runner.scatter_blocks(ids, pages)
+            runner.restore_blocks(ids, pages, ids)
             sync(); copy_s.append(time.perf_counter() - t)
+            engine.offload_cached_blocks()
+        if args.profile:                                               # where a restore's time goes
+            from torch.profiler import ProfilerActivity, profile
+            prompt = [rng.randrange(vocab) for _ in range(ctx + 1)]
+            llm.generate([prompt], one)
+            engine.offload_cached_blocks()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=acts, with_stack=False) as prof:
+                llm.generate([prompt], one)
+                sync()
+            print(f"--- restore of {ctx} tokens, by self CPU time")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+            if cuda:
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
+            import cProfile, pstats
+            prompt = [rng.randrange(vocab) for _ in range(ctx + 1)]
+            llm.generate([prompt], one)
+            engine.offload_cached_blocks()
+            pr = cProfile.Profile()
+            pr.enable()
+            llm.generate([prompt], one)
+            sync()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("cumulative").print_stats(25)
             engine.offload_cached_blocks()
         nbytes = (ctx // engine.config.block_size) * runner.block_bytes
         row = {"context": ctx, "recompute_ms": 1e3 * statistics.median(recompute),

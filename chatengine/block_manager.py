@@ -14,11 +14,6 @@ runs the queued copies (evictions first, then restores) before the step's forwar
 
 The block manager never touches tensors: copies (fork, offload) are requested from the runner.
 """
-
-
-def owner_tag(salt: bytes) -> bytes:
-    """Which user a salted block belongs to (lets a user's blocks be dropped); b"" when public."""
-    return hashlib.blake2b(salt, digest_size=8, person=b"kv-owner").digest() if salt else b""
 import hashlib
 import time
 from collections import OrderedDict
@@ -26,6 +21,11 @@ from collections import OrderedDict
 from chatengine.hashing import hash_block, salt_extra, salt_start_block
 from chatengine.offload import BlockMeta
 from chatengine.sequence import Sequence
+
+
+def owner_tag(salt: bytes) -> bytes:
+    """Which user a salted block belongs to (lets a user's blocks be dropped); b"" when public."""
+    return hashlib.blake2b(salt, digest_size=8, person=b"kv-owner").digest() if salt else b""
 
 
 class Block:
@@ -92,11 +92,12 @@ class BlockManager:
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Chain hashes of seq's first `num_blocks` full blocks (extended lazily on the sequence)."""
         hashes = seq.block_hashes
-        first_salted = salt_start_block(seq.public_prefix_len, self.block_size)
-        salted = salt_extra(seq.salt) if seq.salt else b""
-        for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else self.root
-            hashes.append(hash_block(parent, seq.block_tokens(i), salted if i >= first_salted else b""))
+        if len(hashes) < num_blocks:
+            first_salted = salt_start_block(seq.public_prefix_len, self.block_size)
+            salted = salt_extra(seq.salt) if seq.salt else b""
+            for i in range(len(hashes), num_blocks):
+                parent = hashes[i - 1] if i else self.root
+                hashes.append(hash_block(parent, seq.block_tokens(i), salted if i >= first_salted else b""))
         return hashes[:num_blocks]
 
     def lookup(self, seq: Sequence) -> tuple[list[int], int]:
@@ -119,15 +120,17 @@ class BlockManager:
         return hits, num_lower
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish seq's blocks that are full and computed (call after the step that wrote them)."""
-        if not self.enable_prefix_caching:
-            return
+        """Publish seq's blocks that became full and computed since the last call (call after the
+        step that wrote them). Blocks below seq.num_published_blocks were looked at already, so a
+        decode step costs O(1) per sequence, not O(blocks)."""
         num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= seq.num_published_blocks:
+            return
         first_salted = salt_start_block(seq.public_prefix_len, self.block_size)
         hashes = self.block_hashes(seq, num_full)
-        for i, h in enumerate(hashes):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is not None:
+        for i in range(seq.num_published_blocks, num_full):
+            block, h = self.blocks[seq.block_table[i]], hashes[i]
+            if block.hash is not None:    # a prefix hit or a restored block: published already
                 continue
             if h in self.cached:          # computed twice concurrently: keep the first, no dedup
                 continue
@@ -136,6 +139,7 @@ class BlockManager:
             self.cached[h] = block.block_id
             if self.write_behind:
                 self.pending_publishes.append((block.block_id, block.meta()))
+        seq.num_published_blocks = num_full
 
     # ---- allocation -----------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (),
@@ -143,10 +147,12 @@ class BlockManager:
         """Grow seq's table to hold num_new_tokens more tokens, first claiming `cached_blocks` and
         then `num_restore` blocks restored from the lower tiers (a lookup() result, only for a
         sequence with no blocks yet). All or nothing."""
-        num_claimed_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        # NOTE: called for every running sequence every step, so the decode path is kept lean
+        bs = self.block_size
         num_hit = len(cached_blocks) + num_restore
-        num_computed = seq.num_computed_tokens + num_hit * self.block_size
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
+        num_computed = seq.num_computed_tokens + num_hit * bs
+        num_needed = (num_computed + num_new_tokens + bs - 1) // bs - len(seq.block_table) - len(cached_blocks)
+        num_claimed_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0) if cached_blocks else 0
         if num_needed + num_claimed_free > len(self.free_lru):
             return False
         if num_hit:
@@ -165,12 +171,13 @@ class BlockManager:
             if num_restore:
                 self.tiers.pin(hashes[len(cached_blocks):num_hit])
             seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+            seq.num_published_blocks = num_hit                # hits and restores are published already
             num_needed -= num_restore
-        if num_new_tokens and seq.num_computed_tokens % self.block_size:
+        if num_new_tokens and seq.num_computed_tokens % bs:
             # NOTE: the partial tail is about to be written; it must be ours alone
-            tail = self.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]]
+            tail = self.blocks[seq.block_table[seq.num_computed_tokens // bs]]
             assert tail.ref_count == 1 and tail.hash is None, f"write into shared block {tail}"
-        for _ in range(max(num_needed, 0)):
+        for _ in range(num_needed):       # (empty when nothing is needed)
             seq.block_table.append(self._take_free())
         return True
 
@@ -188,6 +195,7 @@ class BlockManager:
         child.block_table = parent.block_table[:num_full]
         child.num_computed_tokens = num_tokens
         child.block_hashes = parent.block_hashes[:num_full]
+        child.num_published_blocks = num_full                 # the parent has published these
         if not partial:
             return None
         child.block_table.append(self._take_free())
@@ -202,7 +210,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._unref(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_published_blocks = 0
 
     # ---- internals ------------------------------------------------------------------------------
     def _ref(self, block_id: int) -> None:
@@ -271,3 +279,6 @@ class BlockManager:
         # copies in flight: a block waiting for its restore is held by a sequence, never free
         in_flight = [b for b, _ in self.pending_restores if self.blocks[b].ref_count == 0]
         assert not in_flight, f"blocks freed while their restore copy is pending: {in_flight[:8]}"
+        # cache_full_blocks never looks below num_published_blocks again: it must not outrun the KV
+        stale = [seq for seq in seqs if seq.num_published_blocks > seq.num_computed_tokens // self.block_size]
+        assert not stale, f"published-block counts ahead of the computed tokens: {stale[:8]}"

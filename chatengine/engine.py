@@ -39,6 +39,8 @@ class Request:
         self.error: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.num_finished = 0             # sequences finished so far (counted by LLMEngine._finish)
+        self.stream = True                # False: step() returns its output only once it has finished
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -46,7 +48,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
+        # read for every request every step: a count, not a scan of the sequences
+        return self.num_finished == self.params.n
 
 
 class LLMEngine:
@@ -104,7 +107,8 @@ class LLMEngine:
         try:
             self._copy_evictions()
             if restores:
-                self.runner.scatter_blocks([b for b, _ in restores], tiers.pages(hashes))
+                tiers.copies_in_flight(self.runner.restore_blocks([b for b, _ in restores], tiers.host.data,
+                                                                  tiers.host_slots(hashes)))
         except BaseException:   # never leave a published block without its data
             for block_id, _ in restores:
                 bm.unpublish(block_id)
@@ -279,8 +283,7 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
+                self._finish(req, seq, "abort")
         return self._output(req, final=True)
 
     def has_unfinished_requests(self) -> bool:
@@ -309,44 +312,50 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            if seq.index == 0 and seq.num_output_tokens == 0 and len(req.seqs) < req.params.n:
+            if len(req.seqs) < req.params.n and seq.index == 0 and seq.num_output_tokens == 0:
                 self._fork(req, seq)
             seq.append_token(token_id)
             self.num_generated_tokens += 1
-            self._check_stop(seq, req.detoks[seq.index], token_id)
+            self._check_stop(req, seq, token_id)
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
-            outputs.append(self._output(req))
             if req.finished:
                 del self.requests[req.request_id]
+                outputs.append(self._output(req))
+            elif req.stream:      # an output copies every token list: only for those who stream
+                outputs.append(self._output(req))
         if self.config.debug_checks:
             self.check_invariants()
         return outputs
 
-    def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token_id: int) -> None:
+    def _check_stop(self, req: Request, seq: Sequence, token_id: int) -> None:
         p = seq.params
         if not p.ignore_eos and token_id in self.eos_token_ids:
-            self._finish(seq, "stop")
-        elif token_id in p.stop_token_ids:
-            self._finish(seq, "stop", token_id)
-        else:
-            delta = detok.add(token_id)
-            if p.stop and delta:
-                text = detok.text
-                for s in p.stop:
-                    at = text.find(s, max(0, len(text) - len(delta) - len(s) + 1))
-                    if at >= 0:
-                        detok.text = text[:at]
-                        self._finish(seq, "stop", s)
-                        return
-        if not seq.is_finished and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            self._finish(req, seq, "stop")
+            return
+        if token_id in p.stop_token_ids:
+            self._finish(req, seq, "stop", token_id)
+            return
+        detok = req.detoks[seq.index]
+        delta = detok.add(token_id)
+        if p.stop and delta:
+            text = detok.text
+            for s in p.stop:
+                at = text.find(s, max(0, len(text) - len(delta) - len(s) + 1))
+                if at >= 0:
+                    detok.text = text[:at]
+                    self._finish(req, seq, "stop", s)
+                    return
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             detok.flush()
-            self._finish(seq, "length")
+            self._finish(req, seq, "length")
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+    def _finish(self, req: Request, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """Retire one sequence of req (it must not be finished yet)."""
         self.scheduler.finish(seq)
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        req.num_finished += 1
 
     def _fail(self, request_ids: set[str], message: str) -> list[RequestOutput]:
         outputs = []
@@ -355,7 +364,7 @@ class LLMEngine:
             req.error = message
             for seq in req.seqs:
                 if not seq.is_finished:
-                    self._finish(seq, "error")
+                    self._finish(req, seq, "error")
             outputs.append(self._output(req, final=True))
         return outputs
 
@@ -363,7 +372,7 @@ class LLMEngine:
         completions = []
         for seq, detok in zip(req.seqs, req.detoks):
             text = detok.text
-            if not seq.is_finished and seq.params.stop:   # hold back what may become a stop string
+            if seq.params.stop and not seq.is_finished:   # hold back what may become a stop string
                 hold = max((k for s in seq.params.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
                 text = text[:len(text) - hold]
             completions.append(CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
@@ -447,6 +456,7 @@ class LLM:
     def _run(self, reqs: list[Request]) -> list[RequestOutput]:
         engine = self.engine
         for req in reqs:
+            req.stream = False    # only final outputs are kept: the engine builds no others
             engine.add(req)
         final = {}
         try:
@@ -575,17 +585,27 @@ class AsyncLLM:
             self._wake.notify()
 
     def _deliver(self, out: RequestOutput | Exception, request_id: str) -> None:
-        target = self._queues.get(request_id)
-        if target is None:
-            return
-        loop, queue = target
-        if isinstance(out, Exception) or out.finished:
-            del self._queues[request_id]
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-        except RuntimeError:      # the caller's loop has closed: nobody is listening any more
-            if not isinstance(out, Exception) and not out.finished:
-                self.engine.abort(request_id)
+        self._deliver_many([(request_id, out)])
+
+    def _deliver_many(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
+        """Hand outputs to their callers' queues with one wake-up per event loop, not one per
+        output: each wake-up is a syscall, and a step streams to up to max_num_seqs callers."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}     # loop -> [(request_id, queue, out)]
+        for request_id, out in items:
+            target = self._queues.get(request_id)
+            if target is None:
+                continue
+            loop, queue = target
+            if isinstance(out, Exception) or out.finished:
+                del self._queues[request_id]
+            batches.setdefault(loop, []).append((request_id, queue, out))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:      # the caller's loop has closed: nobody is listening any more
+                for request_id, _, out in batch:
+                    if not isinstance(out, Exception) and not out.finished:
+                        self.engine.abort(request_id)
 
     def _loop(self) -> None:
         engine = self.engine
@@ -630,6 +650,11 @@ class AsyncLLM:
             except Exception as e:    # a bug outside the forward: fail everything in flight, keep serving
                 log.exception("engine step failed")
                 outputs = engine._fail(set(engine.requests), f"{type(e).__name__}: {e}")
-            for out in outputs:
-                self._deliver(out, out.request_id)
+            self._deliver_many([(out.request_id, out) for out in outputs])
             self._publish_stats()
+
+
+def _put_all(batch: list[tuple[str, asyncio.Queue, object]]) -> None:
+    """Runs on a caller's event loop: one step's outputs for the requests of that loop, in order."""
+    for _, queue, out in batch:
+        queue.put_nowait(out)

@@ -356,18 +356,21 @@ class ModelRunner:
         ids = torch.tensor(block_ids, device=self.device)
         return self.kv_cache.index_select(0, ids).to("cpu")
 
-    def scatter_blocks(self, block_ids: list[int], pages: torch.Tensor) -> None:
-        """kv_cache[block_ids[i]] = pages[i]; on CUDA the copy runs on a side stream that the
-        compute stream then waits for, so the next forward sees the restored pages."""
-        ids = torch.tensor(block_ids, device=self.device)
+    def restore_blocks(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
+        """kv_cache[block_ids[i]] = host_pages[slots[i]], straight from the (pinned) host pool: one
+        copy per run of consecutive slots and blocks. On CUDA the copies run on a side stream that the
+        compute stream then waits for, so the next forward sees the restored pages; returns the event
+        that marks them done (the host pool must not overwrite those slots before it), else None."""
         if self.device.type != "cuda":
-            self.kv_cache.index_copy_(0, ids, pages.to(self.dtype))
-            return
+            cache_ops.copy_pages(self.kv_cache, block_ids, host_pages, slots)
+            return None
         if not hasattr(self, "copy_stream"):
             self.copy_stream = torch.cuda.Stream(self.device)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            self.kv_cache.index_copy_(0, ids, pages.to(self.device, non_blocking=True))
-        # NOTE: no host sync: torch's pinned-memory allocator keeps `pages` alive until the copy is done
-        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            cache_ops.copy_pages(self.kv_cache, block_ids, host_pages, slots)
+            done = torch.cuda.Event()
+            done.record()
+        torch.cuda.current_stream(self.device).wait_event(done)
+        return done
 

@@ -228,6 +228,7 @@ class TieredCache:
         self.host = HostPool(cpu_blocks, block_shape, dtype, pin) if cpu_blocks > 0 else None
         self.disk = DiskStore(disk_dir, root, disk_budget_bytes, block_shape, dtype) if disk_dir else None
         self.num_restored = self.num_promoted = 0
+        self.inflight = None                    # event of the last restore's host -> device copies
 
     # ---- lookup (metadata + disk promotion) -------------------------------------------------------
     def lookup(self, hashes: list[bytes], token_lists: list[list[int]]) -> int:
@@ -271,13 +272,14 @@ class TieredCache:
             else:
                 del self.host.pinned[h]
 
-    def pages(self, hashes: list[bytes]) -> torch.Tensor:
-        """Host pages of pinned hashes, as one (n, *block_shape) tensor."""
-        slots = torch.tensor([self.host.index[h][0] for h in hashes])
+    def host_slots(self, hashes: list[bytes]) -> list[int]:
+        """Host pool slots of pinned hashes, for a restore that copies straight from `host.data`."""
         self.num_restored += len(hashes)
-        data = self.host.data
-        out = torch.empty((len(hashes), *data.shape[1:]), dtype=data.dtype, pin_memory=data.is_pinned())
-        return torch.index_select(data, 0, slots, out=out)      # pinned staging: the H2D copy is async
+        return [self.host.index[h][0] for h in hashes]
+
+    def copies_in_flight(self, event) -> None:
+        """A restore is reading host slots until `event` (anything with .synchronize()) completes."""
+        self.inflight = event
 
     # ---- write-back from the device ---------------------------------------------------------------
     def put(self, meta: BlockMeta, page: torch.Tensor) -> bool:
@@ -293,6 +295,9 @@ class TieredCache:
         if not host.free_slots and not self._spill_one():
             return False
         slot = host.free_slots.pop()
+        if self.inflight is not None:          # a restore may still be reading this slot: wait for it
+            self.inflight.synchronize()
+            self.inflight = None
         host.data[slot].copy_(page)
         host.index[meta.hash] = (slot, meta)
         return True

@@ -34,6 +34,7 @@ class Sequence:
         self.salt = b""                   # per-user salt for prefix hashing (set by the engine)
         self.public_prefix_len = 0        # leading tokens shared with everyone (a public persona)
         self.block_hashes: list[bytes] = []  # hashes of full blocks, computed lazily by the block manager
+        self.num_published_blocks = 0     # blocks cache_full_blocks has looked at (it only looks further on)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.generator = None             # per-sequence RNG for seeded sampling (owned by the runner)

@@ -63,6 +63,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the new complete text (possibly "")."""
         self.token_ids.append(token_id)
+        if self.tokenizer is None:      # dummy weights have no text: skip slicing the growing id list
+            return ""
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

@@ -119,6 +119,25 @@ def copy_blocks(kv_cache, src, dst, backend=None):
     return copy_blocks_ref(kv_cache, src, dst)
 
 
+def page_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src, dst, n) runs: pairs where both ids go up by one merge, so each run is one copy."""
+    runs = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+def copy_pages(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
+    """dst[dst_ids[i]] = src[src_ids[i]] between two page-first tensors, e.g. the pinned host pool and
+    the device cache: one contiguous copy per run of consecutive ids, nothing staged in between
+    (non-blocking: host -> device from pinned memory is an async DMA on the current stream)."""
+    for s, d, n in page_runs(src_ids, dst_ids):
+        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+
+
 # A page is one contiguous span of the page-first cache, so on the GPU the torch reference already
 # is one copy per page: gather is a single index_select into a contiguous output, scatter a single
 # index_put_ (after one host-to-device copy of `pages`). A Triton kernel would not move fewer bytes.

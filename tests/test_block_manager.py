@@ -2,6 +2,7 @@
 import pytest
 
 from chatengine.block_manager import BlockManager
+from chatengine.hashing import hash_block
 from chatengine.sampling_params import SamplingParams
 from chatengine.sequence import Sequence
 
@@ -156,3 +157,92 @@ def test_prefix_caching_off_never_hits():
     assert bm.cached == {}
     bm.free(a)
     assert bm.lookup(make_seq(list(range(9)))) == ([], 0)
+
+
+def decode(bm, seq, token):
+    """One decode step: the sampled token joins the sequence, then the step computes it."""
+    seq.append_token(token)
+    compute(bm, seq, 1)
+
+
+def published(bm):
+    """(block id, hash) of each block published since the last call, in order."""
+    out = [(block_id, meta.hash) for block_id, meta in bm.pending_publishes]
+    bm.pending_publishes.clear()
+    return out
+
+
+def test_cache_full_blocks_publishes_exactly_the_newly_full_blocks():
+    bm = BlockManager(8, BS, root=b"root")
+    bm.write_behind = True                                # pending_publishes records every publish
+    a = make_seq(list(range(10)))
+    compute(bm, a, 10)                                    # blocks 0, 1 full; block 2 holds 2 tokens
+    h0 = hash_block(b"root", [0, 1, 2, 3])
+    h1 = hash_block(h0, [4, 5, 6, 7])
+    assert published(bm) == [(0, h0), (1, h1)]
+    assert bm.cached == {h0: 0, h1: 1} and a.num_published_blocks == 2
+    decode(bm, a, 10)                                     # block 2: 3 of 4 tokens
+    assert published(bm) == [] and bm.blocks[2].hash is None
+    a.append_token(11)
+    assert bm.allocate(a, 1)                              # the step that fills block 2 is scheduled...
+    assert bm.blocks[2].hash is None                      # ...but nothing is published before it ran
+    a.num_computed_tokens += 1
+    bm.cache_full_blocks(a)
+    h2 = hash_block(h1, [8, 9, 10, 11])
+    assert published(bm) == [(2, h2)]
+    assert bm.blocks[2].token_ids == (8, 9, 10, 11) and bm.blocks[2].parent == h1
+    assert a.num_published_blocks == 3
+    bm.check_invariants([a])
+    # blocks below num_published_blocks are never looked at again (a decode step is O(1) per
+    # sequence): an unpublished old block stays unpublished when a later block fills
+    bm.unpublish(0)
+    for t in (12, 13, 14, 15):
+        decode(bm, a, t)
+    assert published(bm) == [(3, hash_block(h2, [12, 13, 14, 15]))]
+    assert bm.blocks[0].hash is None
+
+
+def test_published_count_follows_free_hits_and_fork():
+    bm = BlockManager(12, BS, root=b"root")
+    bm.write_behind = True
+    a = make_seq(list(range(10)))
+    compute(bm, a, 10)
+    published(bm)
+    bm.free(a)                                            # preempted: recomputed from scratch later
+    assert a.num_published_blocks == 0
+    hits, _ = bm.lookup(a)
+    assert hits == [0, 1]
+    assert bm.allocate(a, 2, hits)                        # hits are published already
+    assert a.num_published_blocks == 2 and a.num_computed_tokens == 8
+    a.num_computed_tokens += 2
+    bm.cache_full_blocks(a)
+    assert published(bm) == []                            # block 2 is still partial
+    # fork: the child shares the parent's published blocks and publishes only its own
+    child = make_seq(list(range(10)))
+    copy = bm.fork(a, child, 9)
+    assert child.block_table[:2] == [0, 1] and child.num_published_blocks == 2
+    assert copy == (a.block_table[2], child.block_table[2])
+    compute(bm, child, 1)                                 # the last prompt token, then two samples
+    decode(bm, child, 50)
+    decode(bm, child, 51)
+    h1 = bm.blocks[1].hash
+    assert published(bm) == [(child.block_table[2], hash_block(h1, [8, 9, 50, 51]))]
+    bm.check_invariants([a, child])
+    bm.free(child)
+    bm.free(a)
+
+
+def test_a_block_computed_twice_concurrently_is_published_once():
+    bm = BlockManager(8, BS, root=b"root")
+    a, b = make_seq(list(range(9))), make_seq(list(range(9)))
+    assert bm.allocate(a, 9) and bm.allocate(b, 9)        # neither is published yet: no hits
+    for seq in (a, b):
+        seq.num_computed_tokens += 9
+        bm.cache_full_blocks(seq)
+    # the first computed is the one indexed; b's copies stay private (no dedup of live blocks)
+    assert [bm.blocks[i].hash is not None for i in a.block_table + b.block_table] == [True, True] + [False] * 4
+    assert sorted(bm.cached.values()) == a.block_table[:2]
+    assert b.num_published_blocks == 2
+    bm.check_invariants([a, b])
+    bm.free(a)
+    bm.free(b)

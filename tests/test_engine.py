@@ -256,3 +256,71 @@ def test_async_streaming_concurrent_and_abort():
         engine.engine.check_invariants()
     finally:
         engine.shutdown()
+
+
+def test_outputs_are_built_only_for_streamed_requests(tiny):
+    """LLM.generate keeps only final outputs, so its requests (stream=False) get none until they
+    finish; a streamed request gets one snapshot per token. Both end the same."""
+    engine = tiny.engine
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    streamed, quiet = engine.make_request([1, 2, 3, 4, 5], sp), engine.make_request([1, 2, 3, 4, 5], sp)
+    quiet.stream = False
+    engine.add(streamed)
+    engine.add(quiet)
+    seen = {streamed.request_id: [], quiet.request_id: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    outs = seen[streamed.request_id]
+    assert [o.finished for o in outs] == [False] * 4 + [True]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]     # snapshots, not one live list
+    (final,) = seen[quiet.request_id]
+    assert final.finished and final.outputs[0].token_ids == outs[-1].outputs[0].token_ids
+    assert final.outputs[0].finish_reason == "length"
+
+
+def test_a_request_finishes_when_all_its_samples_have(tiny):
+    engine = tiny.engine
+    sp = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True)
+    engine.add(engine.make_request([1, 2, 3, 4, 5, 6], sp, request_id="n3"))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert [c.finish_reason for c in outs[-1].outputs] == ["length"] * 3
+    engine.add(engine.make_request([1, 2, 3], sp, request_id="early"))   # aborted before it forks
+    out = engine.abort("early")
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"]
+    engine.add(engine.make_request([1, 2, 3], SamplingParams(n=2, max_tokens=50, ignore_eos=True), request_id="mid"))
+    engine.step()
+    engine.step()
+    out = engine.abort("mid")                                            # aborted after it forked
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 2
+
+
+def test_a_closed_caller_loop_aborts_only_its_own_requests():
+    """Outputs go to each caller's event loop in one batch per step; when a loop has closed (its
+    caller vanished without closing the stream), its requests are aborted and others stream on."""
+    engine = AsyncLLM("dummy:tiny", num_kv_blocks=64, max_num_batched_tokens=64)
+    try:
+        closed = asyncio.new_event_loop()
+        closed.close()
+        for i in range(2):
+            req = engine.engine.make_request([1, 2, 3, i], SamplingParams(max_tokens=500, ignore_eos=True),
+                                             request_id=f"gone{i}")
+            engine._post(("add", req, closed, asyncio.Queue()))
+
+        async def live():
+            return [out async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))]
+
+        outs = asyncio.run(live())
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+        for _ in range(100):
+            if not engine.engine.requests:
+                break
+            time.sleep(0.02)
+        assert not engine.engine.requests
+        assert engine.engine.num_generated_tokens < 100          # the vanished callers' requests stopped early
+    finally:
+        engine.shutdown()

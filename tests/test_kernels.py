@@ -269,6 +269,28 @@ def test_gather_scatter_roundtrip(device):
     assert torch.equal(other[[0, 2, 9]], kv[[4, 1, 8]]) and not other[[1, 3]].any()
 
 
+def test_page_runs_merge_only_consecutive_pairs():
+    assert cache_ops.page_runs([3, 4, 5, 9, 10, 2], [7, 8, 9, 0, 2, 3]) == [(3, 7, 3), (9, 0, 1), (10, 2, 1),
+                                                                         (2, 3, 1)]
+    assert cache_ops.page_runs([5, 4], [0, 1]) == [(5, 0, 1), (4, 1, 1)] and cache_ops.page_runs([], []) == []
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
+                                                                                        reason="CUDA"))])
+def test_copy_pages_from_host_pool_equals_scatter(device):
+    kv = make_cache(10, 16, 2, 32, torch.bfloat16, device)
+    pool = torch.randn(6, *kv.shape[1:]).to(torch.bfloat16)
+    if device == "cuda":
+        pool = pool.pin_memory()
+    slots, blocks = [1, 2, 3, 5, 0], [6, 7, 8, 2, 3]
+    expected = kv.clone()
+    cache_ops.scatter_blocks_ref(expected, torch.tensor(blocks, device=device), pool[slots])
+    cache_ops.copy_pages(kv, blocks, pool, slots)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(kv, expected)
+
+
 @pytest.mark.skipif(INTERPRETED or HAS_CUDA or pa.triton is None,
                     reason="only when triton was imported, compiled, before this module on a CPU box")
 def test_interpreter_in_subprocess():

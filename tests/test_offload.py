@@ -33,7 +33,7 @@ def test_host_disk_round_trip_is_bitwise(tmp_path):
     hashes = [m.hash for m in ms]
     assert tiers.lookup(hashes[:2], [m.token_ids for m in ms[:2]]) == 2          # promoted from disk
     tiers.pin(hashes[:2])
-    got = tiers.pages(hashes[:2])
+    got = tiers.host.data[tiers.host_slots(hashes[:2])]
     tiers.unpin(hashes[:2])
     assert torch.equal(got.view(torch.int16), pages[:2].view(torch.int16))
     # a token mismatch (a hash collision) is a miss

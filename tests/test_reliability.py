@@ -178,7 +178,7 @@ def test_forward_failure_mid_stream_in_async_engine():
         engine.shutdown()
 
 
-@pytest.mark.parametrize("failing", ["gather_blocks", "scatter_blocks"])
+@pytest.mark.parametrize("failing", ["gather_blocks", "restore_blocks"])
 def test_failed_offload_copy_leaves_no_published_garbage(failing):
     """The swap copies before a forward fail (device->host write-back, or host->device restore):
     the request fails cleanly, no restore stays pending, no host page stays pinned, and no block is
