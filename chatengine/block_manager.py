@@ -132,7 +132,8 @@ class BlockManager:
             block, h = self.blocks[seq.block_table[i]], hashes[i]
             if block.hash is not None:    # a prefix hit or a restored block: published already
                 continue
-            if h in self.cached:          # computed twice concurrently: keep the first, no dedup
+            if h in self.cached:          # computed twice: share the first copy, free this one
+                self._share_cached(seq, i, self.cached[h])
                 continue
             block.set_hash(BlockMeta(h, hashes[i - 1] if i else self.root, tuple(seq.block_tokens(i)),
                                      owner_tag(seq.salt) if i >= first_salted else b""))
@@ -140,6 +141,19 @@ class BlockManager:
             if self.write_behind:
                 self.pending_publishes.append((block.block_id, block.meta()))
         seq.num_published_blocks = num_full
+
+    def _share_cached(self, seq: Sequence, i: int, cached_id: int) -> None:
+        """seq's block i holds what block `cached_id` holds (same hash and tokens: two requests
+        computed one prefix at once, or a fork child recomputed the last token of a block-aligned
+        prompt): point seq at the published block and free its duplicate, so n samples of a
+        prompt hold its pages once."""
+        dup = seq.block_table[i]
+        if self.blocks[cached_id].token_ids != tuple(seq.block_tokens(i)):
+            return                        # a hash collision: keep the private copy
+        self._ref(cached_id)
+        # a new list, not an edit in place: the runner mirrors tables that only grow or are replaced
+        seq.block_table = seq.block_table[:i] + [cached_id] + seq.block_table[i + 1:]
+        self._unref(dup)
 
     # ---- allocation -----------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (),

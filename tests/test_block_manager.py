@@ -232,17 +232,38 @@ def test_published_count_follows_free_hits_and_fork():
     bm.free(a)
 
 
-def test_a_block_computed_twice_concurrently_is_published_once():
+def test_a_block_computed_twice_concurrently_is_shared_once_published():
     bm = BlockManager(8, BS, root=b"root")
     a, b = make_seq(list(range(9))), make_seq(list(range(9)))
     assert bm.allocate(a, 9) and bm.allocate(b, 9)        # neither is published yet: no hits
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4, 5]
     for seq in (a, b):
         seq.num_computed_tokens += 9
         bm.cache_full_blocks(seq)
-    # the first computed is the one indexed; b's copies stay private (no dedup of live blocks)
-    assert [bm.blocks[i].hash is not None for i in a.block_table + b.block_table] == [True, True] + [False] * 4
-    assert sorted(bm.cached.values()) == a.block_table[:2]
+    # a's full blocks are indexed; b's duplicates are swapped for them and freed (its tail stays)
+    assert b.block_table == [0, 1, 5] and sorted(bm.cached.values()) == [0, 1]
+    assert [bm.blocks[i].ref_count for i in range(6)] == [2, 2, 1, 0, 0, 1]
+    assert list(bm.free_lru)[:2] == [4, 3] and bm.num_free_blocks == 4   # freed duplicates go first
     assert b.num_published_blocks == 2
     bm.check_invariants([a, b])
     bm.free(a)
     bm.free(b)
+    bm.check_invariants([])
+
+
+def test_fork_of_a_block_aligned_prompt_holds_the_prompt_once():
+    """n samples of an 8-token prompt (2 full blocks): a child recomputes the last prompt token in
+    a copy of block 1; once full it is swapped for the parent's published block 1 and freed."""
+    bm = BlockManager(8, BS, root=b"root")
+    parent = make_seq(list(range(8)))
+    compute(bm, parent, 8)
+    assert parent.block_table == [0, 1] and sorted(bm.cached.values()) == [0, 1]
+    child = make_seq(list(range(8)))
+    assert bm.fork(parent, child, 7) == (1, 2)            # device copy of block 1's first 3 tokens into 2
+    assert child.block_table == [0, 2]
+    compute(bm, child, 1)                                 # recompute token 7: block 2 equals block 1
+    assert child.block_table == [0, 1] and [bm.blocks[i].ref_count for i in range(3)] == [2, 2, 0]
+    bm.check_invariants([parent, child])
+    bm.free(child)
+    bm.free(parent)
+    bm.check_invariants([])
