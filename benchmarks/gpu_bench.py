@@ -495,6 +495,18 @@ def part_sweep(args, res):
             log(f"[sweep] {B}x{ctx}: best {best['launch']}: {best['paged_ms'] * 1e3:.1f} us "
                 f"({best['paged_bytes_per_s'] / 1e12:.2f} TB/s); default {ok[0]['paged_ms'] * 1e3:.1f} us; "
                 f"{len(r['rows']) - len(ok)} configs failed")
+    if args.sweep in ("prefill", "both"):
+        for B, q_len, ctx in [(1, 128, 2176), (1, 32, 8192), (1, 512, 4096), (4, 128, 2048), (1, 2048, 2048),
+                              (8, 256, 1024), (1, 128, 512), (2, 1024, 1024)]:
+            r = prefill_split_bench(B, q_len, ctx, [None, 1, 2, 4, 8, 16, 32],
+                                    configs=[None, (64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 8, 2), (16, 4, 2)])
+            out.setdefault("prefill", []).append(r)
+            best = min(r["rows"], key=lambda x: x["ms"])
+            for cfg in dict.fromkeys(x["launch"] for x in r["rows"]):
+                log(f"[sweep] prefill B={B} q={q_len} ctx={ctx} {cfg}: " + ", ".join(
+                    f"{x['num_splits']}{'*' if x['default'] else ''}: {x['ms'] * 1e3:.1f}"
+                    for x in r["rows"] if x["launch"] == cfg) + " us")
+            log(f"[sweep] prefill B={B} q={q_len} ctx={ctx}: best {best['launch']} x {best['num_splits']} splits")
     if args.sweep in ("splits", "both"):
         for B, ctx in [(1, 8192), (1, 32768), (8, 8192), (16, 4096), (32, 4096), (64, 1024), (64, 4096),
                        (128, 2048), (256, 1024)]:
@@ -506,6 +518,28 @@ def part_sweep(args, res):
             log(f"[sweep] {B}x{ctx} splits: " + ", ".join(f"{x['num_splits']}: {x['paged_ms'] * 1e3:.1f}"
                                                           for x in sorted(ok, key=lambda x: x["num_splits"]))
                 + f" us; best {ok[0]['num_splits']}, heuristic {r['heuristic']}")
+
+
+def prefill_split_bench(B, q_len, ctx, splits, H_q=32, H_kv=8, D=64, page=16, configs=(None,)) -> dict:
+    """A prefill chunk of q_len new tokens per sequence on top of a cached prefix (ctx tokens in all):
+    the kernel per split count (the engine's chunked prefill and every cached-prefix turn)."""
+    cache, tables, _, _, lens = kv_setup(B, ctx, H_q, H_kv, D, page, 1)
+    q = torch.randn(B * q_len, H_q, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(B + 1, dtype=torch.int32, device="cuda") * q_len
+    out = torch.empty_like(q)
+    rows = []
+    for cfg in configs:
+        for ns in splits:
+            def run():
+                pa.paged_attention_triton(q, cache[:, 0, 0], cache[:, 0, 1], cu, lens, tables, D ** -0.5,
+                                          max_seqlen_q=q_len, max_seqlen_k=ctx, num_splits=ns, out=out, launch=cfg)
+            rows.append({"num_splits": ns or pa._prefill_splits(B, q_len, H_q // H_kv, H_kv, ctx,
+                                                                pa.num_sms(q.device)),
+                         "launch": cfg, "default": ns is None and cfg is None,
+                         "ms": graph_time(run)})           # device time: no host launch gaps
+    cache = None
+    free_memory()
+    return {"batch": B, "q_len": q_len, "context": ctx, "rows": rows}
 
 
 def part_profile(args, res):
@@ -616,7 +650,7 @@ def main(argv=None):
                     help="extra engine settings as JSON, e.g. '{\"cpu_offload_gib\": 0}' (throughput part)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--decode-steps", type=int, default=20)
-    ap.add_argument("--sweep", choices=["launch", "splits", "both"], default="both", help="what --part sweep varies")
+    ap.add_argument("--sweep", choices=["launch", "splits", "prefill", "both"], default="both", help="what --part sweep varies")
     ap.add_argument("--commit", default=None, help="commit to record (default: $CHATENGINE_COMMIT, else git)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)

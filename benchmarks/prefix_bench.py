@@ -75,7 +75,8 @@ def filler(rng: random.Random, tok, num_tokens: int, head: str = "") -> str:
 
 
 # ---- phase 1: TTFT cold vs cached ---------------------------------------------------------------
-def ttft_phase(llm: LLM, trials: int, persona_tokens: int, question_tokens: int, rng: random.Random) -> dict:
+def ttft_phase(llm: LLM, trials: int, persona_tokens: int, question_tokens: int, rng: random.Random,
+               profile: bool = False) -> dict:
     engine = llm.engine
     bs = engine.config.block_size
     tok = llm.get_tokenizer()
@@ -135,6 +136,24 @@ def ttft_phase(llm: LLM, trials: int, persona_tokens: int, question_tokens: int,
         if hot.num_cached_tokens < expected:
             print(f"  WARNING: the cached request hit only {hot.num_cached_tokens} of the persona's {expected}",
                   flush=True)
+
+    if profile:                               # where a cached request's TTFT goes
+        import cProfile
+        import pstats
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        persona, _ = make_persona("profile")
+        timed(persona, "profile-a")
+        pr = cProfile.Profile()
+        pr.enable()
+        timed(persona, "profile-b")
+        pr.disable()
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with torch_profile(activities=acts) as prof:
+            timed(persona, "profile-c")
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=20))
 
     def med(key):
         return statistics.median(r[key] for r in rows)
@@ -266,6 +285,7 @@ def main(argv=None):
                     help="torch CPU threads (default: torch's). On a CPU shared with other jobs, 1 avoids "
                          "OpenMP threads spinning at barriers while the other core is taken")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for results")
+    ap.add_argument("--profile", action="store_true", help="print cProfile + torch.profiler of one cached request")
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -278,7 +298,7 @@ def main(argv=None):
     print(f"loaded {st['model']} on {st['device']} {st['dtype']} ({st['attention_backend']}), "
           f"{st['kv_blocks_total']} KV blocks, {time.perf_counter() - t0:.1f}s", flush=True)
     rng = random.Random(args.seed)
-    ttft = ttft_phase(llm, args.trials, args.persona_tokens, args.question_tokens, rng)
+    ttft = ttft_phase(llm, args.trials, args.persona_tokens, args.question_tokens, rng, args.profile)
     kv = kv_phase(llm, args.kv_n, args.kv_prompt_tokens, args.kv_new_tokens, args.seed)
 
     cuda = st["device"].startswith("cuda")

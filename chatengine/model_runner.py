@@ -147,11 +147,14 @@ class ModelRunner:
         self._host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(size, dtype=torch.int32, device=device) if pin else self._host
+        self._uploaded = torch.cuda.Event() if pin else None
         self._tables = BlockTableRows(2 * max_b, -(-self.max_num_pages // 16) * 16)
         self._temps_host = torch.zeros(max_b, dtype=torch.float32, pin_memory=pin)
         self._temps_dev = torch.zeros(max_b, dtype=torch.float32, device=device) if pin else self._temps_host
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # batch size -> (graph, logits)
         self.num_graph_steps = 0                                                  # decode steps replayed
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # padded T -> ...
+        self.num_prefill_graph_steps = 0                                          # one-sequence chunks replayed
         self.block_bytes = mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
         self.num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         if self.num_blocks < 2:
@@ -195,11 +198,20 @@ class ModelRunner:
         return max(int(budget) // self.block_bytes, 0)
 
     # ---- batch tensors ------------------------------------------------------------------------
-    def _stage(self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: int | None = None):
+    def _stage(self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: int | None = None,
+               pad_tokens: int | None = None):
         """Fill the staging buffer for this step; returns (layout, samples, max_seqlen_q, max_seqlen_k, T).
 
-        pad_to: a CUDA graph's batch size. Lanes B..pad_to-1 are decode lanes that do nothing
-        (token 0 at position 0, slot -1, seq_len 0), and the block table is pad_to x max_num_pages."""
+        pad_to: a decode CUDA graph's batch size. Lanes B..pad_to-1 are decode lanes that do nothing
+        (token 0 at position 0, slot -1, seq_len 0), and the block table is pad_to x max_num_pages.
+        pad_tokens: a one-sequence prefill graph's token count. Tokens T..pad_tokens-1 store nothing
+        (slot -1) and lie past cu_seqlens_q[1], so attention gives them no work; the logits row is
+        the chunk's last token."""
+        if self._uploaded is not None:
+            # NOTE: a step that samples nothing (a prompt chunk) never syncs, and a graph replay
+            # returns at once: without this wait the host could rewrite the pinned buffer while
+            # the previous step's copy of it is still queued (it did, in a chunked prefill).
+            self._uploaded.synchronize()
         bs = self.block_size
         B = len(seqs)
         n = np.fromiter(num_new_tokens, np.int32, B)
@@ -208,7 +220,9 @@ class ModelRunner:
         samples = seq_lens == np.fromiter((s.num_tokens for s in seqs), np.int32, B)  # chunk reaches the end
         T = int(n.sum())
         num_pages = np.fromiter((len(s.block_table) for s in seqs), np.int32, B)
-        if pad_to is None:
+        if pad_tokens is not None:
+            Bp, Tp, S, W = 1, pad_tokens, 1, self.max_num_pages
+        elif pad_to is None:
             # width a multiple of 16: one Triton specialization of the block-table stride
             Bp, Tp, W = B, T, -(-int(num_pages.max()) // 16) * 16
             S = int(samples.sum())
@@ -240,7 +254,10 @@ class ModelRunner:
         pos[:T] = p
         slots[:T] = bt[token_seq, p // bs] * bs + p % bs
         view("seq_lens")[:B] = seq_lens
-        if pad_to is None:
+        if pad_tokens is not None:                      # padded prefill tokens
+            ids[T:], pos[T:], slots[T:] = 0, 0, -1
+            view("logits_indices")[:] = max(T - 1, 0)
+        elif pad_to is None:
             view("logits_indices")[:] = (cu[1:B + 1] - 1)[samples]
         else:                                           # padded decode lanes
             ids[B:], pos[B:], slots[B:] = 0, 0, -1
@@ -254,6 +271,7 @@ class ModelRunner:
         end = lay["_end"][0]
         if self._dev is not self._host:
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
+            self._uploaded.record()     # the next _stage must not overwrite _host before this copy ran
         return {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
@@ -284,6 +302,22 @@ class ModelRunner:
                             num_splits=splits)
         return d, meta
 
+    def prefill_graph_sizes(self) -> list[int]:
+        """Token counts of the one-sequence prefill graphs: a new chat turn on a cached history is one
+        short chunk, and eagerly its ~160 launches cost the host more than the GPU's work."""
+        return [t for t in (16, 32, 64, 128, 256, 512) if t <= self.config.max_num_batched_tokens]
+
+    def _prefill_graph_inputs(self, Tp: int):
+        lay = _layout(Tp, 1, 1, self.max_num_pages)
+        d = {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
+        mc = self.model_config
+        splits = paged_attention._prefill_splits(1, Tp, mc.num_heads // mc.num_kv_heads, mc.num_kv_heads,
+                                                 self.max_model_len, paged_attention.num_sms(self.device))
+        meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
+                            seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(1, self.max_num_pages),
+                            max_seqlen_q=Tp, max_seqlen_k=self.max_model_len, num_splits=splits)
+        return d, meta
+
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         pool = None
@@ -299,8 +333,28 @@ class ModelRunner:
                 logits = self.model(*args)
             pool = graph.pool()
             self.graphs[bs] = (graph, logits)
+        for Tp in reversed(self.prefill_graph_sizes()):
+            lay = _layout(Tp, 1, 1, self.max_num_pages)  # an empty sequence: no keys, nothing stored
+            h = self._host_np
+            for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0),
+                                ("block_tables", -1), ("logits_indices", Tp - 1)):
+                off, n = lay[name]
+                h[off:off + n] = value
+            off, _ = lay["cu_seqlens_q"]
+            h[off:off + 2] = (0, Tp)
+            self._upload(lay)
+            d, meta = self._prefill_graph_inputs(Tp)
+            args = (d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
+            self.model(*args)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model(*args)
+            pool = graph.pool()
+            self.prefill_graphs[Tp] = (graph, logits)
         torch.cuda.synchronize(self.device)
         self._graph_sizes = sorted(self.graphs)
+        self._prefill_sizes = sorted(self.prefill_graphs)
 
     # ---- forward and sampling --------------------------------------------------------------------
     @torch.inference_mode()
@@ -317,7 +371,17 @@ class ModelRunner:
             if not samples.all():                       # a 1-token chunk that does not end its prompt
                 logits = logits[torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
             return logits, samples.tolist()
+        if self.prefill_graphs and B == 1 and num_new_tokens[0] <= self._prefill_sizes[-1]:
+            Tp = next(t for t in self._prefill_sizes if t >= num_new_tokens[0])
+            lay, samples, *_ = self._stage(seqs, num_new_tokens, pad_tokens=Tp)
+            self._upload(lay)
+            graph, logits = self.prefill_graphs[Tp]
+            graph.replay()
+            self.num_prefill_graph_steps += 1
+            return (logits if samples.all() else logits[:0]), samples.tolist()
         input_ids, positions, meta, logits_indices, samples = self.prepare(seqs, num_new_tokens)
+        if hasattr(self.backend, "begin_step"):         # torch backend: per-step plan shared by the layers
+            self.backend.begin_step(meta, positions)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices), samples
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

@@ -14,6 +14,8 @@ Backends: `paged_attention(..., backend=None)` runs Triton on CUDA tensors and t
 elsewhere; `backend="triton"` (or `CHATENGINE_KERNELS=triton`) forces Triton. On CPU tensors Triton
 runs only under its interpreter (slow: for tests), and only if TRITON_INTERPRET=1 was set before
 triton was first imported: the flag is read when a kernel is defined, Triton's own helpers included.
+`paged_attention_torch` is the reference's function vectorised for CPU, with a plan built once per
+step and shared by the layers: the torch attention backend (chatengine/attention.py) runs it.
 
 Ideas adapted (code is our own): online softmax from the Triton fused-attention tutorial; the
 per-key page lookup and the two-stage split-KV decode (partial outputs + log-sum-exp merge) from
@@ -22,6 +24,7 @@ rows of one program (GQA) from vLLM's `triton_unified_attention`.
 """
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -198,6 +201,22 @@ def _decode_splits(num_programs: int, max_seqlen_k: int, sms: int = 132) -> int:
     return max(1, min(want, max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
+def _prefill_splits(B: int, max_seqlen_q: int, group: int, num_kv_heads: int, max_seqlen_k: int,
+                    sms: int = 132) -> int:
+    """Key splits for a prefill launch. A short chunk on a long cached prefix (a new chat turn: 128
+    tokens after 2k) makes few programs (B x kv_heads x query blocks), each walking every key:
+    64 programs on 132 multiprocessors left the GPU half idle (76 us a layer for 128 x 2176).
+    Below one program per multiprocessor, split the keys to ~2 programs per multiprocessor, keeping
+    >= MIN_SPLIT_KEYS keys per split. H200 sweep (`gpu_bench.py --part sweep --sweep prefill`, graph
+    replay): 128 x 2176: 41 us at 1 split, 27 at 5; 32 x 8192: 139 -> 21 us at 16; from ~one
+    program per multiprocessor (512 x 4096, 4 x 128 x 2048) one split is best (a second costs ~5-15%)."""
+    block_q = max(64, triton.next_power_of_2(group)) // group
+    programs = B * num_kv_heads * -(-max_seqlen_q // block_q)
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), max_seqlen_k // MIN_SPLIT_KEYS, MAX_PREFILL_SPLITS))
+
+MAX_PREFILL_SPLITS = 16
 MIN_SPLIT_KEYS = 128
 MAX_SPLITS = 64
 # Launch parameters, (BLOCK_N, num_warps, num_stages) by kind and padded head_dim; BLOCK_N keys per
@@ -205,7 +224,7 @@ MAX_SPLITS = 64
 # (benchmarks/NOTES.md). Registers bound head_dim >= 128: each K/V tile holds one 64-bit pointer per
 # element, so 64 keys at head_dim 128, or 4 warps at head_dim >= 128, spill (ptxas, sm_90).
 DECODE_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}   # 64: H200 sweep, NOTES.md v1
-PREFILL_LAUNCH = {64: (32, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}
+PREFILL_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}   # 64: H200 prefill sweep (6 configs)
 
 
 def _launch(table: dict, block_d: int) -> tuple[int, int, int]:
@@ -247,7 +266,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:                                           # prefill chunks (mixed with decodes)
         block_m = max(64, triton.next_power_of_2(group))
         block_q = block_m // group
-        num_splits = num_splits or 1
+        if num_splits is None:
+            max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
+            num_splits = _prefill_splits(B, max_seqlen_q, group, H_kv, max_seqlen_k, num_sms(q.device))
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q.dtype]
     if interpreting() and q.dtype == torch.bfloat16:
         dot_dtype = tl.float32                      # triton 3.9's interpreter multiplies bf16 bit patterns
@@ -319,6 +340,138 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         qp.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
         attn_mask=bias[:, None], scale=scale)                            # (B, H_q, Q, D)
     return out.transpose(1, 2)[batch_idx, pos_in_seq]
+
+
+# ---------------------------------------------------------------------------- vectorised torch (CPU)
+# `paged_attention_ref` rebuilds its gather indices and mask in every layer and expands the KV heads
+# for GQA: on CPU that is ~30 small ops per layer, and its advanced-index copies of the strided
+# layer view take milliseconds. `paged_attention_torch` computes the same function from a
+# `TorchAttentionPlan` built once per step (block tables, lengths and masks are the same in every
+# layer), so that a layer costs, per group of sequences, two page gathers and one SDPA:
+# - decodes (one query each): the G query heads of a KV head are G query rows of that head (same
+#   position, same mask), so K/V are not expanded for GQA, and q / out are views, not copies;
+# - prefill chunks: queries padded to the longest chunk, KV heads expanded, one causal mask.
+# A page of one layer's K (or V) is one contiguous span (block_size * H_kv * D), so the gather is one
+# index_select of whole pages (sequential copies: ~1.5x faster than gathering rows per head) into
+# (batch, key, head, dim); SDPA takes its (batch, head, key, dim) transpose without a copy.
+
+@dataclass
+class AttentionGroup:
+    """Sequences of one kind (decodes, or prefill chunks) attended together."""
+    decode: bool
+    rows: torch.Tensor | None      # (T_g,) their tokens' rows of q; None: all of q, in order
+    dest: torch.Tensor | None      # prefill: padded row (b * Q + i) of each token; None: no padding
+    pages: torch.Tensor            # (B_g * P,) int64 page ids (table padding -1 -> page 0, masked)
+    bias: torch.Tensor             # (B_g, 1, 1 or Q, P * block_size) additive mask: 0 or -inf
+    batch: int                     # B_g
+    max_q: int                     # Q: padded queries per sequence (1 for decodes)
+    num_pages: int                 # P: pages gathered per sequence
+
+
+@dataclass
+class TorchAttentionPlan:
+    num_tokens: int
+    num_q_heads: int
+    groups: list
+
+
+def _page_view(cache: torch.Tensor) -> torch.Tensor:
+    """One layer's [num_blocks, block_size, H_kv, D] cache as [num_blocks, block_size * H_kv * D]
+    rows (a view: the page stride stays the page-first one)."""
+    N, bs, H_kv, D = cache.shape
+    return cache.as_strided((N, bs * H_kv * D), (cache.stride(0), 1), cache.storage_offset())
+
+
+def torch_attention_supported(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the caches have the layout `paged_attention_torch` (and `_page_view`) indexes: each
+    page's (slot, head, dim) contiguous; any page stride."""
+    N, bs, H_kv, D = k_cache.shape
+    return (k_cache.stride()[1:] == (H_kv * D, D, 1) and v_cache.shape == k_cache.shape
+            and v_cache.stride() == k_cache.stride())
+
+
+def plan_paged_attention_torch(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                               block_tables: torch.Tensor, block_size: int, num_q_heads: int,
+                               dtype: torch.dtype) -> TorchAttentionPlan:
+    """Indices and masks of one step for `paged_attention_torch`, the same for every layer
+    (computed on the host: a sync on CUDA)."""
+    device = block_tables.device
+    cu = cu_seqlens_q.cpu().long()
+    lens = seq_lens.cpu().long()
+    tables = block_tables.cpu().long().clamp(min=0)
+    q_lens = cu[1:] - cu[:-1]
+    T = int(cu[-1])
+    groups = []
+    for decode in (True, False):
+        sel = torch.nonzero(q_lens == 1 if decode else q_lens > 1).flatten()
+        if sel.numel() == 0:
+            continue
+        B_g, ql, sl = sel.numel(), q_lens[sel], lens[sel]
+        Q = int(ql.max())
+        P = max(-(-int(sl.max()) // block_size), 1)
+        S = P * block_size
+        # token rows of q: sequence b owns rows cu[b] .. cu[b+1]-1
+        b_of = torch.repeat_interleave(torch.arange(B_g), ql)                     # (T_g,)
+        i_of = torch.arange(b_of.numel()) - (torch.cumsum(ql, 0) - ql)[b_of]    # index within its chunk
+        rows = cu[:-1][sel][b_of] + i_of
+        all_rows = rows.numel() == T and bool((rows == torch.arange(T)).all())
+        # mask[b, i, s]: key s is real (< seq_len) and not after query i's absolute position
+        s = torch.arange(S)
+        q_abs = (sl - ql)[:, None] + torch.arange(Q)[None, :]                     # (B_g, Q)
+        ok = (s[None, None, :] <= q_abs[:, :, None]) & (s[None, None, :] < sl[:, None, None])
+        ok[:, :, 0] |= ~ok.any(-1)                                                # padded rows: no NaN
+        bias = torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf"))[:, None]
+        dest = None if (decode or B_g == 1) else b_of * Q + i_of
+        groups.append(AttentionGroup(
+            decode=decode, rows=None if all_rows else rows.to(device),
+            dest=None if dest is None else dest.to(device),
+            pages=tables[sel, :P].reshape(-1).to(device), bias=bias.to(device),
+            batch=B_g, max_q=Q, num_pages=P))
+    return TorchAttentionPlan(num_tokens=T, num_q_heads=num_q_heads, groups=groups)
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                          scale: float, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                          plan: TorchAttentionPlan | None = None) -> torch.Tensor:
+    """`paged_attention_ref`'s function, vectorised for CPU; pass the step's `plan`
+    (`plan_paged_attention_torch`) to share it between layers. Returns [T, H_q, D]."""
+    T, H_q, D = q.shape
+    _, bs, H_kv, _ = k_cache.shape
+    G = H_q // H_kv
+    if not torch_attention_supported(k_cache, v_cache):
+        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                   max_seqlen_q, max_seqlen_k)
+    if plan is None:
+        plan = plan_paged_attention_torch(cu_seqlens_q, seq_lens, block_tables, bs, H_q, q.dtype)
+    k_pages, v_pages = _page_view(k_cache), _page_view(v_cache)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    outs = []
+    for g in plan.groups:
+        B, Q, S = g.batch, g.max_q, g.num_pages * bs
+        k = k_pages.index_select(0, g.pages).view(B, S, H_kv, D)
+        v = v_pages.index_select(0, g.pages).view(B, S, H_kv, D)
+        qg = q if g.rows is None else q.index_select(0, g.rows)                  # (T_g, H_q, D)
+        if g.decode:
+            o = sdpa(qg.reshape(B, H_kv, G, D), k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.bias,
+                     scale=scale).reshape(B, H_q, D)          # a view on CPU; CUDA may permute
+        else:
+            if g.dest is not None:                                                 # pad to (B, Q)
+                qg = qg.new_zeros(B * Q, H_q, D).index_copy_(0, g.dest, qg)
+            if G > 1:   # SDPA's enable_gqa takes a slow path on CPU
+                k = k[:, :, :, None].expand(B, S, H_kv, G, D).reshape(B, S, H_q, D)
+                v = v[:, :, :, None].expand(B, S, H_kv, G, D).reshape(B, S, H_q, D)
+            o = sdpa(qg.reshape(B, Q, H_q, D).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                     attn_mask=g.bias, scale=scale).transpose(1, 2).reshape(B * Q, H_q, D)
+            if g.dest is not None:
+                o = o.index_select(0, g.dest)
+        outs.append((g.rows, o))
+    if len(outs) == 1 and outs[0][0] is None:
+        return outs[0][1]
+    out = q.new_empty(T, H_q, D)
+    for rows, o in outs:
+        out.index_copy_(0, rows, o)
+    return out
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,

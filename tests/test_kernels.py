@@ -104,6 +104,55 @@ def test_attention_ref_matches_naive(batch, H_q, H_kv, page_size, dtype):
     assert rel_err(out, naive_attention(*args, scale=0.125)) < REL_TOL[dtype]
 
 
+# ---------------------------------------------------------------------------- vectorised torch attention
+# (q_lens, seq_lens) beyond MIXED / DECODE: decodes at page edges (16, 17, 32, 33 keys), one fresh
+# prefill, one prefix + odd chunk, and prefill-only batches with and without a cached prefix
+EDGES = ([1] * 5, [5, 16, 17, 32, 33])
+PREFILL_ONE = ([13], [13])
+PREFILL_PREFIX = ([7, 9, 1], [7, 40, 1])
+
+
+@pytest.mark.parametrize("batch", [MIXED, DECODE, EDGES, PREFILL_ONE, PREFILL_PREFIX, ([1], [1]), ([2], [35])])
+@pytest.mark.parametrize("H_q, H_kv, page_size", [(4, 4, 16), (8, 2, 32), (9, 3, 16), (7, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_torch_matches_ref(batch, H_q, H_kv, page_size, dtype):
+    args = make_batch(*batch, H_q, H_kv, 64, page_size, dtype, "cpu")
+    out = pa.paged_attention_torch(*args, scale=0.125)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    # same SDPA over the same padded keys: rounding-level differences (GQA rows batched differently)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -7)
+    torch.testing.assert_close(out, pa.paged_attention_ref(*args, scale=0.125), **tol)
+    assert rel_err(out, naive_attention(*args, scale=0.125)) < REL_TOL[dtype]
+
+
+def test_attention_torch_plan_is_per_step_not_per_layer():
+    # one plan serves every layer (any cache of the same page size); contiguous caches work too
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(*MIXED, 8, 2, 64, 16, torch.float32, "cpu")
+    plan = pa.plan_paged_attention_torch(cu, seq_lens, tables, 16, 8, torch.float32)
+    assert [g.decode for g in plan.groups] == [True, False]
+    for kc, vc in ((k_cache, v_cache), (v_cache, k_cache), (k_cache.contiguous(), v_cache.contiguous())):
+        out = pa.paged_attention_torch(q, kc, vc, cu, seq_lens, tables, 0.125, plan=plan)
+        torch.testing.assert_close(out, pa.paged_attention_ref(q, kc, vc, cu, seq_lens, tables, 0.125),
+                                   atol=2e-6, rtol=2e-6)
+
+
+def test_attention_torch_falls_back_on_other_layouts():
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(*MIXED, 4, 2, 64, 16, torch.float32, "cpu")
+    k_t, v_t = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))  # head-major pages
+    assert not pa.torch_attention_supported(k_t, v_t)
+    torch.testing.assert_close(pa.paged_attention_torch(q, k_t, v_t, cu, seq_lens, tables, 0.125),
+                               pa.paged_attention_ref(q, k_cache, v_cache, cu, seq_lens, tables, 0.125))
+
+
+def test_attention_torch_empty_batch():
+    q = torch.empty(0, 4, 64)
+    k_cache = torch.zeros(2, 16, 2, 64)
+    no_seqs = torch.zeros(0, dtype=torch.int32)
+    out = pa.paged_attention_torch(q, k_cache, k_cache, torch.zeros(1, dtype=torch.int32), no_seqs,
+                                   torch.zeros(0, 1, dtype=torch.int32), 0.125)
+    assert out.shape == (0, 4, 64)
+
+
 # ---------------------------------------------------------------------------- paged attention
 def check_attention(device, batch, H_q, H_kv, D, page_size, dtype, num_splits=None):
     q, *rest = make_batch(*batch, H_q, H_kv, D, page_size, dtype, device)
@@ -147,6 +196,14 @@ def test_split_kv_decode(device, num_splits, H_q, H_kv, dtype, monkeypatch):
 def test_split_kv_prefill(device):
     # splits in a mixed batch: splits past a query block's causal limit are empty (lse = -inf)
     check_attention(device, MIXED, 8, 2, 64, 16, torch.float32, num_splits=4)
+
+
+def test_prefill_split_rule():
+    # a 128-token turn on a 2k prefix, Llama-1B heads (group 4, 8 KV heads): 64 programs -> 5 splits
+    assert pa._prefill_splits(1, 128, 4, 8, 2176, 132) == 5
+    assert pa._prefill_splits(1, 2048, 4, 8, 2048, 132) == 1     # a long chunk fills the GPU itself
+    assert pa._prefill_splits(1, 128, 4, 8, 200, 132) == 1       # too few keys to split
+    assert pa._prefill_splits(1, 16, 4, 8, 100_000, 132) == pa.MAX_PREFILL_SPLITS
 
 
 @pytest.mark.parametrize("device", DEVICES)
