@@ -48,7 +48,9 @@ WORDS = ("the a of to and in is it you that he was for on are with as his they b
 
 
 def commit() -> str:
-    """git short sha (+ -dirty); without a repository (the GPU box) the env CHATENGINE_COMMIT."""
+    """$CHATENGINE_COMMIT if set (the GPU box's copy of .git can be stale), else git short sha (+ -dirty)."""
+    if os.environ.get("CHATENGINE_COMMIT"):
+        return os.environ["CHATENGINE_COMMIT"]
     here = Path(__file__).parent
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
