@@ -18,7 +18,7 @@ import hashlib
 import time
 from collections import OrderedDict
 
-from chatengine.hashing import hash_block, salt_extra, salt_start_block
+from chatengine.hashing import extend_chain, salt_extra, salt_start_block
 from chatengine.offload import BlockMeta
 from chatengine.sequence import Sequence
 
@@ -93,11 +93,9 @@ class BlockManager:
         """Chain hashes of seq's first `num_blocks` full blocks (extended lazily on the sequence)."""
         hashes = seq.block_hashes
         if len(hashes) < num_blocks:
-            first_salted = salt_start_block(seq.public_prefix_len, self.block_size)
-            salted = salt_extra(seq.salt) if seq.salt else b""
-            for i in range(len(hashes), num_blocks):
-                parent = hashes[i - 1] if i else self.root
-                hashes.append(hash_block(parent, seq.block_tokens(i), salted if i >= first_salted else b""))
+            extend_chain(hashes, self.root, seq.token_ids, self.block_size, num_blocks,
+                         salt_start_block(seq.public_prefix_len, self.block_size),
+                         salt_extra(seq.salt) if seq.salt else b"")
         return hashes[:num_blocks]
 
     def lookup(self, seq: Sequence) -> tuple[list[int], int]:

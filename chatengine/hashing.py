@@ -48,14 +48,47 @@ def model_fingerprint(model_id: str, weights_digest: str, dtype: str, kv_layout:
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE, person=_ROOT_PERSON).digest()
 
 
+_U32 = struct.Struct("<I")
+_TOKENS: dict[int, struct.Struct] = {}      # block length -> "<I{n}I" (count, then the ids)
+
+
 def hash_block(parent: bytes, token_ids: list[int] | tuple, extra: bytes = b"") -> bytes:
-    """h_i = H(parent ‖ u32 count ‖ u32le tokens ‖ extra), each part framed."""
+    """h_i = H(parent ‖ u32 count ‖ u32le tokens ‖ extra), each part framed (the bytes of
+    `_frame(parent) + tokens + _frame(extra)`, written out: it runs for every block of every
+    prompt, ~1 us instead of ~2)."""
+    n = len(token_ids)
+    packer = _TOKENS.get(n)
+    if packer is None:
+        packer = _TOKENS[n] = struct.Struct(f"<I{n}I")
     try:
-        tokens = struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids)
+        tokens = packer.pack(n, *token_ids)
     except struct.error as e:
         raise ValueError(f"token ids must be ints in 0..2**32-1 ({e})") from None
-    data = _frame(parent) + tokens + _frame(extra)
+    data = _U32.pack(len(parent)) + parent + tokens + _U32.pack(len(extra)) + extra
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE, person=_BLOCK_PERSON).digest()
+
+
+def extend_chain(hashes: list[bytes], root: bytes, token_ids: list[int], block_size: int, num_blocks: int,
+                 extra_from: int = 0, extra: bytes = b"") -> None:
+    """Append to `hashes` (the chain of token_ids' first blocks) up to num_blocks blocks: each
+    `hash_block(parent, block, extra if i >= extra_from else b"")`, with the tokens packed once for
+    the whole range (a 2k-token prompt: 135 blocks in ~0.12 ms instead of ~0.17)."""
+    first = len(hashes)
+    if first >= num_blocks:
+        return
+    bs = block_size
+    try:
+        raw = struct.pack(f"<{(num_blocks - first) * bs}I", *token_ids[first * bs:num_blocks * bs])
+    except struct.error as e:
+        raise ValueError(f"token ids must be ints in 0..2**32-1 ({e})") from None
+    count, width = _U32.pack(bs), 4 * bs
+    tails = (_U32.pack(0), _U32.pack(len(extra)) + extra)
+    parent = hashes[-1] if hashes else root
+    for i in range(first, num_blocks):
+        j = (i - first) * width
+        data = _U32.pack(len(parent)) + parent + count + raw[j:j + width] + tails[i >= extra_from]
+        parent = hashlib.blake2b(data, digest_size=DIGEST_SIZE, person=_BLOCK_PERSON).digest()
+        hashes.append(parent)
 
 
 def salt_extra(salt: bytes) -> bytes:
@@ -84,13 +117,9 @@ def hash_blocks(root: bytes, token_ids, block_size: int, salt_from_block: int | 
     whose token ids equal a registered persona prompt; `salt_from_block=None` means no public
     prefix at all, i.e. salt from block 0. An empty salt (single-tenant) salts nothing.
     """
-    start = 0 if salt_from_block is None else salt_from_block
-    salted = salt_extra(salt) if salt else b""
-    hashes, parent = [], root
-    for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        parent = hash_block(parent, block, salted if i >= start else b"")
-        hashes.append(parent)
+    hashes = []
+    extend_chain(hashes, root, token_ids, block_size, len(token_ids) // block_size,
+                 0 if salt_from_block is None else salt_from_block, salt_extra(salt) if salt else b"")
     return hashes
 
 
