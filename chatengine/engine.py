@@ -117,33 +117,35 @@ class LLMEngine:
             if hashes:
                 tiers.unpin(hashes)
 
+    def _device_pages(self, block_ids: list[int]):
+        """(block id, host copy of its page) for each of block_ids, gathered 64 pages per copy."""
+        for i in range(0, len(block_ids), 64):
+            chunk = block_ids[i:i + 64]
+            yield from zip(chunk, self.runner.gather_blocks(chunk))
+
     def _copy_evictions(self) -> None:
         """Write evicted pages back to host memory (before anything overwrites their blocks)."""
         bm = self.block_manager
         if bm.pending_evictions:
-            evicted, bm.pending_evictions = bm.pending_evictions, []
-            pages = self.runner.gather_blocks([b for b, _ in evicted])
-            for (_, meta), page in zip(evicted, pages):
-                self.tiers.put(meta, page)
+            evicted, bm.pending_evictions = dict(bm.pending_evictions), []
+            for block_id, page in self._device_pages(list(evicted)):
+                self.tiers.put(evicted[block_id], page)
 
     def _write_behind(self) -> None:
         bm = self.block_manager
         if bm.pending_publishes:
-            published, bm.pending_publishes = bm.pending_publishes, []
-            pages = self.runner.gather_blocks([b for b, _ in published])
-            for (_, meta), page in zip(published, pages):
-                self.tiers.write_behind(meta, page)
+            published, bm.pending_publishes = dict(bm.pending_publishes), []
+            for block_id, page in self._device_pages(list(published)):
+                self.tiers.write_behind(published[block_id], page)
 
     def flush_kv(self) -> None:
         """Write every cached block of every tier to the disk store and wait for it."""
         if self.tiers is None or self.tiers.disk is None:
             return
-        hashed = [b for b in self.block_manager.blocks if b.hash is not None]
-        for i in range(0, len(hashed), 64):
-            chunk = hashed[i:i + 64]
-            pages = self.runner.gather_blocks([b.block_id for b in chunk])
-            for block, page in zip(chunk, pages):
-                self.tiers.disk.write_behind(block.meta(), page, block=True)
+        blocks = self.block_manager.blocks
+        hashed = [b.block_id for b in blocks if b.hash is not None]
+        for block_id, page in self._device_pages(hashed):
+            self.tiers.disk.write_behind(blocks[block_id].meta(), page, block=True)
         self.tiers.flush()
 
     def offload_cached_blocks(self, max_blocks: int | None = None, idle_for_s: float = 0.0) -> int:
@@ -156,13 +158,10 @@ class LLMEngine:
         cutoff = time.monotonic() - idle_for_s
         idle = [b for b in bm.free_lru if bm.blocks[b].hash is not None and bm.blocks[b].freed_at <= cutoff]
         idle = idle[:max_blocks]
-        for i in range(0, len(idle), 64):
-            chunk = idle[i:i + 64]
-            pages = self.runner.gather_blocks(chunk)
-            for block_id, page in zip(chunk, pages):
-                if self.tiers.put(bm.blocks[block_id].meta(), page):
-                    bm.unpublish(block_id)
-                    bm.free_lru.move_to_end(block_id, last=False)
+        for block_id, page in self._device_pages(idle):
+            if self.tiers.put(bm.blocks[block_id].meta(), page):
+                bm.unpublish(block_id)
+                bm.free_lru.move_to_end(block_id, last=False)
         return len(idle)
 
     def forget_user(self, user: str) -> int:
