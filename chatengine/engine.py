@@ -20,7 +20,7 @@ from chatengine.offload import TieredCache
 from chatengine.outputs import CompletionOutput, RequestOutput
 from chatengine.sampling_params import SamplingParams
 from chatengine.scheduler import Scheduler
-from chatengine.sequence import Sequence, SequenceStatus
+from chatengine.sequence import Sequence
 from chatengine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode
 
 log = logging.getLogger("chatengine")
