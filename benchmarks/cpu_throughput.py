@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import commit  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
 
 QUESTIONS = [
@@ -37,17 +37,6 @@ QUESTIONS = [
     "Tell me a joke about cats.", "Name three rivers in Europe.", "What does a CPU do?",
     "How far is the moon?", "Suggest a name for a bakery.", "What is 17 times 23?", "Describe a sunset.",
 ]
-
-
-def commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def main(argv=None):

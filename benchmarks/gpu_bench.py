@@ -23,11 +23,9 @@ import functools
 import gc
 import json
 import math
-import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -38,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import commit  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
 from chatengine.loader import DUMMY_SHAPES  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
@@ -47,19 +46,6 @@ PARTS = ["bandwidth", "throughput", "peer", "decode", "kernel", "sweep", "profil
 
 
 # ---------------------------------------------------------------------------- helpers
-def commit(arg: str | None) -> str:
-    if arg or os.environ.get("CHATENGINE_COMMIT"):
-        return arg or os.environ["CHATENGINE_COMMIT"]
-    try:
-        here = Path(__file__).parent
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=here).stdout.strip()
-        return (sha.stdout.strip() + ("-dirty" if dirty else "")) if sha.returncode == 0 else "unknown"
-    except OSError:
-        return "unknown"
-
-
 def event_times(fn, iters: int, warmup: int = 3) -> list[float]:
     """ms per call of fn, timed with CUDA events one call at a time."""
     for _ in range(warmup):

@@ -42,7 +42,6 @@ import platform
 import random
 import socket
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +52,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import commit  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Give me a tip for learning faster.", "Explain what a KV cache is.",
@@ -326,18 +326,6 @@ def pct(values: list[float], p: float) -> float | None:
         return None
     v = sorted(values)
     return v[min(len(v) - 1, max(0, round(p / 100 * len(v) + 0.5) - 1))]
-
-
-def commit() -> str:
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=here).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                               cwd=here).stdout.strip()
-        return (sha or "unknown") + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def machine(device: str | None) -> dict:

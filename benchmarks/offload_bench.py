@@ -11,7 +11,6 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -20,21 +19,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import commit  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
 
 
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def commit() -> str:
-    import os
-    if os.environ.get("CHATENGINE_COMMIT"):
-        return os.environ["CHATENGINE_COMMIT"]
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                       cwd=Path(__file__).parent)
-    return r.stdout.strip() or "unknown"
 
 
 def main(argv=None):

@@ -24,7 +24,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import commit  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
 
 WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from "
@@ -45,23 +45,6 @@ WORDS = ("the a of to and in is it you that he was for on are with as his they b
          "right boy old too same tell does set three want air well also play small end put home read hand "
          "port large spell add even land here must big high such follow act why ask men change went light "
          "kind off need house picture try us again animal point mother world near build self earth father").split()
-
-
-def commit() -> str:
-    """$CHATENGINE_COMMIT if set (the GPU box's copy of .git can be stale), else git short sha (+ -dirty)."""
-    if os.environ.get("CHATENGINE_COMMIT"):
-        return os.environ["CHATENGINE_COMMIT"]
-    here = Path(__file__).parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=here).stdout.strip()
-        if sha:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                   text=True, cwd=here).stdout.strip()
-            return sha + ("-dirty" if dirty else "")
-    except OSError:
-        pass
-    return os.environ.get("CHATENGINE_COMMIT") or "unknown"
 
 
 def filler(rng: random.Random, tok, num_tokens: int, head: str = "") -> str:

@@ -286,53 +286,39 @@ class ModelRunner:
                             max_seqlen_q=max_q, max_seqlen_k=max_k)
         return d["input_ids"], d["positions"], meta, d["logits_indices"], samples.tolist()
 
-    # ---- CUDA graphs for decode -------------------------------------------------------------------
+    # ---- CUDA graphs (decode; one-sequence prefill) ---------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:
         m = self.max_graph_bs
         return sorted({b for b in [1, 2, 4, 8, *range(16, m + 1, 16)] if b <= m} | {m})
-
-    def _graph_inputs(self, bs: int):
-        lay = _layout(bs, bs, bs, self.max_num_pages)
-        d = {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
-        H_kv = self.model_config.num_kv_heads
-        splits = paged_attention._decode_splits(bs * H_kv, self.max_model_len, paged_attention.num_sms(self.device))
-        meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
-                            seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(bs, self.max_num_pages),
-                            max_seqlen_q=1, max_seqlen_k=self.max_model_len,
-                            num_splits=splits)
-        return d, meta
 
     def prefill_graph_sizes(self) -> list[int]:
         """Token counts of the one-sequence prefill graphs: a new chat turn on a cached history is one
         short chunk, and eagerly its ~160 launches cost the host more than the GPU's work."""
         return [t for t in (16, 32, 64, 128, 256, 512) if t <= self.config.max_num_batched_tokens]
 
-    def _prefill_graph_inputs(self, Tp: int):
-        lay = _layout(Tp, 1, 1, self.max_num_pages)
-        d = {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
-        mc = self.model_config
-        splits = paged_attention._prefill_splits(1, Tp, mc.num_heads // mc.num_kv_heads, mc.num_kv_heads,
-                                                 self.max_model_len, paged_attention.num_sms(self.device))
-        meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
-                            seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(1, self.max_num_pages),
-                            max_seqlen_q=Tp, max_seqlen_k=self.max_model_len, num_splits=splits)
-        return d, meta
+    def _capture(self, lay, B: int, max_seqlen_q: int, num_splits: int, pool):
+        """Capture one forward over the staged layout `lay` (all padding: nothing read or stored);
+        its replays read whatever a later _stage writes there. Returns (graph, logits)."""
+        d = self._upload(lay)
+        meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"], seq_lens=d["seq_lens"],
+                            block_tables=d["block_tables"].view(B, self.max_num_pages), max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=self.max_model_len, num_splits=num_splits)
+        args = (d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
+        self.model(*args)                               # compiles the kernels outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.model(*args)
+        return graph, logits
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        pool = None
+        mc, sms, pool = self.model_config, paged_attention.num_sms(self.device), None
         for bs in reversed(self.graph_batch_sizes()):   # largest first: the others reuse its pool
             lay, *_ = self._stage([], [], pad_to=bs)     # all lanes padded: reads and writes nothing
-            self._upload(lay)
-            d, meta = self._graph_inputs(bs)
-            args = (d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
-            self.model(*args)                           # compiles the kernels outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(*args)
-            pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+            splits = paged_attention._decode_splits(bs * mc.num_kv_heads, self.max_model_len, sms)
+            self.graphs[bs] = self._capture(lay, bs, 1, splits, pool)
+            pool = self.graphs[bs][0].pool()
         for Tp in reversed(self.prefill_graph_sizes()):
             lay = _layout(Tp, 1, 1, self.max_num_pages)  # an empty sequence: no keys, nothing stored
             h = self._host_np
@@ -342,16 +328,10 @@ class ModelRunner:
                 h[off:off + n] = value
             off, _ = lay["cu_seqlens_q"]
             h[off:off + 2] = (0, Tp)
-            self._upload(lay)
-            d, meta = self._prefill_graph_inputs(Tp)
-            args = (d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
-            self.model(*args)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(*args)
-            pool = graph.pool()
-            self.prefill_graphs[Tp] = (graph, logits)
+            splits = paged_attention._prefill_splits(1, Tp, mc.num_heads // mc.num_kv_heads, mc.num_kv_heads,
+                                                     self.max_model_len, sms)
+            self.prefill_graphs[Tp] = self._capture(lay, 1, Tp, splits, pool)
+            pool = self.prefill_graphs[Tp][0].pool()
         torch.cuda.synchronize(self.device)
         self._graph_sizes = sorted(self.graphs)
         self._prefill_sizes = sorted(self.prefill_graphs)
