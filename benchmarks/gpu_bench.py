@@ -153,23 +153,30 @@ def workload_floor(shape: str, prompts, outs, bw: float, flops: float) -> dict:
 
 
 class StepTimer:
-    """Wraps a runner to split engine time into host work and GPU-bound runner time."""
+    """Wraps a runner's launch and collect to split engine time into host work and runner time
+    (launch: staging + queueing the forward; collect: waiting for the tokens)."""
 
     def __init__(self, llm):
         self.runner = llm.engine.runner
-        self.run = self.runner.run
+        self.real = {name: getattr(self.runner, name) for name in ("launch", "collect")}
         self.runner_s, self.steps, self.graph_steps0 = 0.0, 0, self.runner.num_graph_steps
 
-        def timed(seqs, n):
-            t = time.perf_counter()
-            out = self.run(seqs, n)
-            self.runner_s += time.perf_counter() - t
-            self.steps += 1
-            return out
-        self.runner.run = timed
+        def timed(name):
+            real = self.real[name]
+
+            def call(*args):
+                t = time.perf_counter()
+                out = real(*args)
+                self.runner_s += time.perf_counter() - t
+                self.steps += name == "launch"
+                return out
+            return call
+        for name in self.real:
+            setattr(self.runner, name, timed(name))
 
     def close(self):
-        self.runner.run = self.run
+        for name, real in self.real.items():
+            setattr(self.runner, name, real)
         return {"runner_s": self.runner_s, "steps": self.steps,
                 "graph_steps": self.runner.num_graph_steps - self.graph_steps0}
 
@@ -324,11 +331,16 @@ def part_decode(args, res):
             while any(not eng.requests[r].seqs[0].num_output_tokens for r in ids):
                 eng.step()
             seqs = list(eng.scheduler.running)
-            steps = []
-            for _ in range(args.decode_steps):
-                t = time.perf_counter()
+            by_mode = {}                          # the engine's step, async scheduling on and off
+            for mode in (not eng.async_scheduling, eng.async_scheduling):    # the engine's own last
+                eng.async_scheduling = mode
                 eng.step()
-                steps.append(1e3 * (time.perf_counter() - t))
+                by_mode[mode] = []
+                for _ in range(args.decode_steps):
+                    t = time.perf_counter()
+                    eng.step()
+                    by_mode[mode].append(1e3 * (time.perf_counter() - t))
+            steps = by_mode[eng.async_scheduling]
             host_profile = None
             if B == max(args.decode_batches):     # where the engine's host time goes
                 import cProfile
@@ -367,6 +379,9 @@ def part_decode(args, res):
             mean_ctx = statistics.mean(s.num_tokens for s in seqs)
             floor_bytes = m["weight_bytes"] + B * mean_ctx * m["kv_bytes_per_token"] + B * m["vocab"] * 4 * 2
             row = {"batch": B, "context": mean_ctx, "engine_step_ms": statistics.median(steps),
+                   "async_scheduling": eng.async_scheduling,
+                   "engine_step_async_ms": statistics.median(by_mode[True]),
+                   "engine_step_sync_ms": statistics.median(by_mode[False]),
                    "runner_ms": statistics.median(run_ms), "graph_replay_ms": replay, "graph_bs": bs,
                    "stage_ms": stage, "host_profile_ms_per_step": host_profile,
                    "floor_bytes": floor_bytes}
@@ -376,7 +391,8 @@ def part_decode(args, res):
                 if replay:
                     row["replay_over_floor"] = replay / row["floor_ms"]
             rows.append(row)
-            log(f"[decode] {shape}{suffix} B={B}: step {row['engine_step_ms']:.3f} ms, runner {row['runner_ms']:.3f}, "
+            log(f"[decode] {shape}{suffix} B={B}: step {row['engine_step_ms']:.3f} ms (async {row['engine_step_async_ms']:.3f}, "
+                f"sync {row['engine_step_sync_ms']:.3f}), runner {row['runner_ms']:.3f}, "
                 f"graph {replay if replay is None else round(replay, 3)} ms, floor "
                 f"{row.get('floor_ms', float('nan')):.3f} ms")
             for r in ids:
@@ -597,11 +613,13 @@ def markdown(meta, res) -> str:
         L.append("")
     if res.get("decode"):
         L += ["## Decode step, 1k context (ms)", "",
-              "| model | batch | engine step | runner | graph replay | floor | step / floor | graph / floor |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| model | batch | engine step | step, sync scheduling | runner | graph replay | floor | step / floor | "
+              "graph / floor |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for shape, rows in res["decode"].items():
             for r in rows:
-                L.append(f"| {shape} | {r['batch']} | {r['engine_step_ms']:.3f} | {r['runner_ms']:.3f} | "
+                L.append(f"| {shape} | {r['batch']} | {r['engine_step_ms']:.3f} | "
+                         f"{r.get('engine_step_sync_ms', float('nan')):.3f} | {r['runner_ms']:.3f} | "
                          f"{r['graph_replay_ms'] or float('nan'):.3f} | {r.get('floor_ms', float('nan')):.3f} | "
                          f"{r.get('step_over_floor', float('nan')):.2f} | "
                          f"{r.get('replay_over_floor', float('nan')):.2f} |")

@@ -1,6 +1,6 @@
 """Host overhead of one engine step: the Python work around the forward (schedule, publish blocks,
 stop checks, outputs), which leaves the GPU idle. Runs on CPU with a tiny random model (dummy:tiny)
-and subtracts the time spent inside `ModelRunner.run`: host = step - runner. Wall time and this
+and subtracts the time spent inside `ModelRunner.launch`: host = step - runner. Wall time and this
 thread's CPU time are both reported; on a shared machine compare the CPU time.
 
 Workload: --batch requests (random prompt ids, lengths uniform in [100, 500], ignore_eos, prefix
@@ -34,10 +34,11 @@ def clocks() -> tuple[float, float]:
 
 
 def timed_runner(engine, profiler: cProfile.Profile | None) -> list[tuple[float, float]]:
-    """Wrap engine.runner.run so each call's (wall, cpu) ms is appended to the returned list; the
-    profiler (if any) is paused inside it, so the profile shows host work only."""
+    """Wrap engine.runner.launch (on CPU the whole forward runs in it) so each call's (wall, cpu) ms
+    is appended to the returned list; the profiler (if any) is paused inside it, so the profile
+    shows host work only."""
     times = []
-    run = engine.runner.run
+    run = engine.runner.launch
 
     def wrapper(*args, **kwargs):
         if profiler:
@@ -50,7 +51,7 @@ def timed_runner(engine, profiler: cProfile.Profile | None) -> list[tuple[float,
             if profiler:
                 profiler.enable()
 
-    engine.runner.run = wrapper
+    engine.runner.launch = wrapper
     return times
 
 
@@ -60,7 +61,9 @@ def async_streams(args) -> dict:
     rng = random.Random(args.seed)
     llm = AsyncLLM("dummy:tiny", device="cpu", max_num_seqs=args.batch, max_num_batched_tokens=4096,
                    num_kv_blocks=args.batch * (-(-(500 + args.steps) // 16) + 1) + 64)
-    llm.engine.runner.run = lambda seqs, num_new_tokens: [rng.randrange(256) for _ in seqs]
+    llm.engine.runner.launch = lambda seqs, num_new_tokens: [          # a token where a chunk ends its prompt
+        rng.randrange(256) if s.num_computed_tokens + n == s.num_tokens else None for s, n in zip(seqs, num_new_tokens)]
+    llm.engine.runner.collect = lambda launched: launched
 
     async def stream(prompt, params):
         return sum([1 async for _ in llm.generate(prompt, params)])

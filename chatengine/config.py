@@ -25,6 +25,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # CUDA: share of total memory the process may use
     attention_backend: str = "auto"       # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
     enforce_eager: bool = False           # CUDA: no CUDA graphs
+    async_scheduling: bool | None = None  # schedule step N+1 before step N's tokens are back; None: on CUDA
     seed: int = 0                         # seed of dummy weights and of unseeded sampling
     debug_checks: bool = False            # check block-manager invariants after every step
 

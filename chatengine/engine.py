@@ -1,6 +1,12 @@
 """LLMEngine.step(); LLM (the synchronous facade); AsyncLLM (a background loop for asyncio callers).
 
-One step: schedule -> run the model -> advance the sequences (stop checks, detokenize) -> outputs.
+One step: schedule -> launch the model -> advance the sequences (stop checks, detokenize) -> outputs.
+
+Async scheduling (on by default on CUDA): step() schedules and launches step N+1 before it processes
+step N's sampled tokens, so the host's work for N (stop checks, detokenizing, outputs, publishing)
+and for scheduling N+1 runs while the GPU computes N+1 instead of between the two. N+1 is
+scheduled on placeholders for N's tokens (their ids stay on the device); a sequence that one of
+them stops (EOS, a stop string) is found one step later, at the cost of one wasted lane.
 """
 import asyncio
 import dataclasses
@@ -70,7 +76,10 @@ class LLMEngine:
         root = model_fingerprint(self.model_id, self.weights_digest, str(dtype), KV_LAYOUT, config.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, root)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else device.type == "cuda")
+        self._in_flight = None                 # (SchedulerOutput, LaunchedStep) not collected yet
         self.tiers = self._make_tiers(root)
         self.block_manager.tiers = self.tiers
         self.block_manager.write_behind = config.kv_store_dir is not None and config.enable_prefix_caching
@@ -173,6 +182,7 @@ class LLMEngine:
     def close(self) -> None:
         for request_id in list(self.requests):
             self.abort(request_id)
+        self._in_flight = None
         self.flush_kv()
         if self.tiers is not None:
             self.tiers.close()
@@ -213,7 +223,10 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             vocab = self.model_config.vocab_size
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            # plain ints (the common case) are checked at C speed; anything else one by one
+            if not ids or set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab:
+                pass
+            elif any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         else:
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -257,6 +270,9 @@ class LLMEngine:
         copies = []
         while len(req.seqs) < req.params.n:
             child = self._new_seq(req)
+            if parent.num_computed_tokens < num_tokens:   # preempted meanwhile: prefill from the cache
+                self.scheduler.add(child)
+                continue
             try:
                 copy = self.block_manager.fork(parent, child, num_tokens)
             except MemoryError:        # no room now: it queues and finds the prompt in the prefix cache
@@ -290,30 +306,56 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step; then process the step launched before it (async scheduling)
+        or this one. Returns the outputs of the requests that the processed step advanced."""
         out = self.scheduler.schedule()
-        if not out.seqs:
-            return []
+        launched, outputs = None, []
+        if out.seqs:
+            try:
+                if self.tiers is not None:
+                    self._run_transfers()
+                launched = (out, self.runner.launch(out.seqs, out.num_new_tokens))
+            except Exception as e:   # fail this step's requests cleanly; the engine serves the others
+                log.exception("forward pass failed")
+                outputs = self._fail({seq.request_id for seq in out.seqs}, f"{type(e).__name__}: {e}")
+            else:
+                self.scheduler.launched(out)
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            outputs += self._complete(*previous)
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs += self._complete(*launched)
+        if self.config.debug_checks:
+            self.check_invariants()
+        return outputs
+
+    def _complete(self, out, launched) -> list[RequestOutput]:
+        """A launched step's tokens are back: fill its placeholders, publish the blocks that became
+        full, fork n > 1 requests, check stops, and build outputs. Sequences finished meanwhile (a
+        stop found late, an abort) are skipped: their lanes were wasted."""
         try:
-            if self.tiers is not None:
-                self._run_transfers()
-            token_ids = self.runner.run(out.seqs, out.num_new_tokens)
-        except Exception as e:   # fail this step's requests cleanly; the engine serves the others
+            token_ids = self.runner.collect(launched)
+        except Exception as e:
             log.exception("forward pass failed")
-            return self._fail({seq.request_id for seq in out.seqs}, f"{type(e).__name__}: {e}")
-        self.scheduler.postprocess(out)
+            return self._fail({seq.request_id for seq in out.seqs if not seq.is_finished},
+                              f"{type(e).__name__}: {e}")
+        now = time.monotonic()
+        sampled = [(seq, token_id, seq.fill_placeholder(token_id))
+                   for seq, token_id in zip(out.seqs, token_ids) if token_id is not None and not seq.is_finished]
+        self.scheduler.publish(out)
         if self.block_manager.pending_publishes:
             self._write_behind()
         self.num_steps += 1
         touched = {}
-        for seq, token_id in zip(out.seqs, token_ids):
-            if token_id is None:          # mid-prefill chunk
-                continue
+        for seq, token_id, pos in sampled:
             req = self.requests[seq.request_id]
             if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            if len(req.seqs) < req.params.n and seq.index == 0 and seq.num_output_tokens == 0:
+                req.first_token_time = now
+            if pos == seq.num_prompt_tokens and seq.index == 0 and len(req.seqs) < req.params.n:
                 self._fork(req, seq)
-            seq.append_token(token_id)
             self.num_generated_tokens += 1
             self._check_stop(req, seq, token_id)
             touched[req.request_id] = req
@@ -324,8 +366,6 @@ class LLMEngine:
                 outputs.append(self._output(req))
             elif req.stream:      # an output copies every token list: only for those who stream
                 outputs.append(self._output(req))
-        if self.config.debug_checks:
-            self.check_invariants()
         return outputs
 
     def _check_stop(self, req: Request, seq: Sequence, token_id: int) -> None:
@@ -346,7 +386,7 @@ class LLMEngine:
                     detok.text = text[:at]
                     self._finish(req, seq, "stop", s)
                     return
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
             detok.flush()
             self._finish(req, seq, "length")
 

@@ -12,6 +12,9 @@ The CUDA fast path (bf16 by default):
   split count is fixed per graph, so nothing inside a graph syncs with the host.
 - Sampling without top-k/top-p or per-request seeds runs in one Triton pass over the logits
   (kernels/sampling.py); the token ids are the step's only device-to-host copy.
+- `launch` queues a step and returns at once; `collect` waits for its token ids. The engine
+  launches step N+1 before it collects step N (async scheduling), so N+1's inputs may hold
+  placeholders for tokens step N sampled: those ids are copied on the device from N's samples.
 `enforce_eager=True`, the torch attention backend, or a CPU device take the eager path.
 """
 import itertools
@@ -29,6 +32,7 @@ from chatengine.config import EngineConfig
 from chatengine.loader import LoadedModel
 from chatengine.models.llama import AttentionMetadata, LlamaModel
 from chatengine.sampler import Sampler
+from chatengine.sampling_params import SamplingParams
 from chatengine.sequence import Sequence
 
 log = logging.getLogger("chatengine")
@@ -56,10 +60,20 @@ class StepMetadata(AttentionMetadata):
     num_splits: int | None = None       # decode: split-KV count fixed for a CUDA graph; None: heuristic
 
 
+@dataclass
+class LaunchedStep:
+    """A queued step: which sequences sample, and where their token ids land."""
+    samples: list[bool]
+    token_ids: torch.Tensor | None = None   # (S,) int64 on the host (pinned on CUDA); None: nothing sampled
+    done: object = None                     # CUDA event after the copy into token_ids
+
+
 def _layout(T: int, B: int, S: int, W: int) -> dict[str, tuple[int, int]]:
     """(offset, length) of each index array in the int32 staging buffer, regions 128-byte aligned."""
     sizes = {"input_ids": T, "positions": T, "slot_mapping": T, "seq_lens": B, "cu_seqlens_q": B + 1,
-             "logits_indices": S, "block_tables": B * W}
+             "logits_indices": S, "block_tables": B * W,
+             "temperatures": S,                        # float32 bits: the fused sampler's
+             "pending_dst": B, "pending_src": B}       # placeholder tokens: input row <- last step's sample row
     out, offset = {}, 0
     for name, n in sizes.items():
         out[name] = (offset, n)
@@ -149,8 +163,12 @@ class ModelRunner:
         self._dev = torch.zeros(size, dtype=torch.int32, device=device) if pin else self._host
         self._uploaded = torch.cuda.Event() if pin else None
         self._tables = BlockTableRows(2 * max_b, -(-self.max_num_pages // 16) * 16)
-        self._temps_host = torch.zeros(max_b, dtype=torch.float32, pin_memory=pin)
-        self._temps_dev = torch.zeros(max_b, dtype=torch.float32, device=device) if pin else self._temps_host
+        # sampled ids come back through two pinned buffers in turn: one step is in flight while the
+        # engine reads the one before
+        self._token_host = [torch.zeros(max_b, dtype=torch.int64, pin_memory=True) for _ in range(2)] if pin else None
+        self._flip = 0
+        self._last_tokens: torch.Tensor | None = None   # the last launched step's samples, on the device
+        self._last_rows: dict[int, int] = {}            # seq_id -> its row in _last_tokens
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # batch size -> (graph, logits)
         self.num_graph_steps = 0                                                  # decode steps replayed
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # padded T -> ...
@@ -184,7 +202,7 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         seqs, first = [], 0
         for n, k in zip(lens, pages):
-            seqs.append(Sequence([0] * n, None, block_size=self.block_size))
+            seqs.append(Sequence([0] * n, SamplingParams(), block_size=self.block_size))
             seqs[-1].block_table, first = list(range(first, first + k)), first + k
         self._forward(seqs, lens)
         # room for decode-sized logits: a graph's output plus the sampler's temporaries
@@ -200,7 +218,8 @@ class ModelRunner:
     # ---- batch tensors ------------------------------------------------------------------------
     def _stage(self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: int | None = None,
                pad_tokens: int | None = None):
-        """Fill the staging buffer for this step; returns (layout, samples, max_seqlen_q, max_seqlen_k, T).
+        """Fill the staging buffer for this step; returns (layout, samples, max_seqlen_q, max_seqlen_k, T,
+        num_pending): num_pending input tokens are placeholders that _upload fills on the device.
 
         pad_to: a decode CUDA graph's batch size. Lanes B..pad_to-1 are decode lanes that do nothing
         (token 0 at position 0, slot -1, seq_len 0), and the block table is pad_to x max_num_pages.
@@ -250,6 +269,10 @@ class ModelRunner:
         cu[0] = 0
         np.cumsum(n, out=cu[1:B + 1])
         token_seq = np.repeat(np.arange(B), n)          # (T,) the sequence of each token
+        pending = np.flatnonzero(ids[:T] < 0)           # placeholders: sampled by the last step, on the device
+        if pending.size:
+            self._stage_pending(seqs, token_seq[pending], pending, view("pending_dst"), view("pending_src"))
+            ids[pending] = 0
         p = start[token_seq] + (np.arange(T, dtype=np.int32) - cu[token_seq])
         pos[:T] = p
         slots[:T] = bt[token_seq, p // bs] * bs + p % bs
@@ -264,27 +287,45 @@ class ModelRunner:
             view("seq_lens")[B:] = 0
             cu[B + 1:] = np.arange(T + 1, T + 1 + Bp - B, dtype=np.int32)
             view("logits_indices")[:] = np.arange(Bp, dtype=np.int32)
-        return lay, samples, int(n.max(initial=1)), int(seq_lens.max(initial=0)), T
+        if self.fused_sampling:
+            temps = view("temperatures").view(np.float32)
+            temps[:int(samples.sum())] = [s.params.temperature for s, m in zip(seqs, samples.tolist()) if m]
+        return lay, samples, int(n.max(initial=1)), int(seq_lens.max(initial=0)), T, int(pending.size)
 
-    def _upload(self, lay) -> dict[str, torch.Tensor]:
-        """One non-blocking copy of the staged prefix; device views by name."""
+    def _stage_pending(self, seqs, lanes, dst, dst_view, src_view) -> None:
+        """Input rows dst (of sequences seqs[lanes]) take the ids the last launched step sampled."""
+        rows = self._last_rows
+        try:
+            src = [rows[seqs[i].seq_id] for i in lanes.tolist()]
+        except KeyError:
+            raise RuntimeError("a placeholder token that the last launched step did not sample") from None
+        dst_view[:len(src)] = dst
+        src_view[:len(src)] = src
+
+    def _upload(self, lay, num_pending: int = 0) -> dict[str, torch.Tensor]:
+        """One non-blocking copy of the staged prefix, then the placeholder ids from the last step's
+        samples (on the device: no sync); device views by name."""
         end = lay["_end"][0]
         if self._dev is not self._host:
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
             self._uploaded.record()     # the next _stage must not overwrite _host before this copy ran
-        return {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
+        d = {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
+        if num_pending:
+            src = self._last_tokens[d["pending_src"][:num_pending]]
+            d["input_ids"][d["pending_dst"][:num_pending]] = src.to(torch.int32)
+        return d
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
         """Batch tensors for the scheduled tokens: (input_ids, positions, meta, logits_indices, samples).
 
         NOTE: the tensors are views of staging buffers that the next step overwrites."""
-        lay, samples, max_q, max_k, _ = self._stage(seqs, num_new_tokens)
-        d = self._upload(lay)
+        lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens)
+        d = self._upload(lay, num_pending)
         B = len(seqs)
         meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
                             seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(B, -1),
                             max_seqlen_q=max_q, max_seqlen_k=max_k)
-        return d["input_ids"], d["positions"], meta, d["logits_indices"], samples.tolist()
+        return d["input_ids"], d["positions"], meta, d["logits_indices"], samples.tolist(), d
 
     # ---- CUDA graphs (decode; one-sequence prefill) ---------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:
@@ -339,55 +380,77 @@ class ModelRunner:
     # ---- forward and sampling --------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, seqs, num_new_tokens):
+        """Queue the forward; returns (logits of the sampling rows, samples, device views of the step)."""
         B = len(seqs)
         if self.graphs and B <= self.max_graph_bs and max(num_new_tokens) == 1:
             bs = next(b for b in self._graph_sizes if b >= B)
-            lay, samples, *_ = self._stage(seqs, num_new_tokens, pad_to=bs)
-            self._upload(lay)
+            lay, samples, _, _, _, num_pending = self._stage(seqs, num_new_tokens, pad_to=bs)
+            d = self._upload(lay, num_pending)
             graph, logits = self.graphs[bs]
             graph.replay()
             self.num_graph_steps += 1
             logits = logits[:B]
             if not samples.all():                       # a 1-token chunk that does not end its prompt
                 logits = logits[torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
-            return logits, samples.tolist()
+            return logits, samples.tolist(), d
         if self.prefill_graphs and B == 1 and num_new_tokens[0] <= self._prefill_sizes[-1]:
             Tp = next(t for t in self._prefill_sizes if t >= num_new_tokens[0])
-            lay, samples, *_ = self._stage(seqs, num_new_tokens, pad_tokens=Tp)
-            self._upload(lay)
+            lay, samples, _, _, _, num_pending = self._stage(seqs, num_new_tokens, pad_tokens=Tp)
+            d = self._upload(lay, num_pending)
             graph, logits = self.prefill_graphs[Tp]
             graph.replay()
             self.num_prefill_graph_steps += 1
-            return (logits if samples.all() else logits[:0]), samples.tolist()
-        input_ids, positions, meta, logits_indices, samples = self.prepare(seqs, num_new_tokens)
+            return (logits if samples.all() else logits[:0]), samples.tolist(), d
+        input_ids, positions, meta, logits_indices, samples, d = self.prepare(seqs, num_new_tokens)
         if hasattr(self.backend, "begin_step"):         # torch backend: per-step plan shared by the layers
             self.backend.begin_step(meta, positions)
-        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices), samples
+        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices), samples, d
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
+        """Sampled ids (len(seqs),) int64 on the device, without a host sync."""
         params = [s.params for s in seqs]
         if self.fused_sampling and all(s.generator is None and p.top_k == 0 and p.top_p >= 1
                                        for s, p in zip(seqs, params)):
-            N = len(seqs)
             if all(p.temperature == 0 for p in params):
                 # greedy only: torch's argmax reduces one row with many programs, the fused kernel
                 # walks it with one (~0.1 ms for a 128k vocabulary at batch 1); ties: first index
-                return logits.argmax(dim=-1).tolist()
-            self._temps_host.numpy()[:N] = [p.temperature for p in params]
-            temps = self._temps_dev[:N]
-            temps.copy_(self._temps_host[:N], non_blocking=True)
-            return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31)).tolist()
-        return self.sampler(logits.float(), params, [s.generator for s in seqs]).tolist()
+                return logits.argmax(dim=-1)
+            temps = temps.view(torch.float32)[:len(seqs)]   # staged with the step's inputs
+            return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31))
+        return self.sampler(logits.float(), params, [s.generator for s in seqs])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
-        """Forward the scheduled tokens; return the sampled token of each sequence (None: mid-prefill)."""
-        logits, samples = self._forward(seqs, num_new_tokens)
+    def launch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> LaunchedStep:
+        """Queue the forward of the scheduled tokens and the sampling; returns at once on CUDA.
+        Sequences whose chunk reaches their last token sample one token each."""
+        logits, samples, d = self._forward(seqs, num_new_tokens)
         sampling = [seq for seq, s in zip(seqs, samples) if s]
         if not sampling:
-            return [None] * len(seqs)
-        token_ids = iter(self._sample(logits, sampling))
-        return [next(token_ids) if s else None for s in samples]
+            return LaunchedStep(samples)
+        tokens = self._sample(logits, sampling, d["temperatures"])
+        self._last_tokens = tokens                      # the next step's placeholders read these
+        self._last_rows = {seq.seq_id: i for i, seq in enumerate(sampling)}
+        if self._token_host is None:
+            return LaunchedStep(samples, tokens)
+        host = self._token_host[self._flip][:len(sampling)]
+        self._flip ^= 1
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(samples, host, done)
+
+    def collect(self, step: LaunchedStep) -> list[int | None]:
+        """Wait for a launched step; the sampled token of each sequence (None: mid-prefill)."""
+        if step.token_ids is None:
+            return [None] * len(step.samples)
+        if step.done is not None:
+            step.done.synchronize()
+        token_ids = iter(step.token_ids.tolist())
+        return [next(token_ids) if s else None for s in step.samples]
+
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
+        """launch + collect: one step, synchronously."""
+        return self.collect(self.launch(seqs, num_new_tokens))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole pages (all layers, K and V) src -> dst, e.g. a forked sequence's partial tail."""

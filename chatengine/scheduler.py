@@ -6,6 +6,11 @@ with a prefix-cache lookup, while budget, `max_num_seqs` and free blocks last. P
 decodes share a step, so one user's long prompt never freezes everyone else's stream. When blocks
 run out, the newest running sequence is preempted: its blocks are freed (they keep their hashes,
 so it usually hits them again) and it goes back to the head of the queue to be recomputed.
+
+With async scheduling the engine schedules step N+1 before it knows the tokens step N sampled: those
+are placeholders (sequence.PLACEHOLDER) whose KV the next step computes from the device-side ids. A
+sequence whose pending token ends it by length is not scheduled again; one that a pending token ends
+by EOS or a stop string costs one wasted lane, found when the values arrive.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,8 +32,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None):
         self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len or config.max_model_len or 1 << 62
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -57,6 +63,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and (seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+                                    or seq.num_tokens >= self.max_model_len):
+                i += 1                                  # its pending token ends it (length): nothing to compute
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not bm.allocate(seq, num_new):
                 victim = self.running.pop()             # the newest
@@ -97,11 +107,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, out: SchedulerOutput) -> None:
-        """After the forward: advance computed counts and publish blocks that became full."""
+    def launched(self, out: SchedulerOutput) -> None:
+        """The step's forward is queued: its tokens count as computed (the next schedule builds on
+        them), and a sequence whose chunk reaches its end gets a placeholder for the token it samples."""
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            if seq.num_computed_tokens + num_new == seq.num_tokens:
+                seq.append_placeholder()
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
+
+    def publish(self, out: SchedulerOutput) -> None:
+        """The step's sampled values have arrived: publish blocks that became full. (Their KV may be
+        written by a step still in flight; anything that reads them runs after it on the stream.)"""
+        for seq in out.seqs:
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Retire a finished or aborted sequence, wherever it is, and free its blocks."""
@@ -110,4 +129,5 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.drop_placeholders()
         seq.status = SequenceStatus.FINISHED

@@ -8,6 +8,8 @@ from itertools import count
 
 from chatengine.sampling_params import SamplingParams
 
+PLACEHOLDER = -1      # a sampled token whose value is still on the device (async scheduling)
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -35,6 +37,7 @@ class Sequence:
         self.public_prefix_len = 0        # leading tokens shared with everyone (a public persona)
         self.block_hashes: list[bytes] = []  # hashes of full blocks, computed lazily by the block manager
         self.num_published_blocks = 0     # blocks cache_full_blocks has looked at (it only looks further on)
+        self.num_pending = 0              # trailing PLACEHOLDER tokens: sampled by a step still in flight
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.generator = None             # per-sequence RNG for seeded sampling (owned by the runner)
@@ -47,12 +50,17 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has (all but the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_pending - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def last_token(self) -> int:
@@ -71,6 +79,24 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_placeholder(self) -> None:
+        """A step that samples this sequence was launched: its token joins now, its value later."""
+        self.token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+
+    def fill_placeholder(self, token_id: int) -> int:
+        """The oldest pending token's value arrived; returns its position."""
+        pos = len(self.token_ids) - self.num_pending
+        self.token_ids[pos] = token_id
+        self.num_pending -= 1
+        return pos
+
+    def drop_placeholders(self) -> None:
+        """Finished with tokens still pending (a stop seen one step late): they were never its output."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     def __repr__(self):
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.index}, {self.status.name}, "

@@ -20,6 +20,21 @@ def llm():
 
 
 @pytest.fixture(scope="session")
+def llm_async():
+    """The default model with async scheduling (CUDA's default; off on CPU): step N+1 is scheduled on
+    placeholders before step N's tokens are processed. Checks invariants every step."""
+    engine = LLM(max_num_batched_tokens=512, kv_cache_gib=0.25, async_scheduling=True, debug_checks=True)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(params=["sync", "async"])
+def either(request):
+    """The default model scheduled synchronously, then asynchronously: the same tests hold for both."""
+    return request.getfixturevalue("llm" if request.param == "sync" else "llm_async")
+
+
+@pytest.fixture(scope="session")
 def tiny():
     """A 2-layer random model with a 256-token vocabulary (token-id prompts only)."""
     return LLM("dummy:tiny", num_kv_blocks=64, max_num_batched_tokens=64)
@@ -29,7 +44,7 @@ def tiny():
 def blocks_drain(request):
     """After every test, every engine fixture it used has no request left and no block in use."""
     yield
-    for name in ("llm", "tiny"):
+    for name in ("llm", "llm_async", "tiny"):
         if name in request.fixturenames:
             engine = request.getfixturevalue(name).engine
             assert not engine.requests, f"{name}: requests left behind: {list(engine.requests)}"

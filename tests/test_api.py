@@ -350,12 +350,12 @@ def test_still_healthy_after_bad_inputs(local, engine):
 # ---- engine failure mid-request -----------------------------------------------------------------
 def test_engine_failure_is_reported_not_hung(local, engine):
     runner = engine.engine.runner
-    real = runner.run
+    real = runner.launch
 
     def broken(*a, **kw):
         raise RuntimeError("injected forward failure")
 
-    runner.run = broken
+    runner.launch = broken
     try:
         r = httpx.post(local.url + "/v1/chat/completions", content=chat_body(), timeout=30)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
@@ -363,7 +363,7 @@ def test_engine_failure_is_reported_not_hung(local, engine):
         with pytest.raises(openai.APIError):
             list(local.client().chat.completions.create(model=MODEL, messages=hello(), max_tokens=3, stream=True))
     finally:
-        runner.run = real
+        runner.launch = real
     wait_idle(engine)
     assert local.client().chat.completions.create(model=MODEL, messages=hello(), max_tokens=2).choices
 

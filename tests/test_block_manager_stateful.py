@@ -20,6 +20,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True, root=b"root")
         self.sched = Scheduler(EngineConfig(block_size=BS, max_num_batched_tokens=10, max_num_seqs=4), self.bm)
         self.live: list[Sequence] = []
+        self.in_flight = None       # (step, sampled sequences): launched, values not back yet
 
     # prompts from a tiny alphabet with shared beginnings, so prefixes hit often
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
@@ -31,15 +32,27 @@ class EngineMachine(RuleBasedStateMachine):
         self.sched.add(seq)
         self.live.append(seq)
 
-    @rule(token=st.integers(0, 3), max_len=st.integers(6, 30))
-    def step(self, token, max_len):
+    @rule(token=st.integers(0, 3), max_len=st.integers(6, 30), overlap=st.booleans())
+    def step(self, token, max_len, overlap):
+        """Schedule and launch a step; complete the one before (overlap: async scheduling) or this one."""
         out = self.sched.schedule()
-        self.sched.postprocess(out)
-        for seq in out.seqs:
-            if seq.num_computed_tokens == seq.num_tokens:      # reached its end: sample one token
-                seq.append_token(token)
-                if seq.num_tokens >= max_len:
-                    self._finish(seq)
+        sampled = [s for s, n in zip(out.seqs, out.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+        self.sched.launched(out)
+        done, self.in_flight = self.in_flight, (out, sampled)
+        if done is not None:
+            self._complete(*done, token, max_len)
+        if not overlap:
+            done, self.in_flight = self.in_flight, None
+            self._complete(*done, token, max_len)
+
+    def _complete(self, out, sampled, token, max_len):
+        sampled = [s for s in sampled if s.status != SequenceStatus.FINISHED]
+        for seq in sampled:
+            seq.fill_placeholder(token)
+        self.sched.publish(out)
+        for seq in sampled:
+            if seq.num_known_tokens >= max_len:
+                self._finish(seq)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100))
@@ -52,7 +65,7 @@ class EngineMachine(RuleBasedStateMachine):
     def fork(self, i, back):
         parents = [s for s in self.live if s.status == SequenceStatus.RUNNING and s.num_computed_tokens > 1]
         parent = parents[i % len(parents)]
-        num_tokens = max(1, parent.num_computed_tokens - back)
+        num_tokens = max(1, min(parent.num_computed_tokens, parent.num_known_tokens - 1) - back)
         child = Sequence(parent.token_ids[:num_tokens + 1], SamplingParams(), block_size=BS)
         child.salt, child.public_prefix_len = parent.salt, parent.public_prefix_len
         free_before = self.bm.num_free_blocks
@@ -83,6 +96,8 @@ class EngineMachine(RuleBasedStateMachine):
             assert len(seq.block_table) * BS >= seq.num_computed_tokens
 
     def teardown(self):
+        if self.in_flight is not None:
+            self._complete(*self.in_flight, 0, 1 << 30)
         for seq in list(self.live):
             self._finish(seq)
         assert self.bm.num_free_blocks == NUM_BLOCKS                            # drains to zero used

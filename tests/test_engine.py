@@ -46,8 +46,8 @@ def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_greedy_equals_hf_batched(llm, prompt_ids, hf_reference):
-    assert token_ids(llm.generate(prompt_ids, GREEDY)) == hf_reference
+def test_greedy_equals_hf_batched(either, prompt_ids, hf_reference):
+    assert token_ids(either.generate(prompt_ids, GREEDY)) == hf_reference
 
 
 def test_greedy_equals_hf_one_at_a_time(llm, prompt_ids, hf_reference):
@@ -61,16 +61,18 @@ def test_chat_uses_the_template(llm, prompt_ids, hf_reference):
     assert "Paris" in outs[0].outputs[0].text
 
 
-def test_batch_composition_does_not_change_greedy(llm, prompt_ids, hf_reference):
+def test_batch_composition_does_not_change_greedy(either, prompt_ids, hf_reference):
     order = [3, 0, 4, 1, 2]
-    outs = llm.generate([prompt_ids[i] for i in order] + [prompt_ids[0]], GREEDY)
+    outs = either.generate([prompt_ids[i] for i in order] + [prompt_ids[0]], GREEDY)
     assert token_ids(outs) == [hf_reference[i] for i in order] + [hf_reference[0]]
 
 
-def test_chunked_prefill_and_preemption_do_not_change_greedy(prompt_ids, hf_reference):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_and_preemption_do_not_change_greedy(prompt_ids, hf_reference, async_scheduling):
     # 16-token budget: every prompt is prefilled in chunks, mixed with other sequences' decodes;
     # 14 blocks of 16: the five sequences cannot all fit, so the newest are preempted and recomputed
-    small = LLM(max_num_batched_tokens=16, num_kv_blocks=14, enable_prefix_caching=False, debug_checks=True)
+    small = LLM(max_num_batched_tokens=16, num_kv_blocks=14, enable_prefix_caching=False, debug_checks=True,
+                async_scheduling=async_scheduling)
     outs = small.generate(prompt_ids, GREEDY)
     stats = small.stats()
     assert stats["num_preemptions"] > 0
@@ -78,53 +80,53 @@ def test_chunked_prefill_and_preemption_do_not_change_greedy(prompt_ids, hf_refe
     assert stats["kv_blocks_used"] == 0
 
 
-def test_greedy_with_prefix_cache_hits_equals_without(llm, prompt_ids, hf_reference):
-    first = llm.generate(prompt_ids[:2], GREEDY)
-    again = llm.generate(prompt_ids[:2], GREEDY)
+def test_greedy_with_prefix_cache_hits_equals_without(either, prompt_ids, hf_reference):
+    first = either.generate(prompt_ids[:2], GREEDY)
+    again = either.generate(prompt_ids[:2], GREEDY)
     assert token_ids(first) == token_ids(again) == hf_reference[:2]
     assert all(o.num_cached_tokens > 0 for o in again)
 
 
-def test_seeds_reproduce_and_differ(llm):
+def test_seeds_reproduce_and_differ(either):
     p = "Tell me a story about a cat."
-    a = llm.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=1, ignore_eos=True))[0]
-    b = llm.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=1, ignore_eos=True))[0]
-    c = llm.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=2, ignore_eos=True))[0]
+    a = either.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=1, ignore_eos=True))[0]
+    b = either.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=1, ignore_eos=True))[0]
+    c = either.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=2, ignore_eos=True))[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].token_ids != c.outputs[0].token_ids
     # the same seeded request gives the same tokens beside other traffic
-    mixed = llm.generate(["Hi", p, "Bye"], [SamplingParams(max_tokens=5), SamplingParams(
+    mixed = either.generate(["Hi", p, "Bye"], [SamplingParams(max_tokens=5), SamplingParams(
         temperature=1.0, max_tokens=20, seed=1, ignore_eos=True), SamplingParams(max_tokens=7)])
     assert mixed[1].outputs[0].token_ids == a.outputs[0].token_ids
 
 
-def test_n_samples_are_distinct_and_reproducible(llm):
+def test_n_samples_are_distinct_and_reproducible(either):
     sp = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5, ignore_eos=True)
-    out = llm.generate("Name a colour.", sp)[0]
+    out = either.generate("Name a colour.", sp)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     ids = [c.token_ids for c in out.outputs]
     assert len({tuple(i) for i in ids}) == 3
-    assert [c.token_ids for c in llm.generate("Name a colour.", sp)[0].outputs] == ids
+    assert [c.token_ids for c in either.generate("Name a colour.", sp)[0].outputs] == ids
 
 
-def test_top_k_1_and_tiny_top_p_are_greedy(llm, prompt_ids, hf_reference):
+def test_top_k_1_and_tiny_top_p_are_greedy(either, prompt_ids, hf_reference):
     for sp in (SamplingParams(temperature=0.8, top_k=1, max_tokens=24, seed=3),
                SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=24)):
-        assert token_ids(llm.generate(prompt_ids[:2], sp)) == hf_reference[:2]
+        assert token_ids(either.generate(prompt_ids[:2], sp)) == hf_reference[:2]
 
 
-def test_max_tokens_ignore_eos_and_stops(llm, prompt_ids, hf_reference):
-    out = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+def test_max_tokens_ignore_eos_and_stops(either, prompt_ids, hf_reference):
+    out = either.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
     assert out.token_ids == hf_reference[0][:3] and out.finish_reason == "length"
-    full = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
-    assert full.finish_reason == "stop" and full.token_ids[-1] in llm.engine.eos_token_ids
+    full = either.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert full.finish_reason == "stop" and full.token_ids[-1] in either.engine.eos_token_ids
     assert full.text == "The capital of France is Paris."              # EOS is not in the text
-    long = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    long = either.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     assert len(long.outputs[0].token_ids) == 30 and long.outputs[0].finish_reason == "length"
-    stop = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24, stop=["France"]))[0]
+    stop = either.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24, stop=["France"]))[0]
     assert stop.outputs[0].text == "The capital of " and stop.outputs[0].stop_reason == "France"
     tok = hf_reference[0][2]
-    stop_id = llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tok]))[0]
+    stop_id = either.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tok]))[0]
     assert stop_id.outputs[0].token_ids == hf_reference[0][:3] and stop_id.outputs[0].stop_reason == tok
 
 
@@ -206,8 +208,9 @@ async def _stream(engine, prompt, params, request_id, user=None):
     return texts, last
 
 
-def test_async_streaming_concurrent_and_abort():
-    engine = AsyncLLM(max_num_batched_tokens=256, kv_cache_gib=0.1)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_streaming_concurrent_and_abort(async_scheduling):
+    engine = AsyncLLM(max_num_batched_tokens=256, kv_cache_gib=0.1, async_scheduling=async_scheduling)
 
     async def main():
         greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -324,3 +327,40 @@ def test_a_closed_caller_loop_aborts_only_its_own_requests():
         assert engine.engine.num_generated_tokens < 100          # the vanished callers' requests stopped early
     finally:
         engine.shutdown()
+
+
+# ---- async scheduling ---------------------------------------------------------------------------------
+def test_async_scheduling_gives_the_sync_tokens(llm, llm_async, prompt_ids):
+    """Seeded sampling (n > 1, top-p), stop strings, EOS and max_tokens: the same tokens, texts and
+    finish reasons whether step N+1 is scheduled before or after step N's tokens are known."""
+    params = [SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=20),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=9, max_tokens=30, stop=[" the"]),
+              GREEDY, SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0, max_tokens=1)]
+    sync, overlapped = llm.generate(prompt_ids, params), llm_async.generate(prompt_ids, params)
+
+    def view(outs):
+        return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+    assert view(overlapped) == view(sync)
+    assert {c.finish_reason for o in sync for c in o.outputs} == {"stop", "length"}
+
+
+def test_abort_and_finish_with_a_step_in_flight(llm_async):
+    engine = llm_async.engine
+    engine.add(engine.make_request("Tell me about the sea.", SamplingParams(temperature=0, max_tokens=50,
+                                                                            ignore_eos=True), request_id="a"))
+    engine.add(engine.make_request("And the sky.", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                   request_id="b"))
+    outs = []
+    for _ in range(3):
+        outs += engine.step()
+    assert engine._in_flight is not None and engine.requests["a"].seqs[0].num_pending
+    out = engine.abort("a")                            # its pending tokens are not output
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    streamed = [o for o in outs if o.request_id == "a"][-1].outputs[0].token_ids
+    assert out.outputs[0].token_ids == streamed and -1 not in streamed
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    b = [o for o in outs if o.request_id == "b"]
+    assert [len(o.outputs[0].token_ids) for o in b] == [1, 2, 3] and b[-1].finished
+    engine.step()                                      # collects the last (wasted) step
+    assert engine._in_flight is None

@@ -178,6 +178,29 @@ def test_cuda_one_sequence_prefill_graphs_equal_eager(model, capsys):
 
 
 @needs_cuda
+@pytest.mark.parametrize("model", MODELS)
+def test_cuda_async_scheduling_equals_sync(model):
+    """fp32 with CUDA graphs: async scheduling (the CUDA default: step N+1 runs on step N's sampled
+    ids while the host processes N) gives the synchronous engine's tokens: greedy, seeded n > 1
+    samples, and a stop token that async scheduling finds one step late."""
+    outs = {}
+    for mode in (False, True):
+        llm = cuda_llm(model, dtype="float32", async_scheduling=mode)
+        prompts = prompts_for(llm)
+        greedy = token_ids(llm.generate(prompts, GREEDY))
+        stop = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[greedy[3][5]])
+        params = [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16), stop] * 3
+        sampled = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in llm.generate(prompts, params)]
+        assert llm.engine.async_scheduling == mode and llm.engine.runner.num_graph_steps > 0
+        assert llm.stats()["kv_blocks_used"] == 0
+        outs[mode] = greedy, sampled
+        del llm
+        gc.collect()
+    assert outs[True] == outs[False]
+    assert outs[True][1][3][0][1] == "stop"
+
+
+@needs_cuda
 def test_cuda_profiled_pool_and_sampling():
     """KV pool sized by profiling; fused temperature sampling is reproducible for a given engine seed."""
     params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)

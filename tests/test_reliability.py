@@ -116,10 +116,10 @@ def test_forward_failure_fails_exactly_that_steps_requests():
     ref = reference(prompts, 8)
     llm = sharp_tiny(num_kv_blocks=64, max_num_seqs=2)
     runner = llm.engine.runner
-    runner.run = FailOn(runner.run, {3}, "injected forward failure")
+    runner.launch = FailOn(runner.launch, {3}, "injected forward failure")
     params = [GREEDY8, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), GREEDY8, GREEDY8]
     outs = llm.generate(prompts, params)
-    assert runner.run.calls > 3
+    assert runner.launch.calls > 3
     assert [[c.finish_reason for c in o.outputs] for o in outs] == [["error"], ["error", "error"],
                                                                      ["length"], ["length"]]
     # steps 1-2 ran: the parents have 2 tokens, r1's forked sample (first token in step 2) has 1
@@ -136,6 +136,29 @@ def test_forward_failure_fails_exactly_that_steps_requests():
     assert_drained(llm.engine)
 
 
+def test_failure_collecting_an_in_flight_step_fails_only_its_requests():
+    """Async scheduling: the 3rd step's tokens fail to come back while the 4th is in flight. The
+    3rd step's requests (r0, r1 and r1's fork) fail with a clean message, the queued ones finish as
+    in an unfailed run, the wasted lanes of the 4th step change nothing, and every block drains."""
+    prompts = make_prompts(4, seed=1)
+    ref = reference(prompts, 8)
+    llm = sharp_tiny(num_kv_blocks=64, max_num_seqs=2, async_scheduling=True)
+    runner = llm.engine.runner
+    runner.collect = FailOn(runner.collect, {3}, "injected copy failure")
+    params = [GREEDY8, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), GREEDY8, GREEDY8]
+    outs = llm.generate(prompts, params)
+    assert [[c.finish_reason for c in o.outputs] for o in outs] == [["error"], ["error", "error"],
+                                                                     ["length"], ["length"]]
+    for i, o in enumerate(outs[:2]):
+        assert o.error == "RuntimeError: injected copy failure"
+        for c in o.outputs:
+            assert -1 not in c.token_ids and c.token_ids == ref[i][:len(c.token_ids)]
+    assert [o.outputs[0].token_ids for o in outs[2:]] == ref[2:]
+    assert_drained(llm.engine)
+    assert llm.generate([prompts[0]], GREEDY8)[0].outputs[0].token_ids == ref[0]
+    assert_drained(llm.engine)
+
+
 def test_forward_failure_mid_stream_in_async_engine():
     prompts = make_prompts(5, seed=2)
     ref = reference(prompts, 24)
@@ -143,7 +166,7 @@ def test_forward_failure_mid_stream_in_async_engine():
     sharpen(engine.engine)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runner = engine.engine.runner
-    real = runner.run
+    real = runner.launch
 
     async def stream(i, started=None):
         outs = []
@@ -157,7 +180,7 @@ def test_forward_failure_mid_stream_in_async_engine():
         events = [asyncio.Event() for _ in range(3)]
         tasks = [asyncio.ensure_future(stream(i, events[i])) for i in range(3)]
         await asyncio.gather(*(e.wait() for e in events))
-        runner.run = FailOn(real, {1}, "injected forward failure")      # the very next forward
+        runner.launch = FailOn(real, {1}, "injected forward failure")      # the very next forward
         failed = await asyncio.wait_for(asyncio.gather(*tasks), 30)
         later = await asyncio.wait_for(asyncio.gather(stream(3), stream(4)), 30)
         return failed, later
@@ -174,7 +197,7 @@ def test_forward_failure_mid_stream_in_async_engine():
             assert outs[-1].outputs[0].finish_reason == "length" and outs[-1].outputs[0].token_ids == ref[i]
         wait_drained(engine)
     finally:
-        runner.run = real
+        runner.launch = real
         engine.shutdown()
 
 
@@ -226,7 +249,8 @@ def test_fork_tail_on_an_evicted_block_keeps_its_page():
 
 
 # ---- F2/F4: an abort storm ----------------------------------------------------------------------------
-def test_abort_storm_with_pressure():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_storm_with_pressure(async_scheduling):
     """300 requests aborted at random points (before their first token, after k tokens, by closing
     the stream, by cancelling the task, twice, plus aborts of unknown ids) while 60 others (n=1..3)
     run on a pool small enough to preempt: the others are exactly the oracle's, every aborted partial
@@ -235,7 +259,7 @@ def test_abort_storm_with_pressure():
     prompts = make_prompts(24, seed=3)
     ref = reference(prompts, 24)
     engine = AsyncLLM("dummy:tiny", num_kv_blocks=40, max_num_batched_tokens=128, cpu_offload_gib=0.0005,
-                      debug_checks=True)
+                      debug_checks=True, async_scheduling=async_scheduling)
     sharpen(engine.engine)
 
     async def normal(i):
@@ -388,14 +412,15 @@ def test_stats_can_be_polled_from_another_thread_under_load(tmp_path):
 
 
 # ---- F5: KV pool exhaustion ---------------------------------------------------------------------------
-def test_pool_exhaustion_preempts_offloads_and_stays_exact(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pool_exhaustion_preempts_offloads_and_stays_exact(tmp_path, async_scheduling):
     """36 prompts (n=1..3) on 12 device blocks and a 17-page host tier spilling to disk: preemption,
     eviction, host and disk restores all happen; every sample equals the oracle; twice over (the
     second pass restores the first pass's pages); a request that can never fit is refused at once."""
     prompts = make_prompts(36, seed=4)
     ref = reference(prompts, 12)
     llm = sharp_tiny(num_kv_blocks=12, max_num_batched_tokens=64, cpu_offload_gib=0.0001,
-                     kv_store_dir=str(tmp_path / "kv"), max_model_len=256)
+                     kv_store_dir=str(tmp_path / "kv"), max_model_len=256, async_scheduling=async_scheduling)
     rng = random.Random(5)
     params = [SamplingParams(n=rng.randint(1, 3), temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]
     for _ in range(2):

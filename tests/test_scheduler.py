@@ -17,13 +17,14 @@ def seq(n, start=0):
     return Sequence(list(range(start, start + n)), SamplingParams(), block_size=BS)
 
 
-def step(sched, sample=True):
+def step(sched):
     """Schedule, pretend to run, advance; sequences that reach their end get one new token."""
     out = sched.schedule()
-    sched.postprocess(out)
-    for s, n in zip(out.seqs, out.num_new_tokens):
-        if sample and s.num_computed_tokens == s.num_tokens:
-            s.append_token(7)
+    sched.launched(out)
+    for s in out.seqs:
+        if s.num_pending:
+            s.fill_placeholder(7)
+    sched.publish(out)
     return [(s.seq_id, n) for s, n in zip(out.seqs, out.num_new_tokens)], out
 
 
@@ -95,3 +96,37 @@ def test_finish_frees_blocks_from_any_state():
     sched.finish(b)                                      # still waiting
     assert sched.block_manager.num_free_blocks == 16
     assert not sched.has_unfinished()
+
+
+def test_async_schedule_builds_on_pending_tokens():
+    """Step N+1 is scheduled before step N's sampled values are known: the decode runs on the
+    placeholder, and a sequence whose pending token reaches max_tokens is not scheduled again."""
+    sched = make(budget=8)
+    a = Sequence([1, 2, 3], SamplingParams(max_tokens=2), block_size=BS)
+    sched.add(a)
+    out1 = sched.schedule()
+    sched.launched(out1)                                 # prefill queued: its token is pending
+    assert a.token_ids == [1, 2, 3, -1] and a.num_pending == 1 and a.num_output_tokens == 0
+    out2 = sched.schedule()                              # scheduled on the placeholder
+    assert [(s.seq_id, n) for s, n in zip(out2.seqs, out2.num_new_tokens)] == [(a.seq_id, 1)]
+    sched.launched(out2)
+    assert a.token_ids == [1, 2, 3, -1, -1] and a.num_computed_tokens == 4
+    assert a.fill_placeholder(9) == 3 and a.output_token_ids == [9]
+    assert sched.schedule().seqs == []                   # its pending token is its 2nd and last
+    assert a.fill_placeholder(8) == 4 and a.output_token_ids == [9, 8]
+    sched.finish(a)
+    assert a.num_pending == 0 and sched.block_manager.num_free_blocks == 16
+
+
+def test_finishing_with_a_pending_token_drops_it():
+    sched = make()
+    a = seq(3)
+    sched.add(a)
+    sched.launched(sched.schedule())
+    out = sched.schedule()
+    sched.launched(out)
+    a.fill_placeholder(5)                                # say: EOS, seen one step late
+    sched.finish(a)
+    assert a.token_ids == [0, 1, 2, 5] and a.output_token_ids == [5]
+    sched.publish(out)                                   # a finished sequence publishes nothing
+    assert sched.block_manager.num_free_blocks == 16
