@@ -17,6 +17,7 @@ The block manager never touches tensors: copies (fork, offload) are requested fr
 import hashlib
 import time
 from collections import OrderedDict
+from itertools import chain
 
 from chatengine.hashing import extend_chain, salt_extra, salt_start_block
 from chatengine.offload import BlockMeta
@@ -105,12 +106,18 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return [], 0
         hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        cached = self.cached
         hits = []
-        for i, h in enumerate(hashes):
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
+        for h in hashes:
+            block_id = cached.get(h)
+            if block_id is None:
                 break
             hits.append(block_id)
+        # a hit compares tokens too (a hash collision must not serve another prompt's KV): one
+        # comparison of the whole run, block by block only where it differs
+        blocks, bs = self.blocks, self.block_size
+        if hits and list(chain.from_iterable(blocks[b].token_ids for b in hits)) != seq.token_ids[:len(hits) * bs]:
+            hits = hits[:next(i for i, b in enumerate(hits) if blocks[b].token_ids != tuple(seq.block_tokens(i)))]
         num_lower = 0
         if self.tiers is not None and len(hits) < len(hashes):
             rest = range(len(hits), len(hashes))
