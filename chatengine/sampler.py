@@ -29,9 +29,8 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list, generators: list) -> torch.Tensor:
         """logits (N, V) fp32; params[i] a SamplingParams; generators[i] a Generator or None."""
-        greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
-            return greedy
+            return greedy(logits)
         N, V = logits.shape
         dev = logits.device
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
@@ -52,7 +51,7 @@ class Sampler:
                 (truncated if 0 < p.top_k < V or p.top_p < 1 else full).append(i)
         if len(full) == N:
             return _inverse_cdf(logits, u)
-        sampled = greedy.clone()
+        sampled = greedy(logits)
         if full:
             idx = torch.tensor(full, device=dev)
             sampled[idx] = _inverse_cdf(logits[idx], u[idx])
@@ -110,6 +109,19 @@ class Sampler:
         drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1)
         vals = vals.masked_fill(drop, float("-inf"))
         return vals, ids
+
+
+def greedy(logits: torch.Tensor, chunks: int = 32) -> torch.Tensor:
+    """argmax over the vocabulary, ties to the first index, as torch.argmax. A few rows are split
+    into `chunks` pieces first: torch reduces one 128k row with one block (38 us on an H200 at
+    batch 1; the fused sampler walks it with one program, ~0.1 ms), a chunk's max per block then
+    the first chunk holding the best is ~4x faster."""
+    N, V = logits.shape
+    if N * chunks > 4096 or V % chunks:
+        return logits.argmax(dim=-1)
+    vals, idx = logits.view(N, chunks, V // chunks).max(dim=-1)     # (N, chunks): first max per chunk
+    best = vals.argmax(dim=-1, keepdim=True)                          # the first chunk with the max
+    return best.squeeze(1) * (V // chunks) + idx.gather(1, best).squeeze(1)
 
 
 def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

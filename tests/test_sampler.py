@@ -99,3 +99,16 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert seq_alone == seq_batched and alone == seq_alone[0]
     g2 = [s.make_generator(7, 1)]
     assert [s(logits[:1], [p], g2).item() for _ in range(20)] != seq_alone     # sample 1 of the request differs
+
+
+def test_chunked_greedy_is_argmax_with_first_index_ties():
+    from chatengine.sampler import greedy
+    g = torch.Generator().manual_seed(0)
+    for n, v in [(1, 4096), (3, 49152), (2, 100)]:                  # 100: not split (100 % 32)
+        logits = torch.randn(n, v, generator=g)
+        assert greedy(logits).tolist() == logits.argmax(-1).tolist()
+    logits = torch.zeros(2, 4096)
+    logits[0, [5, 3000]] = 1.0                                      # ties across chunks
+    logits[1, [130, 129]] = 2.0                                     # ties inside a chunk
+    assert greedy(logits).tolist() == [5, 129]
+    assert greedy(torch.zeros(1, 64)).tolist() == [0]
