@@ -422,45 +422,62 @@ def contiguous_kv(cache, tables, layer, B, ctx):
     return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()      # (B, H_kv, ctx, D)
 
 
-def attention_bench(B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(None,), splits=(None,)):
+def attention_bench(B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(None,), splits=(None,),
+                    variants=None):
+    """The decode kernel on B sequences of ctx tokens, per variant: a dict of `paged_attention_triton`
+    overrides (num_splits, launch, pdl; {} = the defaults), or configs x splits. Each variant is timed
+    as a CUDA graph over `copies` layers (> 4x L2), then its output after those replays (the last
+    layer's) is checked against SDPA on the same keys (PDL's waits included)."""
     kv_bytes = B * ctx * H_kv * D * 2 * 2
     copies = max(2, min(16, math.ceil(4 * 100e6 / kv_bytes)))         # > 4x L2 over the copies
     cache, tables, q, cu, lens = kv_setup(B, ctx, H_q, H_kv, D, page, copies)
     out = torch.empty_like(q)
     scale = D ** -0.5
+    q4 = q[:, :, None, :]                                              # (B, H_q, 1, D)
+    k_last, v_last = contiguous_kv(cache, tables, copies - 1, B, ctx)
+    ref = torch.nn.functional.scaled_dot_product_attention(q4, k_last, v_last, scale=scale, enable_gqa=True)[:, :, 0]
+    k_last = v_last = None
+    sms = pa.num_sms(q.device)
+    if variants is None:
+        variants = [{"launch": cfg, "num_splits": ns} for cfg in configs for ns in splits]
     rows = []
-    for cfg in configs:
-        for ns in splits:
-            def paged():
-                for layer in range(copies):
-                    pa.paged_attention_triton(q, cache[:, layer, 0], cache[:, layer, 1], cu, lens, tables, scale,
-                                              max_seqlen_q=1, max_seqlen_k=ctx, num_splits=ns, out=out, launch=cfg)
-            used = ns or pa._decode_splits(B * H_kv, ctx, pa.num_sms(q.device))
-            try:
-                ms = graph_time(paged) / copies
-                rows.append({"launch": cfg, "num_splits": used, "paged_ms": ms, "paged_bytes_per_s": kv_bytes / (ms / 1e3)})
-            except Exception as e:               # e.g. out of shared memory for a sweep point
-                rows.append({"launch": cfg, "num_splits": used, "error": f"{type(e).__name__}: {e}"[:300]})
+    for var in variants:
+        var = {k: v for k, v in var.items() if v is not None}
+        def paged():
+            for layer in range(copies):
+                pa.paged_attention_triton(q, cache[:, layer, 0], cache[:, layer, 1], cu, lens, tables, scale,
+                                          max_seqlen_q=1, max_seqlen_k=ctx, out=out, **var)
+        used = var.get("num_splits") or pa._decode_splits(B * H_kv, ctx, sms)
+        rule_launch, rule_pdl = pa._decode_launch(B * H_kv, used, ctx, D, sms)       # D: a power of two here
+        launch, pdl = var.get("launch") or rule_launch, var["pdl"] if "pdl" in var else rule_pdl
+        row = {"launch": launch, "num_splits": used, "pdl": pdl, "default": not var}
+        try:
+            out.fill_(float("nan"))
+            ms = graph_time(paged) / copies
+            row.update(paged_ms=ms, paged_bytes_per_s=kv_bytes / (ms / 1e3),
+                       max_abs_diff_vs_sdpa=(out.float() - ref.float()).abs().max().item())
+        except Exception as e:               # e.g. out of shared memory for a sweep point
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
     result = {"batch": B, "context": ctx, "kv_bytes": kv_bytes, "copies": copies, "rows": rows}
     if sdpa:
         kvs = [contiguous_kv(cache, tables, layer, B, ctx) for layer in range(copies)]
-        q4 = q[:, :, None, :]                                          # (B, H_q, 1, D)
 
         def dense():
             for k, v in kvs:
                 torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
         ms = graph_time(dense) / copies
         result["sdpa_ms"], result["sdpa_bytes_per_s"] = ms, kv_bytes / (ms / 1e3)
-        # same numbers from both (the paged output of the last layer vs SDPA on it)
-        k, v = kvs[-1]
-        ref = torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)[:, :, 0]
-        pa.paged_attention_triton(q, cache[:, copies - 1, 0], cache[:, copies - 1, 1], cu, lens, tables, scale,
-                                  max_seqlen_q=1, max_seqlen_k=ctx, out=out)
-        result["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+        result["max_abs_diff_vs_sdpa"] = rows[0].get("max_abs_diff_vs_sdpa", float("nan"))
         kvs = None
     cache = None
     free_memory()
     return result
+
+
+def variant_name(row) -> str:
+    pdl = {True: " pdl", "merge": " pdl-merge"}.get(row["pdl"], "")
+    return f"x{row['num_splits']} {tuple(row['launch'])}{pdl}" + (" (default)" if row.get("default") else "")
 
 
 KERNEL_SHAPES = [(1, 8192), (1, 32768), (16, 4096), (64, 1024), (256, 1024), (64, 4096), (256, 4096)]
@@ -477,7 +494,7 @@ def part_kernel(args, res):
         r["sdpa_fraction_of_bw"] = r["sdpa_bytes_per_s"] / bw if bw else None
         out.append(r)
         log(f"[kernel] {B}x{ctx}: paged {best['paged_ms'] * 1e3:.1f} us = {best['paged_bytes_per_s'] / 1e12:.2f} TB/s "
-            f"({best['num_splits']} splits), SDPA contiguous {r['sdpa_ms'] * 1e3:.1f} us = "
+            f"({variant_name(best)}), SDPA contiguous {r['sdpa_ms'] * 1e3:.1f} us = "
             f"{r['sdpa_bytes_per_s'] / 1e12:.2f} TB/s, max |diff| {r['max_abs_diff_vs_sdpa']:.2e}")
 
 
@@ -485,7 +502,7 @@ def part_sweep(args, res):
     """Launch configs (BLOCK_N, num_warps, num_stages) at the default split count, then split counts
     with the default config, per batch x context. Each point compiles once (~1 s)."""
     out = res.setdefault("sweep", {"launch": [], "splits": []})
-    if args.sweep in ("launch", "both"):
+    if args.sweep in ("launch", "both", "all"):
         pairs = [(2, 2), (4, 2), (4, 3)] if args.quick else [(2, 2), (4, 2), (4, 3), (4, 4), (8, 3)]
         configs = [None] + [(bn, w, st) for bn in ((16, 32, 64) if args.quick else (16, 32, 64, 128))
                             for w, st in pairs]
@@ -497,7 +514,7 @@ def part_sweep(args, res):
             log(f"[sweep] {B}x{ctx}: best {best['launch']}: {best['paged_ms'] * 1e3:.1f} us "
                 f"({best['paged_bytes_per_s'] / 1e12:.2f} TB/s); default {ok[0]['paged_ms'] * 1e3:.1f} us; "
                 f"{len(r['rows']) - len(ok)} configs failed")
-    if args.sweep in ("prefill", "both"):
+    if args.sweep in ("prefill", "both", "all"):
         for B, q_len, ctx in [(1, 128, 2176), (1, 32, 8192), (1, 512, 4096), (4, 128, 2048), (1, 2048, 2048),
                               (8, 256, 1024), (1, 128, 512), (2, 1024, 1024)]:
             r = prefill_split_bench(B, q_len, ctx, [None, 1, 2, 4, 8, 16, 32],
@@ -509,7 +526,9 @@ def part_sweep(args, res):
                     f"{x['num_splits']}{'*' if x['default'] else ''}: {x['ms'] * 1e3:.1f}"
                     for x in r["rows"] if x["launch"] == cfg) + " us")
             log(f"[sweep] prefill B={B} q={q_len} ctx={ctx}: best {best['launch']} x {best['num_splits']} splits")
-    if args.sweep in ("splits", "both"):
+    if args.sweep in ("decode", "all"):
+        part_sweep_decode(args, res, out)
+    if args.sweep in ("splits", "both", "all"):
         for B, ctx in [(1, 8192), (1, 32768), (8, 8192), (16, 4096), (32, 4096), (64, 1024), (64, 4096),
                        (128, 2048), (256, 1024)]:
             splits = [x for x in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if ctx // x >= 128]
@@ -520,6 +539,77 @@ def part_sweep(args, res):
             log(f"[sweep] {B}x{ctx} splits: " + ", ".join(f"{x['num_splits']}: {x['paged_ms'] * 1e3:.1f}"
                                                           for x in sorted(ok, key=lambda x: x["num_splits"]))
                 + f" us; best {ok[0]['num_splits']}, heuristic {r['heuristic']}")
+
+
+# decode variants (benchmarks/NOTES.md v8): launch configs x programmatic dependent launch x splits
+_PDL = (False, "merge", True)
+DECODE_SWEEP = {
+    (1, 8192): [dict(num_splits=64, launch=cfg, pdl=pdl) for cfg in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 2))
+                for pdl in _PDL]
+               + [dict(num_splits=ns, launch=cfg, pdl=pdl) for ns, cfg in ((32, (128, 4, 2)), (32, (64, 4, 2)),
+                                                                            (128, (64, 4, 2))) for pdl in ("merge", True)],
+    (1, 32768): [dict(num_splits=64, launch=cfg, pdl=pdl) for cfg in ((64, 4, 2), (128, 4, 2), (128, 4, 3), (64, 4, 3))
+                 for pdl in _PDL],
+    **{shape: [dict(launch=cfg, pdl=pdl) for cfg in ((64, 4, 2), (128, 4, 2)) for pdl in _PDL]
+       for shape in ((8, 8192), (16, 4096), (64, 1024), (64, 4096))},
+    (256, 1024): [dict(pdl=True)],
+    (256, 4096): [dict(pdl=True)],
+}
+DECODE_SWEEP[(16, 4096)] += [dict(num_splits=6, launch=(128, 4, 2), pdl=pdl) for pdl in ("merge", True)]
+
+
+@pa.jit
+def _touch_kernel(X):                           # one store per program: the launch floor in a graph
+    pa.tl.store(X + pa.tl.program_id(0), 1.0)
+
+
+def part_sweep_decode(args, res, out):
+    """Decode variants on the kernel table's shapes (each against its default, the first row), and
+    three timings that split 1x8k's time: a CUDA-graph launch of a trivial kernel, the 1x8k attention
+    kernel without its merge (output wrong: timing only), and the merge kernel alone."""
+    shapes = list(DECODE_SWEEP)[:2] if args.quick else list(DECODE_SWEEP)
+    for B, ctx in shapes:
+        r = attention_bench(B, ctx, sdpa=False, variants=[{}] + DECODE_SWEEP[(B, ctx)])
+        out.setdefault("decode", []).append(r)
+        ok = sorted((x for x in r["rows"] if "paged_ms" in x), key=lambda x: x["paged_ms"])
+        for x in r["rows"]:
+            log(f"[sweep] {B}x{ctx} {variant_name(x):40s} " + (
+                f"{x['paged_ms'] * 1e3:6.1f} us {x['paged_bytes_per_s'] / 1e12:5.2f} TB/s |diff| "
+                f"{x['max_abs_diff_vs_sdpa']:.1e}" if "paged_ms" in x else x["error"]))
+        log(f"[sweep] {B}x{ctx}: best {variant_name(ok[0])} {ok[0]['paged_ms'] * 1e3:.1f} us")
+    out["diagnostics"] = diag = {}
+    try:
+        x = torch.zeros(1024, device="cuda")
+        for n in (1, 132):
+            diag[f"empty_kernel_{n}_programs_us"] = 1e3 * graph_time(
+                lambda: [_touch_kernel[(n,)](x) for _ in range(16)]) / 16
+    except Exception as e:
+        diag["empty_kernel_error"] = f"{type(e).__name__}: {e}"[:300]
+    real = pa._merge_splits_kernel
+
+    class NoMerge:                              # the launcher's merge launch, skipped
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+    try:
+        pa._merge_splits_kernel = NoMerge()
+        r = attention_bench(1, 8192, sdpa=False, variants=[dict(num_splits=64, launch=(64, 4, 2)),
+                                                           dict(num_splits=64, launch=(128, 4, 2))])
+        diag["decode_only_1x8k_us"] = [(x["num_splits"], x["launch"], 1e3 * x.get("paged_ms", float("nan")))
+                                       for x in r["rows"]]
+    except Exception as e:
+        diag["decode_only_error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        pa._merge_splits_kernel = real
+    try:
+        part = torch.zeros(32, 64, 64, device="cuda")
+        lse = torch.zeros(32, 64, device="cuda")
+        o = torch.empty(1, 32, 64, device="cuda", dtype=torch.bfloat16)
+        diag["merge_only_1x8k_us"] = 1e3 * graph_time(lambda: [real[(1, 32)](
+            o, part, lse, 32, o.stride(0), o.stride(1), NUM_SPLITS=64, BLOCK_S=64, HEAD_DIM=64, BLOCK_D=64,
+            PDL=False, num_warps=4) for _ in range(16)]) / 16
+    except Exception as e:
+        diag["merge_only_error"] = f"{type(e).__name__}: {e}"[:300]
+    log(f"[sweep] diagnostics: {diag}")
 
 
 def prefill_split_bench(B, q_len, ctx, splits, H_q=32, H_kv=8, D=64, page=16, configs=(None,)) -> dict:
@@ -654,7 +744,8 @@ def main(argv=None):
                     help="extra engine settings as JSON, e.g. '{\"cpu_offload_gib\": 0}' (throughput part)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--decode-steps", type=int, default=20)
-    ap.add_argument("--sweep", choices=["launch", "splits", "prefill", "both"], default="both", help="what --part sweep varies")
+    ap.add_argument("--sweep", choices=["launch", "splits", "prefill", "decode", "both", "all"], default="both",
+                    help="what --part sweep varies (decode: launch x PDL x splits on the kernel shapes; all: all)")
     ap.add_argument("--commit", default=None, help="commit to record (default: $CHATENGINE_COMMIT, else git)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)

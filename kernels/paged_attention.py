@@ -37,6 +37,10 @@ except ImportError:                      # CPU-only installs: the torch referenc
 
     class tl:                            # just enough for the kernel signatures to be defined
         constexpr = None
+try:                                     # programmatic dependent launch (sm_90+), triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 def resolve_backend(device: torch.device, backend: str | None = None) -> str:
@@ -67,9 +71,13 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,                          # keys per step; may span several pages
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,                       # > 1: split the keys, write partials + lse
+    PDL: tl.constexpr,                              # programmatic dependent launch (see launcher)
     DOT_DTYPE: tl.constexpr,                        # tl.dot operand dtype: the input's, but see launcher
     DOT_PRECISION: tl.constexpr,                    # "ieee" for fp32 operands (no TF32), else None
 ):
+    if PDL:
+        gdc_launch_dependents()                     # the merge kernel's programs may get resident now
+        gdc_wait()                                  # if launched early: until our predecessor is done
     seq = tl.program_id(0) // num_kv_heads          # axis 0: B * H_kv can pass the 65535 of axis 1
     kv_head = tl.program_id(0) % num_kv_heads
     q_block = tl.program_id(1)
@@ -140,7 +148,10 @@ def _paged_attention_kernel(
 @jit
 def _merge_splits_kernel(Out, PartialOut, PartialLse, num_q_heads, stride_ot, stride_oh,
                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()                     # the next kernel may get resident (it must wait)
+        gdc_wait()                                  # launched while the attention kernel runs: wait for it
     t = tl.program_id(0)
     head = tl.program_id(1)
     row = (t * num_q_heads + head).to(tl.int64) * NUM_SPLITS
@@ -231,19 +242,43 @@ def _launch(table: dict, block_d: int) -> tuple[int, int, int]:
     return table[max(64, block_d)] if max(64, block_d) in table else table[256]
 
 
+def _decode_launch(num_programs: int, num_splits: int, max_seqlen_k: int | None, block_d: int,
+                   sms: int = 132) -> tuple[tuple[int, int, int], bool]:
+    """((BLOCK_N, num_warps, num_stages), PDL) for a decode launch of num_programs = batch x kv_heads.
+
+    Split decodes whose programs all fit in one wave (<= 4 per multiprocessor: 1 x 8k and 1 x 32k on
+    Llama-1B's 8 KV heads x 64 splits) are latency-bound: 128-key tiles put more bytes in flight per
+    program. A split of one tile has no loop to pipeline (2 stages), and there programmatic dependent
+    launch overlaps the merge kernel's launch with the attention kernel, and the attention kernel's
+    with its predecessor's tail: 1 x 8k 11.9 -> 10.6 us. Longer splits pipeline their tiles
+    (3 stages): 1 x 32k 28.4 -> 25.0 us (PDL not measured with it). H200, NOTES.md v8; other shapes
+    and head dims keep DECODE_LAUNCH without PDL (PDL moved them by +-1%)."""
+    if num_splits > 1 and num_programs * num_splits <= 4 * sms and block_d == 64 and max_seqlen_k:
+        if -(-max_seqlen_k // num_splits) <= 128:
+            return (128, 4, 2), True
+        return (128, 4, 3), False
+    return _launch(DECODE_LAUNCH, block_d), False
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, max_seqlen_q: int | None = None,
                            max_seqlen_k: int | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None,
-                           launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+                           launch: tuple[int, int, int] | None = None,
+                           pdl: bool | str | None = None) -> torch.Tensor:
     """Triton varlen paged attention, same contract as `paged_attention_ref`; writes `out` if given.
 
     Decode-only batches (max_seqlen_q == 1) put the GQA group of one KV head in one program and
     split long contexts over `num_splits` programs (default: a heuristic on max_seqlen_k); other
     batches tile BLOCK_Q queries x GROUP heads per program. Pass max_seqlen_q (and num_splits, or
     max_seqlen_k, for decode) to avoid a host sync; a fixed num_splits is safe for CUDA graphs.
-    `launch` = (BLOCK_N, num_warps, num_stages) overrides the tables (for benchmarks/gpu_bench.py).
+    Overrides of the rules (`_decode_launch`, the tables), for benchmarks/gpu_bench.py: `launch` =
+    (BLOCK_N, num_warps, num_stages); `pdl` = programmatic dependent launch (sm_90+, ignored
+    elsewhere): False; "merge" (the merge kernel launches while the attention kernel runs and waits
+    for it on the device); True (the attention kernel too, overlapping the kernel before it). A kernel
+    launched early waits (griddepcontrol.wait) before its first read: it never reads its
+    predecessor's writes unfinished, so any kernel may come before or after, in CUDA graphs too.
     """
     T, H_q, D = q.shape
     B = seq_lens.shape[0]
@@ -256,6 +291,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if T == 0:
         return out
     group = H_q // H_kv
+    block_d = triton.next_power_of_2(D)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())         # host sync
     if max_seqlen_q == 1:                           # decode: one token, the GQA group in the rows
@@ -263,18 +299,19 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if num_splits is None:
             max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
             num_splits = _decode_splits(B * H_kv, max_seqlen_k, num_sms(q.device))
+        rule_launch, rule_pdl = _decode_launch(B * H_kv, num_splits, max_seqlen_k, block_d, num_sms(q.device))
     else:                                           # prefill chunks (mixed with decodes)
         block_m = max(64, triton.next_power_of_2(group))
         block_q = block_m // group
         if num_splits is None:
             max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
             num_splits = _prefill_splits(B, max_seqlen_q, group, H_kv, max_seqlen_k, num_sms(q.device))
+        rule_launch, rule_pdl = _launch(PREFILL_LAUNCH, block_d), False
+    block_n, num_warps, num_stages = launch or rule_launch
+    pdl = (rule_pdl if pdl is None else pdl) if pdl_supported(q.device) else False
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q.dtype]
     if interpreting() and q.dtype == torch.bfloat16:
         dot_dtype = tl.float32                      # triton 3.9's interpreter multiplies bf16 bit patterns
-    block_d = triton.next_power_of_2(D)
-    block_n, num_warps, num_stages = launch or _launch(DECODE_LAUNCH if max_seqlen_q == 1 else PREFILL_LAUNCH,
-                                                       block_d)
     if num_splits > 1:
         partial = torch.empty(T, H_q, num_splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, H_q, num_splits, dtype=torch.float32, device=q.device)
@@ -289,14 +326,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, PDL=bool(pdl),
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl is True else {}))
     if num_splits > 1:
         _merge_splits_kernel[(T, H_q)](
             out, partial, lse, H_q, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=D, BLOCK_D=block_d, num_warps=4)
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=D, BLOCK_D=block_d, PDL=bool(pdl),
+            num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled kernels (not the interpreter) on sm_90+, with a triton
+    that has griddepcontrol (tl.extra.cuda.gdc_*, triton >= 3.4)."""
+    return (gdc_wait is not None and device.type == "cuda" and not interpreting()
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -193,6 +193,73 @@ def test_split_kv_decode(device, num_splits, H_q, H_kv, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("block_n, page_size", [(16, 16), (32, 16), (16, 32), (128, 16)])
+@pytest.mark.parametrize("pad_table", [0, 3])
+def test_decode_key_tiles(device, num_splits, block_n, page_size, pad_table):
+    # split decodes at the tile sizes the launch rules use (128 keys: `_decode_launch`) and smaller:
+    # tiles across page edges, fewer tiles than splits (empty splits), lengths that end mid-tile and
+    # mid-page, a table exactly as wide as the longest sequence or wider with -1 padding
+    q_lens, seq_lens = [1] * 5, [1, page_size, 3 * block_n + 5, 7 * page_size, 160]
+    q, k_cache, v_cache, cu, lens, tables = make_batch(q_lens, seq_lens, 8, 2, 64, page_size, torch.float32, device)
+    width = -(-max(seq_lens) // page_size) + pad_table
+    tables = torch.cat([tables, torch.full((5, 3), -1, dtype=tables.dtype, device=device)], 1)[:, :width]
+    tables = tables.contiguous()
+    out = torch.full(q.shape, float("nan"), device=device)
+    pa.paged_attention_triton(q, k_cache, v_cache, cu, lens, tables, 0.125, max_seqlen_q=1,
+                              num_splits=num_splits, out=out, launch=(block_n, 4, 2))
+    assert rel_err(out, naive_attention(q, k_cache, v_cache, cu, lens, tables, 0.125)) < REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pdl", [False, "merge", True])
+@pytest.mark.parametrize("num_splits", [1, 6])
+def test_decode_pdl_in_cuda_graph(device, pdl, num_splits):
+    # programmatic dependent launch (sm_90+; a no-op elsewhere): eager, then a CUDA graph of two
+    # dependent layers replayed twice on new inputs, the second layer reading the first's output
+    q, k_cache, v_cache, cu, lens, tables = make_batch(*(DECODE_CUDA if device == "cuda" else DECODE), 8, 2, 64, 16,
+                                                       torch.float32, device)
+
+    def two_layers():
+        mid = pa.paged_attention_triton(q, k_cache, v_cache, cu, lens, tables, 0.125, max_seqlen_q=1,
+                                        num_splits=num_splits, pdl=pdl)
+        return pa.paged_attention_triton(mid, v_cache, k_cache, cu, lens, tables, 0.125, max_seqlen_q=1,
+                                         num_splits=num_splits, pdl=pdl)
+
+    def expected():
+        mid = naive_attention(q, k_cache, v_cache, cu, lens, tables, 0.125).to(device, q.dtype)
+        return naive_attention(mid, v_cache, k_cache, cu, lens, tables, 0.125)
+
+    assert rel_err(two_layers(), expected()) < 2 * REL_TOL[torch.float32]
+    if device != "cuda":
+        return
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = two_layers()
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, expected()) < 2 * REL_TOL[torch.float32]
+
+
+def test_pdl_support():
+    assert not pa.pdl_supported(torch.device("cpu"))
+
+
+def test_decode_launch_rule():
+    # one wave of split programs (<= 4 per SM) at head_dim 64: 128-key tiles; PDL for one-tile splits
+    assert pa._decode_launch(8, 64, 8192, 64) == ((128, 4, 2), True)        # 1 x 8k, 8 KV heads
+    assert pa._decode_launch(8, 64, 32768, 64) == ((128, 4, 3), False)      # 1 x 32k
+    assert pa._decode_launch(8, 32, 4096, 64) == ((128, 4, 2), True)        # a bs-1 graph, max_model_len 4096
+    assert pa._decode_launch(8, 64, None, 64) == (pa.DECODE_LAUNCH[64], False)   # length unknown
+    for args in ((128, 24, 4096, 64), (512, 6, 1024, 64), (2048, 1, 1024, 64), (8, 1, 100, 64),
+                 (8, 64, 8192, 128)):                                       # several waves, one split, head_dim 128
+        assert pa._decode_launch(*args) == (pa._launch(pa.DECODE_LAUNCH, args[3]), False), args
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_split_kv_prefill(device):
     # splits in a mixed batch: splits past a query block's causal limit are empty (lse = -inf)
     check_attention(device, MIXED, 8, 2, 64, 16, torch.float32, num_splits=4)
@@ -247,7 +314,7 @@ def test_padded_decode_lanes(device, num_splits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("launch", [(16, 2, 2), (64, 4, 3)])
+@pytest.mark.parametrize("launch", [(16, 2, 2), (64, 4, 3), (128, 4, 3)])
 def test_launch_overrides(device, launch):
     # the parameters gpu_bench.py sweeps compute the same function
     q, *rest = make_batch(*DECODE, 8, 2, 64, 16, torch.float32, device)
