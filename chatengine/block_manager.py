@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from itertools import chain
 
-from chatengine.hashing import extend_chain, salt_extra, salt_start_block
+from chatengine.hashing import ChainMemo, salt_extra, salt_start_block
 from chatengine.offload import BlockMeta
 from chatengine.sequence import Sequence
 
@@ -59,6 +59,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.root = root                                  # model fingerprint: the parent of block 0
+        self.chains = ChainMemo()                         # recent hash chains, to start new ones from
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
         self.cached: dict[bytes, int] = {}                # hash -> block id (in use or free)
@@ -94,9 +95,9 @@ class BlockManager:
         """Chain hashes of seq's first `num_blocks` full blocks (extended lazily on the sequence)."""
         hashes = seq.block_hashes
         if len(hashes) < num_blocks:
-            extend_chain(hashes, self.root, seq.token_ids, self.block_size, num_blocks,
-                         salt_start_block(seq.public_prefix_len, self.block_size),
-                         salt_extra(seq.salt) if seq.salt else b"")
+            self.chains.extend(hashes, self.root, seq.token_ids, self.block_size, num_blocks,
+                               salt_start_block(seq.public_prefix_len, self.block_size),
+                               salt_extra(seq.salt) if seq.salt else b"")
         return hashes[:num_blocks]
 
     def lookup(self, seq: Sequence) -> tuple[list[int], int]:

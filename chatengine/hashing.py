@@ -10,6 +10,7 @@ import hmac
 import os
 import struct
 import tempfile
+from collections import deque
 from pathlib import Path
 
 VERSION = b"chatengine/kv/v1"  # bump when the recipe or the KV layout meaning changes
@@ -89,6 +90,58 @@ def extend_chain(hashes: list[bytes], root: bytes, token_ids: list[int], block_s
         data = _U32.pack(len(parent)) + parent + count + raw[j:j + width] + tails[i >= extra_from]
         parent = hashlib.blake2b(data, digest_size=DIGEST_SIZE, person=_BLOCK_PERSON).digest()
         hashes.append(parent)
+
+
+class ChainMemo:
+    """The hash chains of the last few sequences, to start a new chain from.
+
+    A chat's prompts share long prefixes (a persona, the conversation so far), and hashing a
+    2k-token prefix block by block cost ~0.2 ms of the time to first token on an H200 host, while
+    finding the prefix shared with a recent sequence takes a few list comparisons. Only blocks hashed
+    alike are reused: the public (unsalted) ones, or every block when both sequences have the same
+    salt. A reused hash is one the new sequence would compute itself from the same tokens.
+
+    NOTE: entries keep references to sequences' token and hash lists; both only ever grow at the
+    end, and hashes cover known tokens only, so an entry's hashed prefix never changes."""
+
+    def __init__(self, size: int = 16):
+        self.entries: deque = deque(maxlen=size)    # (token_ids, hashes, extra_from, extra)
+
+    def extend(self, hashes: list[bytes], root: bytes, token_ids: list[int], block_size: int, num_blocks: int,
+               extra_from: int = 0, extra: bytes = b"") -> None:
+        """extend_chain, starting from the longest shared prefix of a remembered chain."""
+        if not hashes and num_blocks > 1:
+            best, best_n = None, 0
+            first = token_ids[:block_size]
+            for toks, hs, ef, ex in reversed(self.entries):       # the newest first
+                limit = min(len(hs), num_blocks)
+                if (ef, ex) != (extra_from, extra):
+                    limit = min(limit, ef, extra_from)      # the unsalted blocks only
+                if limit > best_n and toks[:block_size] == first:
+                    n = _shared_blocks(toks, token_ids, block_size, limit)
+                    if n > best_n:
+                        best, best_n = hs, n
+                        if n == num_blocks:
+                            break
+            if best_n:
+                hashes.extend(best[:best_n])
+            self.entries.append((token_ids, hashes, extra_from, extra))
+        extend_chain(hashes, root, token_ids, block_size, num_blocks, extra_from, extra)
+
+
+def _shared_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
+    """The most whole blocks (<= limit) that a and b begin with alike (they share the first): all
+    of them, or a binary search (~8 slice comparisons for a 2k-token prompt)."""
+    if a[:limit * block_size] == b[:limit * block_size]:
+        return limit
+    lo, hi = 1, limit - 1           # a and b agree on lo blocks; they differ within the first hi + 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid * block_size] == b[:mid * block_size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def salt_extra(salt: bytes) -> bytes:

@@ -17,6 +17,7 @@ The CUDA fast path (bf16 by default):
   placeholders for tokens step N sampled: those ids are copied on the device from N's samples.
 `enforce_eager=True`, the torch attention backend, or a CPU device take the eager path.
 """
+import functools
 import itertools
 import logging
 import random
@@ -68,8 +69,10 @@ class LaunchedStep:
     done: object = None                     # CUDA event after the copy into token_ids
 
 
+@functools.lru_cache(maxsize=256)
 def _layout(T: int, B: int, S: int, W: int) -> dict[str, tuple[int, int]]:
-    """(offset, length) of each index array in the int32 staging buffer, regions 128-byte aligned."""
+    """(offset, length) of each index array in the int32 staging buffer, regions 128-byte aligned.
+    Cached (callers must not change it): the same few shapes come back step after step."""
     sizes = {"input_ids": T, "positions": T, "slot_mapping": T, "seq_lens": B, "cu_seqlens_q": B + 1,
              "logits_indices": S, "block_tables": B * W,
              "temperatures": S,                        # float32 bits: the fused sampler's
@@ -162,6 +165,7 @@ class ModelRunner:
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(size, dtype=torch.int32, device=device) if pin else self._host
         self._uploaded = torch.cuda.Event() if pin else None
+        self._views: dict[int, tuple] = {}   # id(layout) -> (layout, its device views of _dev)
         self._tables = BlockTableRows(2 * max_b, -(-self.max_num_pages // 16) * 16)
         # sampled ids come back through two pinned buffers in turn: one step is in flight while the
         # engine reads the one before
@@ -309,7 +313,14 @@ class ModelRunner:
         if self._dev is not self._host:
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
             self._uploaded.record()     # the next _stage must not overwrite _host before this copy ran
-        d = {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
+        cached = self._views.get(id(lay))
+        if cached is not None:  # the entry holds its layout, so that id is not reused while it lives
+            d = cached[1]
+        else:
+            if len(self._views) > 512:
+                self._views.clear()
+            d = {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
+            self._views[id(lay)] = (lay, d)
         if num_pending:
             src = self._last_tokens[d["pending_src"][:num_pending]]
             d["input_ids"][d["pending_dst"][:num_pending]] = src.to(torch.int32)

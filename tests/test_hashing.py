@@ -1,5 +1,6 @@
 """Block-hash chain, model fingerprint and per-user salt. Run: python -m pytest tests/test_hashing.py -q"""
 import os
+import random
 import stat
 import subprocess
 import sys
@@ -210,3 +211,33 @@ def test_file_digest(tmp_path):
     p.write_bytes(os.urandom(3 * 1024 + 7))
     import hashlib
     assert file_digest(p, chunk_size=1024) == hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_chain_memo_gives_the_fresh_chain_and_reuses_only_alike_blocks():
+    """Chains started from a remembered one equal chains hashed from scratch, for sequences that
+    share prefixes of any length, with equal or different salts and public prefixes; a block is
+    reused (the same bytes object) only where both hash it alike."""
+    from chatengine.hashing import ChainMemo, extend_chain, salt_extra
+    rng = random.Random(3)
+    memo, bs, root = ChainMemo(size=4), 4, b"r" * 16
+    base = [rng.randrange(50) for _ in range(40)]
+    made = []
+    for _ in range(60):
+        cut = rng.randrange(0, 41)
+        toks = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(0, 20))]
+        extra_from = rng.choice([0, 2, 5])
+        extra = rng.choice([b"", salt_extra(b"u1"), salt_extra(b"u2")])
+        n = len(toks) // bs
+        fresh, got = [], []
+        extend_chain(fresh, root, toks, bs, n, extra_from, extra)
+        memo.extend(got, root, toks, bs, n, extra_from, extra)
+        assert got == fresh
+        made.append((toks, got, extra_from, extra))
+    a = base + [1] * 8
+    b = base[:20] + [2] * 8                                            # 5 shared blocks
+    ha, hb, hc = [], [], []
+    memo.extend(ha, root, a, bs, len(a) // bs, 3, salt_extra(b"u1"))
+    memo.extend(hb, root, b, bs, len(b) // bs, 3, salt_extra(b"u1"))
+    assert [x is y for x, y in zip(ha, hb)] == [True] * 5 + [False] * 2
+    memo.extend(hc, root, b, bs, len(b) // bs, 3, salt_extra(b"u2"))   # another user: the 3 public blocks
+    assert [x is y for x, y in zip(hb, hc)] == [True] * 3 + [False] * 4
