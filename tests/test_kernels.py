@@ -265,6 +265,26 @@ def test_split_kv_prefill(device):
     check_attention(device, MIXED, 8, 2, 64, 16, torch.float32, num_splits=4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [2, 4, 8])
+@pytest.mark.parametrize("batch, H_q, H_kv", [("MIXED", 8, 2), ("MIXED", 7, 1), ("DECODE", 14, 2)])
+def test_merge_several_heads_per_program(device, heads, batch, H_q, H_kv, monkeypatch):
+    # the merge with `heads` query heads per program, some of them past H_q (7, 14 heads), from
+    # poisoned partials
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(pa, "_merge_heads", lambda *a: heads)
+    shapes = {"MIXED": MIXED, "DECODE": DECODE_CUDA if device == "cuda" else DECODE}
+    check_attention(device, shapes[batch], H_q, H_kv, 64, 16, torch.float32, num_splits=3)
+
+
+def test_merge_heads_rule():
+    assert pa._merge_heads(128, 32, 132) == 8        # a 128-token chunk: 512 programs, not 4096
+    assert pa._merge_heads(64, 32, 132) == 4         # a 64-sequence split decode: 512 programs
+    assert pa._merge_heads(1, 32, 132) == 1          # one token: all 32 programs
+    assert pa._merge_heads(16, 14, 132) == 1
+
+
 def test_prefill_split_rule():
     # a 128-token turn on a 2k prefix, Llama-1B heads (group 4, 8 KV heads): 64 programs -> 5 splits
     assert pa._prefill_splits(1, 128, 4, 8, 2176, 132) == 5
