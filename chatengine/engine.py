@@ -347,6 +347,8 @@ class LLMEngine:
                    for seq, token_id in zip(out.seqs, token_ids) if token_id is not None and not seq.is_finished]
         self.scheduler.publish(out)
         if self.block_manager.pending_publishes:
+            # NOTE: the copy to host waits for the step in flight (it may write these pages): with a
+            # disk store, publishing steps give up their overlap, not their correctness
             self._write_behind()
         self.num_steps += 1
         touched = {}
