@@ -224,9 +224,8 @@ class LLMEngine:
             text, ids = None, list(prompt)
             vocab = self.model_config.vocab_size
             # plain ints (the common case) are checked at C speed; anything else one by one
-            if not ids or set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab:
-                pass
-            elif any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            if (min(ids, default=0) < 0 or max(ids, default=0) >= vocab if set(map(type, ids)) <= {int}
+                    else any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids)):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         else:
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
