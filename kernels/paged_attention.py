@@ -161,13 +161,14 @@ def _merge_splits_kernel(Out, PartialOut, PartialLse, num_q_heads, stride_ot, st
     h_ok = offs_h < num_q_heads
     hs_ok = h_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
     rows = (t * num_q_heads + offs_h).to(tl.int64)[:, None] * NUM_SPLITS + offs_s[None, :]      # (H, S)
+    # both loads before any use: in flight together, one L2 round trip after the wait instead of two
     lse = tl.load(PartialLse + rows, mask=hs_ok, other=float("-inf"))
+    part = tl.load(PartialOut + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                   mask=hs_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0)      # (H, S, D)
     # every split is empty only for a padded lane (seq_len 0, CUDA graphs): write 0 there, not NaN
     m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m[:, None])                                                               # (H, S)
-    part = tl.load(PartialOut + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                   mask=hs_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0)      # (H, S, D)
     w_sum = tl.sum(w, 1)
     out = tl.sum(w[:, :, None] * part, 1) / tl.where(w_sum > 0, w_sum, 1.0)[:, None]          # (H, D)
     tl.store(Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -262,15 +263,13 @@ def _decode_launch(num_programs: int, num_splits: int, max_seqlen_k: int | None,
 
     Split decodes whose programs all fit in one wave (<= 4 per multiprocessor: 1 x 8k and 1 x 32k on
     Llama-1B's 8 KV heads x 64 splits) are latency-bound: 128-key tiles put more bytes in flight per
-    program. A split of one tile has no loop to pipeline (2 stages), and there programmatic dependent
-    launch overlaps the merge kernel's launch with the attention kernel, and the attention kernel's
-    with its predecessor's tail: 1 x 8k 11.9 -> 10.6 us. Longer splits pipeline their tiles
-    (3 stages): 1 x 32k 28.4 -> 25.0 us (PDL not measured with it). H200, NOTES.md v8; other shapes
-    and head dims keep DECODE_LAUNCH without PDL (PDL moved them by +-1%)."""
+    program, and programmatic dependent launch overlaps the merge kernel's launch with the attention
+    kernel, and the attention kernel's with its predecessor's tail. A split of one tile has no loop to
+    pipeline (2 stages): 1 x 8k 11.9 -> 10.6 us; longer splits pipeline their tiles (3 stages): 1 x 32k
+    28.4 -> 25.0 us, with PDL 24.4 -> 23.3. H200, NOTES.md v8, v12; other shapes and head dims keep
+    DECODE_LAUNCH without PDL (PDL moved them by +-1%, v8b)."""
     if num_splits > 1 and num_programs * num_splits <= 4 * sms and block_d == 64 and max_seqlen_k:
-        if -(-max_seqlen_k // num_splits) <= 128:
-            return (128, 4, 2), True
-        return (128, 4, 3), False
+        return ((128, 4, 2) if -(-max_seqlen_k // num_splits) <= 128 else (128, 4, 3)), True
     return _launch(DECODE_LAUNCH, block_d), False
 
 

@@ -214,7 +214,8 @@ def test_decode_key_tiles(device, num_splits, block_n, page_size, pad_table):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pdl", [False, "merge", True])
 @pytest.mark.parametrize("num_splits", [1, 6])
-def test_decode_pdl_in_cuda_graph(device, pdl, num_splits):
+@pytest.mark.parametrize("launch", [None, (128, 4, 3)])     # the rule's, and 1 x 32k's: pipelined, PDL
+def test_decode_pdl_in_cuda_graph(device, pdl, num_splits, launch):
     # programmatic dependent launch (sm_90+; a no-op elsewhere): eager, then a CUDA graph of two
     # dependent layers replayed twice on new inputs, the second layer reading the first's output
     q, k_cache, v_cache, cu, lens, tables = make_batch(*(DECODE_CUDA if device == "cuda" else DECODE), 8, 2, 64, 16,
@@ -222,9 +223,9 @@ def test_decode_pdl_in_cuda_graph(device, pdl, num_splits):
 
     def two_layers():
         mid = pa.paged_attention_triton(q, k_cache, v_cache, cu, lens, tables, 0.125, max_seqlen_q=1,
-                                        num_splits=num_splits, pdl=pdl)
+                                        num_splits=num_splits, pdl=pdl, launch=launch)
         return pa.paged_attention_triton(mid, v_cache, k_cache, cu, lens, tables, 0.125, max_seqlen_q=1,
-                                         num_splits=num_splits, pdl=pdl)
+                                         num_splits=num_splits, pdl=pdl, launch=launch)
 
     def expected():
         mid = naive_attention(q, k_cache, v_cache, cu, lens, tables, 0.125).to(device, q.dtype)
@@ -249,9 +250,10 @@ def test_pdl_support():
 
 
 def test_decode_launch_rule():
-    # one wave of split programs (<= 4 per SM) at head_dim 64: 128-key tiles; PDL for one-tile splits
+    # one wave of split programs (<= 4 per SM) at head_dim 64: 128-key tiles and PDL; 3 stages for
+    # splits of several tiles
     assert pa._decode_launch(8, 64, 8192, 64) == ((128, 4, 2), True)        # 1 x 8k, 8 KV heads
-    assert pa._decode_launch(8, 64, 32768, 64) == ((128, 4, 3), False)      # 1 x 32k
+    assert pa._decode_launch(8, 64, 32768, 64) == ((128, 4, 3), True)       # 1 x 32k
     assert pa._decode_launch(8, 32, 4096, 64) == ((128, 4, 2), True)        # a bs-1 graph, max_model_len 4096
     assert pa._decode_launch(8, 64, None, 64) == (pa.DECODE_LAUNCH[64], False)   # length unknown
     for args in ((128, 24, 4096, 64), (512, 6, 1024, 64), (2048, 1, 1024, 64), (8, 1, 100, 64),
