@@ -141,11 +141,19 @@ class LLMEngine:
                 self.tiers.put(evicted[block_id], page)
 
     def _write_behind(self) -> None:
-        bm = self.block_manager
+        """Queue newly published pages for the disk store. Their last slots may be written by the step
+        in flight (async scheduling): the copies queue behind it on the device and the disk writer
+        waits for them, so the host does not wait here and the step keeps its overlap."""
+        bm, disk = self.block_manager, self.tiers.disk
         if bm.pending_publishes:
             published, bm.pending_publishes = dict(bm.pending_publishes), []
-            for block_id, page in self._device_pages(list(published)):
-                self.tiers.write_behind(published[block_id], page)
+            ids = [block_id for block_id, meta in published.items() if meta.hash not in disk]
+            ids = ids[:disk.reserve(len(ids))]          # a full queue: dropped before any copy
+            for i in range(0, len(ids), 64):
+                chunk = ids[i:i + 64]
+                pages, copied = self.runner.queue_gather_blocks(chunk)
+                for block_id, page in zip(chunk, pages):
+                    disk.write_behind(published[block_id], page, ready=copied)
 
     def flush_kv(self) -> None:
         """Write every cached block of every tier to the disk store and wait for it."""
@@ -346,8 +354,6 @@ class LLMEngine:
                    for seq, token_id in zip(out.seqs, token_ids) if token_id is not None and not seq.is_finished]
         self.scheduler.publish(out)
         if self.block_manager.pending_publishes:
-            # NOTE: the copy to host waits for the step in flight (it may write these pages): with a
-            # disk store, publishing steps give up their overlap, not their correctness
             self._write_behind()
         self.num_steps += 1
         touched = {}

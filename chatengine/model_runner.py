@@ -476,6 +476,20 @@ class ModelRunner:
         ids = torch.tensor(block_ids, device=self.device)
         return self.kv_cache.index_select(0, ids).to("cpu")
 
+    def queue_gather_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """`gather_blocks` without waiting (CUDA): the copy into pinned host memory is queued on the
+        compute stream, behind the steps in flight (so it sees what they write), and the host goes on.
+        Returns (pages, the event that marks them copied); read the pages only after it. On CPU the
+        copy is done on return (event None)."""
+        if self.device.type != "cuda":
+            return self.gather_blocks(block_ids), None
+        ids = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        pages = torch.empty((len(block_ids), *self.kv_cache.shape[1:]), dtype=self.kv_cache.dtype, pin_memory=True)
+        pages.copy_(self.kv_cache.index_select(0, ids), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return pages, done
+
     def restore_blocks(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
         """kv_cache[block_ids[i]] = host_pages[slots[i]], straight from the (pinned) host pool: one
         copy per run of consecutive slots and blocks. On CUDA the copies run on a side stream that the

@@ -84,16 +84,24 @@ class DiskStore:
         return entry[2] if entry else None
 
     # ---- writing ----------------------------------------------------------------------------------
-    def write_behind(self, meta: BlockMeta, page: torch.Tensor, block: bool = False) -> bool:
-        """Queue a write; when the queue is full, drop it (block=False) rather than stall the engine."""
+    def write_behind(self, meta: BlockMeta, page: torch.Tensor, block: bool = False, ready=None) -> bool:
+        """Queue a write; when the queue is full, drop it (block=False) rather than stall the engine.
+        `ready`: a CUDA event that marks the (non-blocking) copy into `page` done; the writer waits on it."""
         if meta.hash in self.index:
             return True
         try:
-            self.queue.put((meta, page), block=block)
+            self.queue.put((meta, page, ready), block=block)
             return True
         except queue.Full:
             self.num_dropped += 1
             return False
+
+    def reserve(self, n: int) -> int:
+        """How many of n writes to queue now (the queue's free room); the rest count as dropped, so
+        the caller skips copying their pages off the device. Only the engine's thread queues writes."""
+        take = max(0, min(n, self.queue.maxsize - self.queue.qsize()))
+        self.num_dropped += n - take
+        return take
 
     def _write_loop(self) -> None:
         while True:
@@ -105,9 +113,11 @@ class DiskStore:
             finally:
                 self.queue.task_done()
 
-    def _write(self, meta: BlockMeta, page: torch.Tensor) -> None:
+    def _write(self, meta: BlockMeta, page: torch.Tensor, ready=None) -> None:
         if meta.hash in self.index:
             return
+        if ready is not None:
+            ready.synchronize()
         payload = page.contiguous().view(torch.uint8).numpy().tobytes()
         header = json.dumps({"root": self.root.hex(), "hash": meta.hash.hex(), "parent": meta.parent.hex(),
                              "owner": meta.owner.hex(), "tokens": list(meta.token_ids),
@@ -312,10 +322,6 @@ class TieredCache:
                 host.free_slots.append(slot)
                 return True
         return False
-
-    def write_behind(self, meta: BlockMeta, page: torch.Tensor) -> None:
-        if self.disk is not None:
-            self.disk.write_behind(meta, page)
 
     def drop_owner(self, owner: bytes) -> int:
         """Forget every block salted for one user (host and disk). Returns how many."""

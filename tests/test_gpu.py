@@ -201,6 +201,24 @@ def test_cuda_async_scheduling_equals_sync(model):
 
 
 @needs_cuda
+def test_cuda_async_write_behind_pages_equal_device(tmp_path):
+    """With a disk store and async scheduling, a page published while the next step is in flight (which
+    writes its last slot) is copied behind that step on the device, without a host wait: every page
+    the disk writer stored equals its block's page on the device."""
+    llm = cuda_llm("dummy:qwen2.5-0.5b", kv_store_dir=str(tmp_path / "kv"), async_scheduling=True)
+    llm.generate(prompts_for(llm), GREEDY)
+    engine = llm.engine
+    engine.tiers.disk.flush()                                   # the writer's queue, not flush_kv
+    cached = [b for b in engine.block_manager.blocks if b.hash is not None]
+    assert len(cached) >= 60 and engine.tiers.disk.num_dropped == 0
+    for block in cached:
+        meta, page = engine.tiers.disk.read(block.hash)
+        assert meta.token_ids == block.meta().token_ids
+        assert torch.equal(page, engine.runner.gather_blocks([block.block_id])[0]), block.block_id
+    llm.shutdown()
+
+
+@needs_cuda
 def test_cuda_profiled_pool_and_sampling():
     """KV pool sized by profiling; fused temperature sampling is reproducible for a given engine seed."""
     params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)

@@ -65,6 +65,22 @@ def test_disk_store_index_rebuilt_damage_dropped_other_root_ignored(tmp_path):
     assert other.stats()["disk_blocks"] == 0 and other.lookup([ms[0].hash], [ms[0].token_ids]) == 0
 
 
+def test_disk_reserve_takes_the_free_room_and_counts_the_rest_dropped(tmp_path):
+    # the engine copies pages off the device only for writes the queue takes now
+    tiers = TieredCache(b"r" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path),
+                        disk_budget_bytes=1 << 30)
+    disk = tiers.disk
+    disk.close()                                          # the writer stops: nothing leaves the queue
+    assert disk.reserve(0) == 0 and disk.num_dropped == 0
+    assert disk.reserve(300) == 256 and disk.num_dropped == 44
+    ms = metas(200) + metas(57, seed=1)
+    for m in ms[:255]:
+        assert disk.write_behind(m, torch.zeros(SHAPE))
+    assert disk.reserve(3) == 1 and disk.num_dropped == 46
+    assert disk.write_behind(ms[255], torch.zeros(SHAPE)) and disk.reserve(1) == 0
+    assert not disk.write_behind(ms[256], torch.zeros(SHAPE))        # full: dropped, not blocked
+
+
 def test_disk_budget_evicts_oldest(tmp_path):
     one = 4 * 2 * 2 * 4 * 2 * 8 + 600                    # a page plus its header, roughly
     tiers = TieredCache(b"c" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path),
