@@ -10,7 +10,8 @@ Parts (all by default; `--part` picks some):
   decode      decode step time at batch 1, 64, 256 with 1k context: engine step, runner, graph
               replay, against (weight bytes + KV bytes read) / measured bandwidth
   kernel      the decode attention kernel alone (Llama-3.2-1B layer: 32 q / 8 kv heads, head_dim
-              64, page 16): bytes/s vs measured bandwidth, paged vs contiguous SDPA on the same data
+              64, page 16): bytes/s vs measured bandwidth, paged vs contiguous SDPA on the same data,
+              and kernels that only read the same bytes (paged and flat: benchmarks/read_floor.py)
   sweep       decode-kernel launch parameters and split counts (for kernels/paged_attention.py)
   profile     torch.profiler breakdown of one eager decode step (batch 256, 1k context)
 Saves JSON + a markdown table (device, commit, versions) under --out and prints the table last.
@@ -37,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import commit  # noqa: E402
+from benchmarks.read_floor import read_floors  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
 from chatengine.loader import DUMMY_SHAPES  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
@@ -423,11 +425,12 @@ def contiguous_kv(cache, tables, layer, B, ctx):
 
 
 def attention_bench(B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(None,), splits=(None,),
-                    variants=None):
+                    variants=None, floors=False):
     """The decode kernel on B sequences of ctx tokens, per variant: a dict of `paged_attention_triton`
     overrides (num_splits, launch, pdl; {} = the defaults), or configs x splits. Each variant is timed
     as a CUDA graph over `copies` layers (> 4x L2), then its output after those replays (the last
-    layer's) is checked against SDPA on the same keys (PDL's waits included)."""
+    layer's) is checked against SDPA on the same keys (PDL's waits included). `floors`: also time
+    kernels that only read the same bytes (benchmarks/read_floor.py)."""
     kv_bytes = B * ctx * H_kv * D * 2 * 2
     copies = max(2, min(16, math.ceil(4 * 100e6 / kv_bytes)))         # > 4x L2 over the copies
     cache, tables, q, cu, lens = kv_setup(B, ctx, H_q, H_kv, D, page, copies)
@@ -460,6 +463,8 @@ def attention_bench(B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(N
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
     result = {"batch": B, "context": ctx, "kv_bytes": kv_bytes, "copies": copies, "rows": rows}
+    if floors:
+        result["read_floors"] = read_floors(cache, tables, lens, ctx, graph_time)
     if sdpa:
         kvs = [contiguous_kv(cache, tables, layer, B, ctx) for layer in range(copies)]
 
@@ -488,14 +493,24 @@ def part_kernel(args, res):
     shapes = [(1, 8192), (64, 1024), (256, 1024), (256, 4096)] if args.quick else KERNEL_SHAPES
     out = res.setdefault("kernel", [])
     for B, ctx in shapes:
-        r = attention_bench(B, ctx)
+        r = attention_bench(B, ctx, floors=True)
         best = r["rows"][0]
         r["paged_fraction_of_bw"] = best["paged_bytes_per_s"] / bw if bw else None
         r["sdpa_fraction_of_bw"] = r["sdpa_bytes_per_s"] / bw if bw else None
+        floors = r["read_floors"]
+        r["paged_read_fraction_of_bw"] = r["kv_bytes"] / (paged_read_ms(r) / 1e3) / bw if bw else None
+        r["contiguous_read_fraction_of_bw"] = r["kv_bytes"] / (floors["contiguous_read_ms"] / 1e3) / bw if bw else None
         out.append(r)
         log(f"[kernel] {B}x{ctx}: paged {best['paged_ms'] * 1e3:.1f} us = {best['paged_bytes_per_s'] / 1e12:.2f} TB/s "
             f"({variant_name(best)}), SDPA contiguous {r['sdpa_ms'] * 1e3:.1f} us = "
-            f"{r['sdpa_bytes_per_s'] / 1e12:.2f} TB/s, max |diff| {r['max_abs_diff_vs_sdpa']:.2e}")
+            f"{r['sdpa_bytes_per_s'] / 1e12:.2f} TB/s, max |diff| {r['max_abs_diff_vs_sdpa']:.2e}; reading the same "
+            f"bytes only: paged {paged_read_ms(r) * 1e3:.1f} us, contiguous {floors['contiguous_read_ms'] * 1e3:.1f} us")
+
+
+def paged_read_ms(r) -> float:
+    """The faster of the memory-only paged reads (with and without programmatic dependent launch)."""
+    f = r["read_floors"]
+    return min(f["paged_read_ms"], f.get("paged_read_pdl_ms", float("inf")))
 
 
 def part_sweep(args, res):
@@ -717,13 +732,20 @@ def markdown(meta, res) -> str:
     if res.get("kernel"):
         L += ["## Decode attention kernel (Llama-3.2-1B layer, bf16, page 16)", "",
               "| batch x context | KV MB | paged us | paged TB/s | % of copy BW | splits | SDPA contiguous us | "
-              "SDPA TB/s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "SDPA TB/s | read only, paged us (%) | read only, contiguous us (%) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in res["kernel"]:
             b = r["rows"][0]
+            floors = "| - | - |"
+            if r.get("read_floors"):
+                floors = (f"| {paged_read_ms(r) * 1e3:.1f} ({100 * (r['paged_read_fraction_of_bw'] or float('nan')):.0f}%) "
+                          f"| {r['read_floors']['contiguous_read_ms'] * 1e3:.1f} "
+                          f"({100 * (r['contiguous_read_fraction_of_bw'] or float('nan')):.0f}%) |")
             L.append(f"| {r['batch']}x{r['context']} | {r['kv_bytes'] / 1e6:.0f} | {b['paged_ms'] * 1e3:.1f} | "
                      f"{b['paged_bytes_per_s'] / 1e12:.2f} | {100 * (r['paged_fraction_of_bw'] or float('nan')):.0f}% | "
-                     f"{b['num_splits']} | {r['sdpa_ms'] * 1e3:.1f} | {r['sdpa_bytes_per_s'] / 1e12:.2f} |")
-        L.append("")
+                     f"{b['num_splits']} | {r['sdpa_ms'] * 1e3:.1f} | {r['sdpa_bytes_per_s'] / 1e12:.2f} {floors}")
+        L += ["", "Read only: memory-only kernels over the same bytes (benchmarks/read_floor.py): what an attention "
+              "kernel could at best approach at that size.", ""]
     if res.get("errors"):
         L += ["## Errors", ""] + [f"- {k}: {v.splitlines()[-1][:300]}" for k, v in res["errors"].items()] + [""]
     return "\n".join(L)
