@@ -450,7 +450,7 @@ def attention_bench(B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(N
             for layer in range(copies):
                 pa.paged_attention_triton(q, cache[:, layer, 0], cache[:, layer, 1], cu, lens, tables, scale,
                                           max_seqlen_q=1, max_seqlen_k=ctx, out=out, **var)
-        used = var.get("num_splits") or pa._decode_splits(B * H_kv, ctx, sms)
+        used = var.get("num_splits") or pa._decode_splits(B * H_kv, ctx, sms, D)
         rule_launch, rule_pdl = pa._decode_launch(B * H_kv, used, ctx, D, sms)       # D: a power of two here
         launch, pdl = var.get("launch") or rule_launch, var["pdl"] if "pdl" in var else rule_pdl
         row = {"launch": launch, "num_splits": used, "pdl": pdl, "default": not var}

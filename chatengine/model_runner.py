@@ -368,7 +368,8 @@ class ModelRunner:
         mc, sms, pool = self.model_config, paged_attention.num_sms(self.device), None
         for bs in reversed(self.graph_batch_sizes()):   # largest first: the others reuse its pool
             lay, *_ = self._stage([], [], pad_to=bs)     # all lanes padded: reads and writes nothing
-            splits = paged_attention._decode_splits(bs * mc.num_kv_heads, self.max_model_len, sms)
+            block_d = 1 << (mc.head_dim - 1).bit_length()        # the kernel's padded head_dim
+            splits = paged_attention._decode_splits(bs * mc.num_kv_heads, self.max_model_len, sms, block_d)
             self.graphs[bs] = self._capture(lay, bs, 1, splits, pool)
             pool = self.graphs[bs][0].pool()
         for Tp in reversed(self.prefill_graph_sizes()):

@@ -213,17 +213,21 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _decode_splits(num_programs: int, max_seqlen_k: int, sms: int = 132) -> int:
+def _decode_splits(num_programs: int, max_seqlen_k: int, sms: int = 132, block_d: int = 64) -> int:
     """Flash-decoding split count for num_programs = batch x kv_heads decode programs.
 
-    Measured on an H200 (benchmarks/NOTES.md, v4): from ~7 programs per multiprocessor up, one split
-    is best (256x1k, 128x2k); below that, many short programs (~23 per multiprocessor, ~4 waves of
-    the ~6 that fit) beat a few long ones, whose last partial wave leaves the GPU idle (64x4k: 6
-    splits 137 us, 2 splits 173 us, 1 split 162 us). Each split keeps >= MIN_SPLIT_KEYS keys so the
-    merge stays cheap; at most MAX_SPLITS."""
-    if num_programs >= 7 * sms:
+    Head_dim 64, measured on an H200 (benchmarks/NOTES.md, v14): from two programs per multiprocessor
+    up, one split is best: the partials and the merge kernel cost more than one program's pipelined
+    128-key tiles lose (64x1k on 8 KV heads, 512 programs: 6 splits 44.9 us, one 38.2; 48x1k 36.5 ->
+    31.5; 64x4k 138 -> 131). Below, split to ~8 programs per multiprocessor (16x4k: 8 splits 43.4 us,
+    24 splits 45.0; 32x4k: 4 splits 75.9, 12 splits 78.8). Other head dims keep v4's rule, measured
+    with their smaller tiles: one split from ~7 programs per multiprocessor, else ~23 per
+    multiprocessor (64x4k at head_dim 64 then: 6 splits 137 us, 2 splits 173, 1 split 162). Each
+    split keeps >= MIN_SPLIT_KEYS keys so the merge stays cheap; at most MAX_SPLITS."""
+    one_split, per_sm = (2, 8) if block_d == 64 else (7, 23)
+    if num_programs >= one_split * sms:
         return 1
-    want = round(23 * sms / num_programs)
+    want = round(per_sm * sms / num_programs)
     return max(1, min(want, max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
@@ -261,17 +265,24 @@ def _decode_launch(num_programs: int, num_splits: int, max_seqlen_k: int | None,
                    sms: int = 132) -> tuple[tuple[int, int, int], bool]:
     """((BLOCK_N, num_warps, num_stages), PDL) for a decode launch of num_programs = batch x kv_heads.
 
-    Split decodes whose programs all fit in one wave (<= 4 per multiprocessor: 1 x 8k and 1 x 32k on
-    Llama-1B's 8 KV heads x 64 splits) are latency-bound: 128-key tiles put more bytes in flight per
-    program, and programmatic dependent launch overlaps the merge kernel's launch with the attention
-    kernel, and the attention kernel's with its predecessor's tail. A split of one tile has no loop to
-    pipeline (2 stages): 1 x 8k 11.9 -> 10.6 us; longer splits pipeline their tiles (3 stages): 1 x 32k
-    28.4 -> 25.0 us, with PDL 24.4 -> 23.3. H200, NOTES.md v8, v12; other shapes and head dims keep
-    DECODE_LAUNCH without PDL (PDL moved them by +-1%, v8b)."""
-    if num_splits > 1 and num_programs * num_splits <= 4 * sms and block_d == 64 and max_seqlen_k:
+    Head_dim 64 (H200, NOTES.md v8, v12, v14): split decodes whose programs all fit in one wave (<= 4
+    per multiprocessor: 1 x 8k and 1 x 32k on Llama-1B's 8 KV heads x 64 splits) are latency-bound:
+    128-key tiles put more bytes in flight per program, and programmatic dependent launch overlaps
+    the merge kernel's launch with the attention kernel, and the attention kernel's with its
+    predecessor's tail. A split of one tile has no loop to pipeline (2 stages): 1 x 8k 11.9 -> 10.6
+    us; longer splits pipeline their tiles (3 stages): 1 x 32k 28.4 -> 25.0 us, with PDL 24.4 -> 23.3.
+    Other split decodes, and one-split decodes of fewer than 4 programs per multiprocessor, also take
+    pipelined 128-key tiles (64x1k 45.9 -> 38.2 us at one split, 16x4k at 8 splits 46.3 -> 43.4);
+    from 4 per multiprocessor (80-112 x 1k), several programs per multiprocessor hide the latency
+    and DECODE_LAUNCH's 64-key tiles are faster (96x1k 56.4 us vs 61.4). Other head dims keep
+    DECODE_LAUNCH without PDL (128 keys at head_dim 128 spill; PDL moved other shapes by +-1%, v8b)."""
+    if block_d != 64:
+        return _launch(DECODE_LAUNCH, block_d), False
+    if num_splits > 1 and num_programs * num_splits <= 4 * sms and max_seqlen_k:
         return ((128, 4, 2) if -(-max_seqlen_k // num_splits) <= 128 else (128, 4, 3)), True
-    return _launch(DECODE_LAUNCH, block_d), False
-
+    if num_splits > 1 or num_programs < 4 * sms:
+        return (128, 4, 3), False
+    return DECODE_LAUNCH[64], False
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
@@ -311,7 +322,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_m, block_q = max(16, triton.next_power_of_2(group)), 1          # tl.dot needs M >= 16
         if num_splits is None:
             max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
-            num_splits = _decode_splits(B * H_kv, max_seqlen_k, num_sms(q.device))
+            num_splits = _decode_splits(B * H_kv, max_seqlen_k, num_sms(q.device), block_d)
         rule_launch, rule_pdl = _decode_launch(B * H_kv, num_splits, max_seqlen_k, block_d, num_sms(q.device))
     else:                                           # prefill chunks (mixed with decodes)
         block_m = max(64, triton.next_power_of_2(group))

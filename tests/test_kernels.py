@@ -255,9 +255,11 @@ def test_decode_launch_rule():
     assert pa._decode_launch(8, 64, 8192, 64) == ((128, 4, 2), True)        # 1 x 8k, 8 KV heads
     assert pa._decode_launch(8, 64, 32768, 64) == ((128, 4, 3), True)       # 1 x 32k
     assert pa._decode_launch(8, 32, 4096, 64) == ((128, 4, 2), True)        # a bs-1 graph, max_model_len 4096
-    assert pa._decode_launch(8, 64, None, 64) == (pa.DECODE_LAUNCH[64], False)   # length unknown
-    for args in ((128, 24, 4096, 64), (512, 6, 1024, 64), (2048, 1, 1024, 64), (8, 1, 100, 64),
-                 (8, 64, 8192, 128)):                                       # several waves, one split, head_dim 128
+    # other split decodes, and one split under 4 programs per SM: pipelined 128-key tiles, no PDL
+    for args in ((128, 8, 4096, 64), (512, 1, 1024, 64), (8, 1, 100, 64), (8, 64, None, 64)):   # None: length unknown
+        assert pa._decode_launch(*args) == ((128, 4, 3), False), args
+    # one split from 4 programs per SM, and other head dims: the table
+    for args in ((2048, 1, 1024, 64), (528, 1, 1024, 64), (8, 64, 8192, 128), (8, 64, 8192, 32)):
         assert pa._decode_launch(*args) == (pa._launch(pa.DECODE_LAUNCH, args[3]), False), args
 
 
@@ -310,11 +312,14 @@ def test_empty_batch(device):
 def test_decode_splits_heuristic():
     assert pa._decode_splits(num_programs=2, max_seqlen_k=32768) == pa.MAX_SPLITS   # small batch, long context
     assert pa._decode_splits(num_programs=2, max_seqlen_k=1000) == 7     # splits of >= 128 keys
-    assert pa._decode_splits(num_programs=512, max_seqlen_k=4096) == 6   # ~23 programs per SM (64x4k)
-    assert pa._decode_splits(num_programs=256, max_seqlen_k=32768) == 12
-    assert pa._decode_splits(num_programs=1024, max_seqlen_k=32768) == 1  # >= 7 per SM: no split
+    assert pa._decode_splits(num_programs=128, max_seqlen_k=4096) == 8   # ~8 programs per SM (16x4k)
+    assert pa._decode_splits(num_programs=256, max_seqlen_k=32768) == 4
+    assert pa._decode_splits(num_programs=264, max_seqlen_k=4096) == 1   # >= 2 per SM: no split (64x1k: 512)
     assert pa._decode_splits(num_programs=1, max_seqlen_k=100) == 1
     assert pa._decode_splits(num_programs=8, max_seqlen_k=8192, sms=78) == pa.MAX_SPLITS
+    # other head dims: ~23 programs per SM, one split from 7 per SM
+    assert pa._decode_splits(num_programs=512, max_seqlen_k=4096, block_d=128) == 6
+    assert pa._decode_splits(num_programs=924, max_seqlen_k=4096, block_d=128) == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
