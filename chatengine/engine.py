@@ -22,7 +22,7 @@ from chatengine.config import EngineConfig
 from chatengine.hashing import load_or_create_secret, model_fingerprint, user_salt
 from chatengine.loader import load_model
 from chatengine.model_runner import ModelRunner, resolve_device_dtype
-from chatengine.offload import TieredCache
+from chatengine.offload import BlockMeta, TieredCache
 from chatengine.outputs import CompletionOutput, RequestOutput
 from chatengine.sampling_params import SamplingParams
 from chatengine.scheduler import Scheduler
@@ -133,12 +133,39 @@ class LLMEngine:
             yield from zip(chunk, self.runner.gather_blocks(chunk))
 
     def _copy_evictions(self) -> None:
-        """Write evicted pages back to host memory (before anything overwrites their blocks)."""
+        """Write evicted pages back to host memory, or to disk without a host tier: queued on the device
+        before anything can overwrite their blocks, behind the step in flight, without a host wait."""
         bm = self.block_manager
         if bm.pending_evictions:
-            evicted, bm.pending_evictions = dict(bm.pending_evictions), []
-            for block_id, page in self._device_pages(list(evicted)):
-                self.tiers.put(evicted[block_id], page)
+            evicted, bm.pending_evictions = bm.pending_evictions, []
+            if self.tiers.host is not None:
+                self._save_to_host(evicted)
+            else:
+                self._queue_to_disk([(b, meta) for b, meta in evicted if meta.hash not in self.tiers.disk], block=True)
+
+    def _save_to_host(self, blocks: list[tuple[int, BlockMeta]]) -> list[bool]:
+        """Queue device -> host-memory copies of these (block id, meta) pages into claimed host slots;
+        returns whether each page will be in host memory (False: every slot pinned)."""
+        tiers, stored, ids, slots = self.tiers, [], [], []
+        for block_id, meta in blocks:
+            ok, slot = tiers.claim(meta)
+            stored.append(ok)
+            if slot is not None:
+                ids.append(block_id)
+                slots.append(slot)
+        if ids:
+            tiers.landing(slots, self.runner.queue_save_blocks(ids, tiers.host.data, slots))
+        return stored
+
+    def _queue_to_disk(self, blocks: list[tuple[int, BlockMeta]], block: bool) -> None:
+        """Queue these (block id, meta) pages for the disk writer, copied off the device behind the
+        step in flight (the writer waits for the copy); block=False drops what a full queue cannot take."""
+        disk = self.tiers.disk
+        for i in range(0, len(blocks), 64):
+            chunk = blocks[i:i + 64]
+            pages, copied = self.runner.queue_gather_blocks([block_id for block_id, _ in chunk])
+            for (_, meta), page in zip(chunk, pages):
+                disk.write_behind(meta, page, block=block, ready=copied)
 
     def _write_behind(self) -> None:
         """Queue newly published pages for the disk store. Their last slots may be written by the step
@@ -146,14 +173,9 @@ class LLMEngine:
         waits for them, so the host does not wait here and the step keeps its overlap."""
         bm, disk = self.block_manager, self.tiers.disk
         if bm.pending_publishes:
-            published, bm.pending_publishes = dict(bm.pending_publishes), []
-            ids = [block_id for block_id, meta in published.items() if meta.hash not in disk]
-            ids = ids[:disk.reserve(len(ids))]          # a full queue: dropped before any copy
-            for i in range(0, len(ids), 64):
-                chunk = ids[i:i + 64]
-                pages, copied = self.runner.queue_gather_blocks(chunk)
-                for block_id, page in zip(chunk, pages):
-                    disk.write_behind(published[block_id], page, ready=copied)
+            published, bm.pending_publishes = bm.pending_publishes, []
+            todo = [(block_id, meta) for block_id, meta in published if meta.hash not in disk]
+            self._queue_to_disk(todo[:disk.reserve(len(todo))], block=False)   # a full queue: dropped before any copy
 
     def flush_kv(self) -> None:
         """Write every cached block of every tier to the disk store and wait for it."""
@@ -175,8 +197,8 @@ class LLMEngine:
         cutoff = time.monotonic() - idle_for_s
         idle = [b for b in bm.free_lru if bm.blocks[b].hash is not None and bm.blocks[b].freed_at <= cutoff]
         idle = idle[:max_blocks]
-        for block_id, page in self._device_pages(idle):
-            if self.tiers.put(bm.blocks[block_id].meta(), page):
+        for block_id, stored in zip(idle, self._save_to_host([(b, bm.blocks[b].meta()) for b in idle])):
+            if stored:       # its copy is queued before any step that could reuse the block
                 bm.unpublish(block_id)
                 bm.free_lru.move_to_end(block_id, last=False)
         return len(idle)

@@ -484,12 +484,30 @@ class ModelRunner:
         copy is done on return (event None)."""
         if self.device.type != "cuda":
             return self.gather_blocks(block_ids), None
-        ids = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
         pages = torch.empty((len(block_ids), *self.kv_cache.shape[1:]), dtype=self.kv_cache.dtype, pin_memory=True)
-        pages.copy_(self.kv_cache.index_select(0, ids), non_blocking=True)
+        pages.copy_(self._queue_index_select(block_ids), non_blocking=True)
+        return pages, self._record()
+
+    def queue_save_blocks(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
+        """host_pages[slots[i]] = kv_cache[block_ids[i]], the reverse of `restore_blocks`: on CUDA
+        (host_pages pinned) queued on the compute stream behind the steps in flight, without a host
+        wait, as one D2H copy per run of consecutive slots; returns the event that marks the copies
+        landed. On CPU the copies are done on return (None)."""
+        if self.device.type != "cuda":
+            cache_ops.copy_pages(host_pages, slots, self.kv_cache, block_ids)
+            return None
+        cache_ops.copy_pages(host_pages, slots, self._queue_index_select(block_ids), list(range(len(block_ids))))
+        return self._record()
+
+    def _queue_index_select(self, block_ids: list[int]) -> torch.Tensor:
+        """kv_cache[block_ids] as a new contiguous device tensor, the ids uploaded without a host wait."""
+        ids = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        return self.kv_cache.index_select(0, ids)
+
+    def _record(self) -> "torch.cuda.Event":
         done = torch.cuda.Event()
         done.record()
-        return pages, done
+        return done
 
     def restore_blocks(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
         """kv_cache[block_ids[i]] = host_pages[slots[i]], straight from the (pinned) host pool: one

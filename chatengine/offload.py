@@ -1,7 +1,9 @@
 """Lower KV tiers: a host (pinned on CUDA) pool of blocks and a disk store, keyed by block hash.
 
 A block evicted from the device LRU is written back here (same hash, so the same user salt); when
-the host pool is full its LRU spills to disk. With a disk store, published blocks are also written
+the host pool is full its LRU spills to disk. On CUDA the engine's write-backs are queued on the
+device behind the step in flight, into claimed slots (`claim`, `landing`): the host reads or
+overwrites a slot only after its copy has landed. With a disk store, published blocks are also written
 behind in the background and `flush()` writes everything, so a restart finds them.
 
 Disk layout: `<kv_store_dir>/<root hex>/<hash[:2]>/<hash hex>.kv`, one file per block: a fixed
@@ -221,6 +223,7 @@ class HostPool:
         self.free_slots = list(range(num_blocks - 1, -1, -1))
         self.index: OrderedDict[bytes, tuple[int, BlockMeta]] = OrderedDict()   # head = LRU
         self.pinned: dict[bytes, int] = {}
+        self.landing: dict[int, object] = {}     # slot -> event of a device copy into it, maybe unfinished
 
     @property
     def num_blocks(self) -> int:
@@ -294,23 +297,44 @@ class TieredCache:
     # ---- write-back from the device ---------------------------------------------------------------
     def put(self, meta: BlockMeta, page: torch.Tensor) -> bool:
         """Store one page in host memory (LRU spills to disk). False if every slot is pinned."""
-        host = self.host
-        if host is None:
+        if self.host is None:
             if self.disk is not None:
                 self.disk.write_behind(meta, page.clone(), block=True)
             return False
+        stored, slot = self.claim(meta)
+        if slot is not None:
+            self._settle(slot)                     # a device copy may still be landing in this reused slot
+            if self.inflight is not None:          # a restore may still be reading this slot: wait for it
+                self.inflight.synchronize()
+                self.inflight = None
+            self.host.data[slot].copy_(page)
+        return stored
+
+    def claim(self, meta: BlockMeta) -> tuple[bool, int | None]:
+        """Room in host memory for one page, indexed now: (whether the page will be here, the slot to
+        copy it to; None when it is here already or nothing is free). A device copy into the slot
+        is then named with `landing`."""
+        host = self.host
         if meta.hash in host.index:
             host.index.move_to_end(meta.hash)
-            return True
+            return True, None
         if not host.free_slots and not self._spill_one():
-            return False
+            return False, None
         slot = host.free_slots.pop()
-        if self.inflight is not None:          # a restore may still be reading this slot: wait for it
-            self.inflight.synchronize()
-            self.inflight = None
-        host.data[slot].copy_(page)
         host.index[meta.hash] = (slot, meta)
-        return True
+        return True, slot
+
+    def landing(self, slots: list[int], event) -> None:
+        """Device copies into these slots finish with `event` (None: finished). Host-side reads and
+        writes of a slot wait for it; device-side ones are ordered behind it on the compute stream."""
+        if event is not None:
+            for slot in slots:
+                self.host.landing[slot] = event
+
+    def _settle(self, slot: int) -> None:
+        event = self.host.landing.pop(slot, None)
+        if event is not None:
+            event.synchronize()
 
     def _spill_one(self) -> bool:
         host = self.host
@@ -318,6 +342,7 @@ class TieredCache:
             if h not in host.pinned:
                 slot, meta = host.index.pop(h)
                 if self.disk is not None:
+                    self._settle(slot)
                     self.disk.write_behind(meta, host.data[slot].clone(), block=True)
                 host.free_slots.append(slot)
                 return True
@@ -346,6 +371,7 @@ class TieredCache:
             return
         if self.host is not None:
             for h, (slot, meta) in list(self.host.index.items()):
+                self._settle(slot)
                 self.disk.write_behind(meta, self.host.data[slot].clone(), block=True)
         self.disk.flush()
 

@@ -219,6 +219,27 @@ def test_cuda_async_write_behind_pages_equal_device(tmp_path):
 
 
 @needs_cuda
+def test_cuda_async_evictions_to_host_restore_exactly():
+    """Under memory pressure with async scheduling, evicted pages are copied to host memory behind the
+    step in flight (no host wait); prefixes restored from there give the tokens of an engine with
+    room for everything (fp32: exact), on the first pass and on a second that finds them on the host."""
+    model = "dummy:qwen2.5-0.5b"
+    roomy = cuda_llm(model, dtype="float32")
+    prompts = random_prompts(roomy.engine.model_config.vocab_size, [200, 150, 260, 90, 310, 180, 120, 240], seed=3)
+    reference = token_ids(roomy.generate(prompts, GREEDY))
+    del roomy
+    gc.collect()
+    tight = cuda_llm(model, dtype="float32", num_kv_blocks=40, max_num_seqs=4, cpu_offload_gib=0.5,
+                     async_scheduling=True, debug_checks=True)
+    assert token_ids(tight.generate(prompts, GREEDY)) == reference
+    assert token_ids(tight.generate(prompts, GREEDY)) == reference
+    stats = tight.stats()
+    assert stats["evictions"] > 0 and stats["blocks_restored"] > 0 and stats["kv_blocks_used"] == 0
+    tight.engine.check_invariants()
+    tight.shutdown()
+
+
+@needs_cuda
 def test_cuda_profiled_pool_and_sampling():
     """KV pool sized by profiling; fused temperature sampling is reproducible for a given engine seed."""
     params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)

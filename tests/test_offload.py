@@ -43,6 +43,46 @@ def test_host_disk_round_trip_is_bitwise(tmp_path):
     assert all(os.stat(f).st_mode & 0o077 == 0 for f in files)                    # private to the server
 
 
+def test_device_copies_land_before_the_host_touches_their_slots(tmp_path):
+    # the engine claims host slots and queues device copies into them (no host wait); a slot is read
+    # (spill, flush) or overwritten (put) only after its copy has landed
+    tiers = TieredCache(b"r" * 16, SHAPE, torch.float32, cpu_blocks=2, pin=False, disk_dir=str(tmp_path),
+                        disk_budget_bytes=1 << 20)
+    pages, ms = torch.randn(4, *SHAPE), metas(4)
+
+    class Copy:                          # a device copy that lands when waited for, not before
+        def __init__(self, slot, page):
+            self.slot, self.page = slot, page
+
+        def synchronize(self):
+            tiers.host.data[self.slot].copy_(self.page)
+
+    def claim_and_queue(i):
+        stored, slot = tiers.claim(ms[i])
+        assert stored and slot is not None
+        tiers.landing([slot], Copy(slot, pages[i]))
+        return slot
+
+    first, second = claim_and_queue(0), claim_and_queue(1)
+    assert tiers.claim(ms[1]) == (True, None)                   # here already: nothing to copy
+    assert claim_and_queue(2) == first                          # spills block 0 to disk, then reuses its slot
+    tiers.disk.flush()
+    assert torch.equal(tiers.disk.read(ms[0].hash)[1], pages[0])
+    tiers.pin([ms[1].hash, ms[2].hash])
+    assert tiers.claim(ms[3]) == (False, None)                  # every slot pinned: not stored
+    tiers.unpin([ms[1].hash, ms[2].hash])
+    assert tiers.drop_owner(b"") == 3                          # 2 in host memory, 1 on disk
+    assert len(tiers.host.landing) == 2                         # the host slots freed, copies still landing
+    assert tiers.put(ms[3], pages[3])                           # reuses a freed slot: its copy lands first
+    slot = tiers.host.index[ms[3].hash][0]
+    assert torch.equal(tiers.host.data[slot], pages[3]) and slot not in tiers.host.landing
+    tiers.landing([second], Copy(second, pages[1]))
+    tiers.host.index[ms[1].hash] = (second, ms[1])
+    tiers.flush()                                               # writes every host block, each landed
+    assert torch.equal(tiers.disk.read(ms[1].hash)[1], pages[1]) and not tiers.host.landing
+    tiers.close()
+
+
 def test_disk_store_index_rebuilt_damage_dropped_other_root_ignored(tmp_path):
     tiers = TieredCache(b"a" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path),
                         disk_budget_bytes=1 << 20)
