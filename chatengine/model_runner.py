@@ -17,7 +17,6 @@ The CUDA fast path (bf16 by default):
   placeholders for tokens step N sampled: those ids are copied on the device from N's samples.
 `enforce_eager=True`, the torch attention backend, or a CPU device take the eager path.
 """
-import functools
 import itertools
 import logging
 import random
@@ -69,10 +68,8 @@ class LaunchedStep:
     done: object = None                     # CUDA event after the copy into token_ids
 
 
-@functools.lru_cache(maxsize=256)
 def _layout(T: int, B: int, S: int, W: int) -> dict[str, tuple[int, int]]:
-    """(offset, length) of each index array in the int32 staging buffer, regions 128-byte aligned.
-    Cached (callers must not change it): the same few shapes come back step after step."""
+    """(offset, length) of each index array in the int32 staging buffer, regions 128-byte aligned."""
     sizes = {"input_ids": T, "positions": T, "slot_mapping": T, "seq_lens": B, "cu_seqlens_q": B + 1,
              "logits_indices": S, "block_tables": B * W,
              "temperatures": S,                        # float32 bits: the fused sampler's
@@ -83,6 +80,19 @@ def _layout(T: int, B: int, S: int, W: int) -> dict[str, tuple[int, int]]:
         offset += -(-n // ALIGN) * ALIGN
     out["_end"] = (offset, 0)
     return out
+
+
+class Staging:
+    """One step shape's place in the staging buffers: `staging[name]` = (offset, length) of an index
+    array, `end` the bytes to upload, `views` the device tensors of each array."""
+
+    def __init__(self, offsets: dict[str, tuple[int, int]], dev: torch.Tensor):
+        self.offsets = offsets
+        self.end = offsets["_end"][0]
+        self.views = {name: dev[off:off + n] for name, (off, n) in offsets.items() if name != "_end"}
+
+    def __getitem__(self, name: str) -> tuple[int, int]:
+        return self.offsets[name]
 
 
 class BlockTableRows:
@@ -165,7 +175,7 @@ class ModelRunner:
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(size, dtype=torch.int32, device=device) if pin else self._host
         self._uploaded = torch.cuda.Event() if pin else None
-        self._views: dict[int, tuple] = {}   # id(layout) -> (layout, its device views of _dev)
+        self._stagings: dict[tuple[int, int, int, int], Staging] = {}   # (T, B, S, W) -> its Staging
         self._tables = BlockTableRows(2 * max_b, -(-self.max_num_pages // 16) * 16)
         # sampled ids come back through two pinned buffers in turn: one step is in flight while the
         # engine reads the one before
@@ -252,9 +262,9 @@ class ModelRunner:
         else:
             Bp = Tp = S = pad_to
             W = self.max_num_pages
-        lay = _layout(Tp, Bp, S, W)
+        lay = self._staging(Tp, Bp, S, W)
         h = self._host_np
-        assert lay["_end"][0] <= len(h), "step larger than the staging buffer (max_num_batched_tokens?)"
+        assert lay.end <= len(h), "step larger than the staging buffer (max_num_batched_tokens?)"
 
         def view(name):
             off, length = lay[name]
@@ -306,21 +316,22 @@ class ModelRunner:
         dst_view[:len(src)] = dst
         src_view[:len(src)] = src
 
-    def _upload(self, lay, num_pending: int = 0) -> dict[str, torch.Tensor]:
+    def _staging(self, T: int, B: int, S: int, W: int) -> Staging:
+        """The Staging of a step shape, built once: the same few shapes come back step after step."""
+        lay = self._stagings.get((T, B, S, W))
+        if lay is None:
+            if len(self._stagings) >= 512:
+                self._stagings.clear()
+            lay = self._stagings[T, B, S, W] = Staging(_layout(T, B, S, W), self._dev)
+        return lay
+
+    def _upload(self, lay: Staging, num_pending: int = 0) -> dict[str, torch.Tensor]:
         """One non-blocking copy of the staged prefix, then the placeholder ids from the last step's
         samples (on the device: no sync); device views by name."""
-        end = lay["_end"][0]
         if self._dev is not self._host:
-            self._dev[:end].copy_(self._host[:end], non_blocking=True)
+            self._dev[:lay.end].copy_(self._host[:lay.end], non_blocking=True)
             self._uploaded.record()     # the next _stage must not overwrite _host before this copy ran
-        cached = self._views.get(id(lay))
-        if cached is not None:  # the entry holds its layout, so that id is not reused while it lives
-            d = cached[1]
-        else:
-            if len(self._views) > 512:
-                self._views.clear()
-            d = {name: self._dev[off:off + n] for name, (off, n) in lay.items() if name != "_end"}
-            self._views[id(lay)] = (lay, d)
+        d = lay.views
         if num_pending:
             src = self._last_tokens[d["pending_src"][:num_pending]]
             d["input_ids"][d["pending_dst"][:num_pending]] = src.to(torch.int32)
@@ -373,7 +384,7 @@ class ModelRunner:
             self.graphs[bs] = self._capture(lay, bs, 1, splits, pool)
             pool = self.graphs[bs][0].pool()
         for Tp in reversed(self.prefill_graph_sizes()):
-            lay = _layout(Tp, 1, 1, self.max_num_pages)  # an empty sequence: no keys, nothing stored
+            lay = self._staging(Tp, 1, 1, self.max_num_pages)   # an empty sequence: no keys, nothing stored
             h = self._host_np
             for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0),
                                 ("block_tables", -1), ("logits_indices", Tp - 1)):

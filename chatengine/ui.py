@@ -621,16 +621,18 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
         def idle():
             return gr.update(visible=True), gr.update(visible=False)
 
-        send_args = dict(fn=send, inputs=[msg, cid, persona, *sampling], outputs=send_out,
-                         show_progress="hidden", **ENGINE)
-        ev_send = msg.submit(busy, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                             show_progress="hidden").then(api_name="send", **send_args)
-        ev_send.then(idle, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                     show_progress="hidden")
-        ev_click = send_btn.click(busy, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                                  show_progress="hidden").then(api_visibility="private", **send_args)
-        ev_click.then(idle, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                      show_progress="hidden")
+        def generating(listen, fn, inputs, outputs, chained: bool = True, **kw):
+            """Wire a generating handler to an event: the send button gives way to stop while it runs.
+            chained=False for events whose data (RetryData, EditData) reaches only direct listeners,
+            not .then() steps: the busy toggle is then a second listener of the same event."""
+            toggle = dict(queue=False, api_visibility="private", show_progress="hidden")
+            first = listen(busy, None, [send_btn, stop_btn], **toggle)
+            event = (first.then if chained else listen)(fn, inputs, outputs, show_progress="hidden", **ENGINE, **kw)
+            event.then(idle, None, [send_btn, stop_btn], **toggle)
+
+        send_in = [msg, cid, persona, *sampling]
+        generating(msg.submit, send, send_in, send_out, api_name="send")
+        generating(send_btn.click, send, send_in, send_out, api_visibility="private")
 
         async def regenerate(conv_id, msg_id, temperature, top_p, max_tokens, seed, n, request: gr.Request):
             user = who(request)
@@ -651,12 +653,7 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
                 yield (*upd, head)
 
         regen_out = [*view_out, conv_list]
-        ev_regen = regen_btn.click(busy, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                                   show_progress="hidden").then(
-            regenerate, [cid, focus, *sampling], regen_out, api_name="regenerate", show_progress="hidden",
-            **ENGINE)
-        ev_regen.then(idle, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                      show_progress="hidden")
+        generating(regen_btn.click, regenerate, [cid, focus, *sampling], regen_out, api_name="regenerate")
 
         async def retry(conv_id, row_ids, temperature, top_p, max_tokens, seed, n, data: gr.RetryData,
                         request: gr.Request):
@@ -665,14 +662,7 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
             async for out in regenerate(conv_id, msg_id, temperature, top_p, max_tokens, seed, n, request):
                 yield out
 
-        # event data (RetryData, EditData) reaches only direct listeners, not .then() steps: the
-        # busy toggle is a second listener of the same event
-        chatbot.retry(busy, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                      show_progress="hidden")
-        ev_retry = chatbot.retry(retry, [cid, rows, *sampling], regen_out, api_visibility="private",
-                                 show_progress="hidden", **ENGINE)
-        ev_retry.then(idle, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                      show_progress="hidden")
+        generating(chatbot.retry, retry, [cid, rows, *sampling], regen_out, chained=False, api_visibility="private")
 
         async def edit(conv_id, row_ids, temperature, top_p, max_tokens, seed, n, data: gr.EditData,
                        request: gr.Request):
@@ -696,12 +686,7 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
             async for upd, head in stream(user, conv_id, gen, request.session_hash):
                 yield (*upd, head)
 
-        chatbot.edit(busy, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                     show_progress="hidden")
-        ev_edit = chatbot.edit(edit, [cid, rows, *sampling], regen_out, api_visibility="private",
-                               show_progress="hidden", **ENGINE)
-        ev_edit.then(idle, None, [send_btn, stop_btn], queue=False, api_visibility="private",
-                     show_progress="hidden")
+        generating(chatbot.edit, edit, [cid, rows, *sampling], regen_out, chained=False, api_visibility="private")
 
         async def stop(conv_id, request: gr.Request):
             user = who(request)
