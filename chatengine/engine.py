@@ -146,15 +146,21 @@ class LLMEngine:
     def _save_to_host(self, blocks: list[tuple[int, BlockMeta]]) -> list[bool]:
         """Queue device -> host-memory copies of these (block id, meta) pages into claimed host slots;
         returns whether each page will be in host memory (False: every slot pinned)."""
-        tiers, stored, ids, slots = self.tiers, [], [], []
+        tiers, stored, ids, slots, claimed = self.tiers, [], [], [], []
         for block_id, meta in blocks:
             ok, slot = tiers.claim(meta)
             stored.append(ok)
             if slot is not None:
                 ids.append(block_id)
                 slots.append(slot)
+                claimed.append(meta.hash)
         if ids:
-            tiers.landing(slots, self.runner.queue_save_blocks(ids, tiers.host.data, slots))
+            try:
+                copied = self.runner.queue_save_blocks(ids, tiers.host.data, slots)
+            except BaseException:        # never leave a host entry whose page did not arrive
+                tiers.unclaim(claimed)
+                raise
+            tiers.landing(slots, copied)
         return stored
 
     def _queue_to_disk(self, blocks: list[tuple[int, BlockMeta]], block: bool) -> None:

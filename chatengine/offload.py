@@ -324,6 +324,12 @@ class TieredCache:
         host.index[meta.hash] = (slot, meta)
         return True, slot
 
+    def unclaim(self, hashes: list[bytes]) -> None:
+        """Forget claimed entries whose copy was never queued (it failed): their slots go back."""
+        for h in hashes:
+            slot, _ = self.host.index.pop(h)
+            self.host.free_slots.append(slot)
+
     def landing(self, slots: list[int], event) -> None:
         """Device copies into these slots finish with `event` (None: finished). Host-side reads and
         writes of a slot wait for it; device-side ones are ordered behind it on the compute stream."""

@@ -201,7 +201,7 @@ def test_forward_failure_mid_stream_in_async_engine():
         engine.shutdown()
 
 
-@pytest.mark.parametrize("failing", ["gather_blocks", "restore_blocks"])
+@pytest.mark.parametrize("failing", ["queue_save_blocks", "restore_blocks"])
 def test_failed_offload_copy_leaves_no_published_garbage(failing):
     """The swap copies before a forward fail (device->host write-back, or host->device restore):
     the request fails cleanly, no restore stays pending, no host page stays pinned, and no block is
@@ -226,6 +226,7 @@ def test_failed_offload_copy_leaves_no_published_garbage(failing):
     assert_drained(engine)
     again = llm.generate([a], params)[0]
     assert again.outputs[0].token_ids == ref[0]
+    assert llm.generate([b], params)[0].outputs[0].token_ids == ref[1]   # b's pages: never half-written to host
     assert_drained(engine)
 
 
