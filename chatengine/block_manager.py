@@ -100,12 +100,13 @@ class BlockManager:
                                salt_extra(seq.salt) if seq.salt else b"")
         return hashes[:num_blocks]
 
-    def lookup(self, seq: Sequence) -> tuple[list[int], int]:
-        """The longest cached prefix of seq: ids of the device blocks it starts with, and how many
-        blocks continue it in the lower tiers. Capped at num_tokens - 1: the last token is always
-        computed, to get logits. No side effects on the device pool."""
+    def lookup(self, seq: Sequence) -> tuple[list[int], int, bool]:
+        """The longest cached prefix of seq: ids of the device blocks it starts with, how many blocks
+        continue it in host memory, and whether more are on their way from disk (then the caller
+        waits for them rather than recompute them). Capped at num_tokens - 1: the last token is
+        always computed, to get logits. No side effects on the device pool."""
         if not self.enable_prefix_caching or seq.block_table:
-            return [], 0
+            return [], 0, False
         hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
         cached = self.cached
         hits = []
@@ -119,11 +120,11 @@ class BlockManager:
         blocks, bs = self.blocks, self.block_size
         if hits and list(chain.from_iterable(blocks[b].token_ids for b in hits)) != seq.token_ids[:len(hits) * bs]:
             hits = hits[:next(i for i, b in enumerate(hits) if blocks[b].token_ids != tuple(seq.block_tokens(i)))]
-        num_lower = 0
+        num_lower, loading = 0, False
         if self.tiers is not None and len(hits) < len(hashes):
             rest = range(len(hits), len(hashes))
-            num_lower = self.tiers.lookup(hashes[len(hits):], [seq.block_tokens(i) for i in rest])
-        return hits, num_lower
+            num_lower, loading = self.tiers.lookup(hashes[len(hits):], [seq.block_tokens(i) for i in rest])
+        return hits, num_lower, loading
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish seq's blocks that became full and computed since the last call (call after the

@@ -345,6 +345,8 @@ class LLMEngine:
         or this one. Returns the outputs of the requests that the processed step advanced."""
         out = self.scheduler.schedule()
         launched, outputs = None, []
+        if not out.seqs and self._in_flight is None and self.tiers is not None:
+            self.tiers.wait_for_loads(0.05)     # only prefixes on their way from disk: no busy loop
         if out.seqs:
             try:
                 if self.tiers is not None:

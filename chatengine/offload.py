@@ -12,8 +12,9 @@ shape, crc32 of the payload) and the raw page bytes. Files are written to a temp
 so a crash leaves either the whole file or none. Anything that fails to verify is a miss and is
 deleted. The index is rebuilt by scanning the directory at start.
 
-Lookups go host -> disk; a disk hit is read, verified and promoted to the host pool at lookup time,
-so a restore copies from host memory only. Entries a pending restore needs are pinned: never
+Lookups go host -> disk; a disk hit is read and verified into a host slot on a reader thread,
+without stalling the engine (the request waits, the others run), so a restore copies from host
+memory only. Entries a pending restore needs are pinned: never
 evicted until the copy is done.
 """
 import json
@@ -24,6 +25,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,19 +170,26 @@ class DiskStore:
 
     def read(self, h: bytes) -> tuple[BlockMeta, torch.Tensor] | None:
         """The block's meta and page, verified; None (and the file deleted) when anything is off."""
+        page = torch.empty(self.block_shape, dtype=self.dtype)
+        meta = self.read_into(h, page)
+        return None if meta is None else (meta, page)
+
+    def read_into(self, h: bytes, out: torch.Tensor) -> BlockMeta | None:
+        """Read the block's page straight into `out` (contiguous, the block's shape and dtype: e.g. a
+        host pool slot) and verify it: its meta, or None (the file deleted) when anything is off.
+        Safe on a reader thread."""
         entry = self.index.get(h)
         if entry is None:
             return None
         path = entry[0]
+        buf = out.view(torch.uint8).numpy().reshape(-1)          # out's bytes, written in place
         try:
             meta, crc = self._read_header(path)
             with open(path, "rb") as f:
                 f.seek(PREFIX.size + PREFIX.unpack(f.read(PREFIX.size))[2])
-                payload = f.read()
-            numel = 1
-            for d in self.block_shape:
-                numel *= d
-            if meta.hash != h or zlib.crc32(payload) != crc or len(payload) != numel * self.dtype.itemsize:
+                n = f.readinto(buf)
+                trailing = f.read(1)
+            if meta.hash != h or n != buf.size or trailing or zlib.crc32(buf) != crc:
                 raise ValueError("checksum or size mismatch")
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             log.warning("KV block file %s is damaged (%s): dropped", path.name, e)
@@ -190,9 +199,11 @@ class DiskStore:
         with self.lock:
             if h in self.index:
                 self.index.move_to_end(h)
-        os.utime(path)       # the mtime is the LRU order across restarts
-        page = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
-        return meta, page
+        try:
+            os.utime(path)       # the mtime is the LRU order across restarts
+        except OSError:          # evicted by the writer's budget meanwhile: the page is read already
+            pass
+        return meta
 
     def drop(self, h: bytes) -> None:
         with self.lock:
@@ -224,6 +235,7 @@ class HostPool:
         self.index: OrderedDict[bytes, tuple[int, BlockMeta]] = OrderedDict()   # head = LRU
         self.pinned: dict[bytes, int] = {}
         self.landing: dict[int, object] = {}     # slot -> event of a device copy into it, maybe unfinished
+        self.loading: dict[int, tuple[bytes, Future]] = {}   # slot -> (hash, its read from disk)
 
     @property
     def num_blocks(self) -> int:
@@ -242,36 +254,81 @@ class TieredCache:
         self.disk = DiskStore(disk_dir, root, disk_budget_bytes, block_shape, dtype) if disk_dir else None
         self.num_restored = self.num_promoted = 0
         self.inflight = None                    # event of the last restore's host -> device copies
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader") if self.host and self.disk else None
 
-    # ---- lookup (metadata + disk promotion) -------------------------------------------------------
-    def lookup(self, hashes: list[bytes], token_lists: list[list[int]]) -> int:
-        """How many of `hashes` (a chain continuing a device hit) are here, in order. Disk hits are
-        read, verified and promoted to host memory now; a damaged file ends the run."""
-        n = 0
-        for h, tokens in zip(hashes, token_lists):
-            if self.host is not None and h in self.host.index:
-                slot, meta = self.host.index[h]
+    # ---- lookup (metadata + reads from disk) -------------------------------------------------------
+    def lookup(self, hashes: list[bytes], token_lists: list[list[int]]) -> tuple[int, bool]:
+        """(How many of `hashes`, a chain continuing a device hit, are in host memory, in order;
+        whether the chain goes on with blocks on their way from disk). A disk hit is not waited for:
+        its read into a claimed host slot starts on the reader thread, with the disk hits after it,
+        and a later lookup finds them in host memory. A damaged file ends the run."""
+        host, n = self.host, 0
+        if host is None:
+            return 0, False
+        for i, (h, tokens) in enumerate(zip(hashes, token_lists)):
+            entry = host.index.get(h)
+            if entry is not None:
+                slot, meta = entry
                 if meta.token_ids != tuple(tokens):
                     break
-                self.host.index.move_to_end(h)
-            elif self.disk is not None and h in self.disk and self.host is not None:
-                meta = self.disk.meta(h)
-                if meta.token_ids != tuple(tokens) or not self._promote(h):
-                    break
+                if slot in host.loading:
+                    if not host.loading[slot][1].done():
+                        return n, True
+                    if not self._finish_load(slot):
+                        break
+                host.index.move_to_end(h)
+            elif self.disk is not None and h in self.disk:
+                return n, self._start_loads(hashes[i:], token_lists[i:])
             else:
                 break
             n += 1
-        return n
+        return n, False
 
-    def _promote(self, h: bytes) -> bool:
-        got = self.disk.read(h)
-        if got is None:
+    def _start_loads(self, hashes: list[bytes], token_lists: list[list[int]]) -> bool:
+        """Start reading the run of disk hits at the head of `hashes` into host slots (claimed now,
+        so later lookups see them coming); whether any read started."""
+        started = False
+        for h, tokens in zip(hashes, token_lists):
+            meta = self.disk.meta(h)
+            if meta is None or meta.token_ids != tuple(tokens) or h in self.host.index:
+                break
+            _, slot = self.claim(meta)
+            if slot is None:
+                break
+            # the slot may still be written by a device copy or read by a restore: the reader waits
+            waits = [e for e in (self.host.landing.pop(slot, None), self.inflight) if e is not None]
+            self.host.loading[slot] = (h, self.reader.submit(self._load, h, slot, waits))
+            started = True
+        return started
+
+    def _load(self, h: bytes, slot: int, waits: list) -> bool:
+        """On the reader thread: the page of `h` into host slot `slot`, verified."""
+        try:
+            for event in waits:
+                event.synchronize()
+            return self.disk.read_into(h, self.host.data[slot]) is not None
+        except Exception:                      # never take the engine down over a disk read
+            log.exception("KV block read failed")
             return False
-        meta, page = got
-        if not self.put(meta, page):
-            return False
-        self.num_promoted += 1
-        return True
+
+    def _finish_load(self, slot: int) -> bool:
+        """Collect the disk read into `slot` (waiting for it if it still runs); a failed one leaves
+        nothing behind."""
+        h, load = self.host.loading.pop(slot)
+        if load.result():
+            self.num_promoted += 1
+            return True
+        self.host.index.pop(h, None)
+        self.host.free_slots.append(slot)
+        return False
+
+    def loads_in_flight(self) -> bool:
+        return bool(self.host is not None and self.host.loading)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until a disk read finishes, at most `timeout` s: for an engine with nothing else to run."""
+        if self.loads_in_flight():
+            wait([load for _, load in self.host.loading.values()], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def pin(self, hashes: list[bytes]) -> None:
         for h in hashes:
@@ -338,14 +395,17 @@ class TieredCache:
                 self.host.landing[slot] = event
 
     def _settle(self, slot: int) -> None:
+        """Wait for whatever still writes host slot `slot`: a device copy, or a read from disk."""
         event = self.host.landing.pop(slot, None)
         if event is not None:
             event.synchronize()
+        if slot in self.host.loading:
+            self._finish_load(slot)
 
     def _spill_one(self) -> bool:
         host = self.host
-        for h in host.index:                            # oldest first, skipping pinned entries
-            if h not in host.pinned:
+        for h, (slot, _) in host.index.items():         # oldest first, skipping pinned entries and reads
+            if h not in host.pinned and slot not in host.loading:
                 slot, meta = host.index.pop(h)
                 if self.disk is not None:
                     self._settle(slot)
@@ -360,9 +420,10 @@ class TieredCache:
         if self.host is not None:
             for h, (slot, meta) in list(self.host.index.items()):
                 if meta.owner == owner and h not in self.host.pinned:
-                    del self.host.index[h]
-                    self.host.free_slots.append(slot)
-                    n += 1
+                    self._settle(slot)                  # nothing may land in the slot once it is free
+                    if self.host.index.pop(h, None) is not None:
+                        self.host.free_slots.append(slot)
+                        n += 1
         if self.disk is not None:
             self.disk.flush()
             for h, (_, _, meta) in list(self.disk.index.items()):
@@ -378,10 +439,13 @@ class TieredCache:
         if self.host is not None:
             for h, (slot, meta) in list(self.host.index.items()):
                 self._settle(slot)
-                self.disk.write_behind(meta, self.host.data[slot].clone(), block=True)
+                if h in self.host.index:                # (a failed read is gone)
+                    self.disk.write_behind(meta, self.host.data[slot].clone(), block=True)
         self.disk.flush()
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.shutdown(wait=True)
         if self.disk is not None:
             self.flush()
             self.disk.close()

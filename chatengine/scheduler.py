@@ -80,10 +80,15 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # then admit waiting sequences, first come first served
+        # then admit waiting sequences, first come first served; one whose cached prefix is still
+        # coming from disk waits at the head without holding up the others
+        loading = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
-            cached, num_restore = bm.lookup(seq)
+            cached, num_restore, from_disk = bm.lookup(seq)
+            if from_disk:
+                loading.append(self.waiting.popleft())
+                continue
             num_hit_tokens = (len(cached) + num_restore) * bm.block_size
             num_new = min(seq.num_tokens - num_hit_tokens, budget)
             need = bm.num_blocks_for(num_hit_tokens + num_new) - len(cached)
@@ -98,6 +103,7 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(loading))
         return out
 
     def _preempt(self, seq: Sequence) -> None:

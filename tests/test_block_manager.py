@@ -66,7 +66,7 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
     a = make_seq(list(range(10)))
     compute(bm, a, 10)
     b = make_seq(list(range(8)) + [50, 51, 52])
-    hits, _ = bm.lookup(b)
+    hits, _, _ = bm.lookup(b)
     assert hits == a.block_table[:2] == [0, 1]
     assert bm.allocate(b, 3, hits)
     assert b.block_table == [0, 1, 3] and b.num_computed_tokens == 8 and b.num_cached_tokens == 8
@@ -83,9 +83,9 @@ def test_hit_is_capped_below_the_prompt_length():
     compute(bm, a, 8)
     bm.free(a)
     again = make_seq(list(range(8)))              # fully cached: the last token must still run
-    assert bm.lookup(again) == ([0], 0)
+    assert bm.lookup(again) == ([0], 0, False)
     longer = make_seq(list(range(9)))
-    assert bm.lookup(longer) == ([0, 1], 0)
+    assert bm.lookup(longer) == ([0, 1], 0, False)
 
 
 def test_freed_blocks_stay_hittable_until_evicted_tail_first():
@@ -95,14 +95,14 @@ def test_freed_blocks_stay_hittable_until_evicted_tail_first():
     bm.free(a)
     assert bm.num_cached_free_blocks == 3
     b = make_seq(list(range(12)) + [99])
-    assert bm.lookup(b) == ([0, 1, 2], 0)
+    assert bm.lookup(b) == ([0, 1, 2], 0, False)
     # allocating 2 fresh blocks takes the unhashed block 3, then the chain's tail (block 2)
     c = make_seq(list(range(200, 208)))
     assert bm.allocate(c, 8)
     assert c.block_table == [3, 2]
     assert bm.num_evictions == 1
     assert bm.blocks[2].hash is None                      # the reused block lost its old hash
-    assert bm.lookup(b) == ([0, 1], 0)                    # the chain now ends one block earlier
+    assert bm.lookup(b) == ([0, 1], 0, False)                    # the chain now ends one block earlier
 
 
 def test_claiming_free_cached_blocks_counts_against_capacity():
@@ -111,7 +111,7 @@ def test_claiming_free_cached_blocks_counts_against_capacity():
     compute(bm, a, 8)
     bm.free(a)                                            # blocks 0,1 cached and free; 2 free
     b = make_seq(list(range(8)) + list(range(50, 60)))    # hits [0, 1], then needs 3 more blocks
-    hits, _ = bm.lookup(b)
+    hits, _, _ = bm.lookup(b)
     assert hits == [0, 1]
     assert not bm.allocate(b, 10, hits)                   # 2 claimed + 3 new > 3: nothing changes
     assert b.block_table == [] and bm.num_free_blocks == 3 and bm.blocks[0].ref_count == 0
@@ -125,9 +125,9 @@ def test_salt_isolates_and_public_prefix_is_shared():
     alice = make_seq(persona + [20, 21, 22, 23, 24], salt=b"alice", public=8)
     compute(bm, alice, 13)
     bob = make_seq(persona + [20, 21, 22, 23, 24], salt=b"bob", public=8)
-    assert bm.lookup(bob) == (alice.block_table[:2], 0)        # the persona blocks, not alice's own
+    assert bm.lookup(bob) == (alice.block_table[:2], 0, False)        # the persona blocks, not alice's own
     alice2 = make_seq(persona + [20, 21, 22, 23, 24], salt=b"alice", public=8)
-    assert bm.lookup(alice2) == (alice.block_table[:3], 0)
+    assert bm.lookup(alice2) == (alice.block_table[:3], 0, False)
     bm.free(alice)
 
 
@@ -156,7 +156,7 @@ def test_prefix_caching_off_never_hits():
     compute(bm, a, 9)
     assert bm.cached == {}
     bm.free(a)
-    assert bm.lookup(make_seq(list(range(9)))) == ([], 0)
+    assert bm.lookup(make_seq(list(range(9)))) == ([], 0, False)
 
 
 def decode(bm, seq, token):
@@ -210,7 +210,7 @@ def test_published_count_follows_free_hits_and_fork():
     published(bm)
     bm.free(a)                                            # preempted: recomputed from scratch later
     assert a.num_published_blocks == 0
-    hits, _ = bm.lookup(a)
+    hits, _, _ = bm.lookup(a)
     assert hits == [0, 1]
     assert bm.allocate(a, 2, hits)                        # hits are published already
     assert a.num_published_blocks == 2 and a.num_computed_tokens == 8

@@ -17,6 +17,15 @@ def chat(topic):
                                         f"for a curious child who asked about it at breakfast this morning."}]
 
 
+def lookup_settled(tiers, hashes, token_lists) -> int:
+    """TieredCache.lookup, again until no read from disk is under way: the host hits then."""
+    n, loading = tiers.lookup(hashes, token_lists)
+    while loading:
+        tiers.wait_for_loads(5.0)
+        n, loading = tiers.lookup(hashes, token_lists)
+    return n
+
+
 def metas(n, seed=0):
     return [BlockMeta(bytes([seed, i]) * 8, b"\0" * 16, tuple(range(i, i + 4))) for i in range(n)]
 
@@ -31,13 +40,14 @@ def test_host_disk_round_trip_is_bitwise(tmp_path):
     tiers.disk.flush()
     assert tiers.stats()["cpu_blocks_used"] == 2 and tiers.stats()["disk_blocks"] == 3   # 3 spilled
     hashes = [m.hash for m in ms]
-    assert tiers.lookup(hashes[:2], [m.token_ids for m in ms[:2]]) == 2          # promoted from disk
+    assert tiers.lookup(hashes[:2], [m.token_ids for m in ms[:2]]) == (0, True)  # reads from disk started
+    assert lookup_settled(tiers, hashes[:2], [m.token_ids for m in ms[:2]]) == 2  # in host memory now
     tiers.pin(hashes[:2])
     got = tiers.host.data[tiers.host_slots(hashes[:2])]
     tiers.unpin(hashes[:2])
     assert torch.equal(got.view(torch.int16), pages[:2].view(torch.int16))
     # a token mismatch (a hash collision) is a miss
-    assert tiers.lookup([hashes[0]], [(9, 9, 9, 9)]) == 0
+    assert tiers.lookup([hashes[0]], [(9, 9, 9, 9)]) == (0, False)
     tiers.close()
     files = list((tmp_path / (b"r" * 16).hex()).glob("*/*.kv"))
     assert all(os.stat(f).st_mode & 0o077 == 0 for f in files)                    # private to the server
@@ -71,16 +81,17 @@ def test_device_copies_land_before_the_host_touches_their_slots(tmp_path):
     tiers.pin([ms[1].hash, ms[2].hash])
     assert tiers.claim(ms[3]) == (False, None)                  # every slot pinned: not stored
     tiers.unpin([ms[1].hash, ms[2].hash])
-    assert tiers.drop_owner(b"") == 3                          # 2 in host memory, 1 on disk
-    assert len(tiers.host.landing) == 2                         # the host slots freed, copies still landing
-    assert tiers.put(ms[3], pages[3])                           # reuses a freed slot: its copy lands first
-    slot = tiers.host.index[ms[3].hash][0]
-    assert torch.equal(tiers.host.data[slot], pages[3]) and slot not in tiers.host.landing
-    tiers.landing([second], Copy(second, pages[1]))
-    tiers.host.index[ms[1].hash] = (second, ms[1])
     tiers.flush()                                               # writes every host block, each landed
     assert torch.equal(tiers.disk.read(ms[1].hash)[1], pages[1]) and not tiers.host.landing
+    claim_and_queue(3)
+    assert tiers.drop_owner(b"") == 5                           # 2 in host memory, 3 on disk
+    assert not tiers.host.landing                               # landed before their slots were freed
     tiers.close()
+    # without a disk a spill frees its slot at once: a put into it waits for the copy still landing
+    tiers = TieredCache(b"r" * 16, SHAPE, torch.float32, cpu_blocks=1, pin=False)
+    slot = claim_and_queue(0)
+    assert tiers.put(ms[1], pages[1]) and tiers.host.index[ms[1].hash][0] == slot
+    assert torch.equal(tiers.host.data[slot], pages[1]) and not tiers.host.landing
 
 
 def test_disk_store_index_rebuilt_damage_dropped_other_root_ignored(tmp_path):
@@ -98,11 +109,11 @@ def test_disk_store_index_rebuilt_damage_dropped_other_root_ignored(tmp_path):
     data = bytearray(victim.read_bytes())
     data[-5] ^= 0xFF                                     # flip a payload byte: the checksum fails
     victim.write_bytes(bytes(data))
-    assert reopened.lookup([m.hash for m in ms], [m.token_ids for m in ms]) == 1   # stops at the damage
+    assert lookup_settled(reopened, [m.hash for m in ms], [m.token_ids for m in ms]) == 1   # stops at the damage
     assert not victim.exists() and reopened.stats()["disk_damaged_files"] == 1
     other = TieredCache(b"b" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path),
                         disk_budget_bytes=1 << 20)
-    assert other.stats()["disk_blocks"] == 0 and other.lookup([ms[0].hash], [ms[0].token_ids]) == 0
+    assert other.stats()["disk_blocks"] == 0 and other.lookup([ms[0].hash], [ms[0].token_ids]) == (0, False)
 
 
 def test_disk_reserve_takes_the_free_room_and_counts_the_rest_dropped(tmp_path):
@@ -175,6 +186,37 @@ def test_restart_restores_from_disk(tmp_path, llm):
     assert out_c.num_cached_tokens == 0 and out_c.outputs[0].token_ids == reference
     assert c.stats()["disk_damaged_files"] >= 1
     c.shutdown()
+
+
+def test_a_prefix_coming_from_disk_does_not_hold_up_others(tmp_path, monkeypatch):
+    """A returning conversation whose cached prefix is on disk waits for the reader thread; other
+    requests keep running meanwhile (the engine never stalls on the read); then it restores."""
+    import threading
+    from chatengine.offload import DiskStore
+    kv, params = str(tmp_path / "kv"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    returning, other = list(range(1, 60)), list(range(150, 180))
+    first = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32)
+    expect = first.generate([returning], params)[0].outputs[0].token_ids
+    first.shutdown()                                      # its 3 full blocks now live on disk
+    plain = LLM("dummy:tiny", num_kv_blocks=32)
+    expect_other = plain.generate([other], params)[0].outputs[0].token_ids
+    e = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32).engine
+    gate, real = threading.Event(), DiskStore.read_into
+    monkeypatch.setattr(DiskStore, "read_into", lambda self, h, out: gate.wait(30) and real(self, h, out))
+    try:
+        slow, fast = e.add_request(returning, params), e.add_request(other, params)
+        done = {}
+        for _ in range(8):                                # the slow disk holds back only its own request
+            done.update((o.request_id, o) for o in e.step() if o.finished)
+        assert set(done) == {fast} and done[fast].outputs[0].token_ids == expect_other
+        assert e.tiers.loads_in_flight() and e.scheduler.waiting
+    finally:
+        gate.set()
+    while e.has_unfinished_requests():
+        done.update((o.request_id, o) for o in e.step() if o.finished)
+    assert done[slow].num_cached_tokens == 48 and done[slow].outputs[0].token_ids == expect
+    assert e.tiers.stats()["blocks_restored"] == 3
+    e.close()
 
 
 def test_another_model_ignores_the_directory(tmp_path):
