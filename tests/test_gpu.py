@@ -240,6 +240,25 @@ def test_cuda_async_evictions_to_host_restore_exactly():
 
 
 @needs_cuda
+def test_cuda_restart_restores_from_disk(tmp_path):
+    """A restarted engine reads the disk store's pages into pinned host slots on its reader thread and
+    restores them: the prefixes hit, and fp32 greedy tokens equal the first engine's."""
+    kv = str(tmp_path / "kv")
+    first = cuda_llm("dummy:qwen2.5-0.5b", dtype="float32", kv_store_dir=kv)
+    prompts = prompts_for(first)
+    expect = token_ids(first.generate(prompts, GREEDY))
+    first.shutdown()
+    del first
+    gc.collect()
+    again = cuda_llm("dummy:qwen2.5-0.5b", dtype="float32", kv_store_dir=kv, debug_checks=True)
+    outs = again.generate(prompts, GREEDY)
+    assert token_ids(outs) == expect
+    assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert again.stats()["blocks_restored"] > 0
+    again.shutdown()
+
+
+@needs_cuda
 def test_cuda_profiled_pool_and_sampling():
     """KV pool sized by profiling; fused temperature sampling is reproducible for a given engine seed."""
     params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
