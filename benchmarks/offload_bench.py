@@ -1,10 +1,13 @@
 """Restore vs recompute: time to bring back an idle conversation's KV from host memory, against
-recomputing its prefill, and the effective host-to-device bandwidth of the restore copy.
+recomputing its prefill, and the effective host-to-device bandwidth of the restore copy. Then, with
+a disk store: how long another user's token stream pauses while a returning conversation's prefix
+comes back from disk (its longest gap between tokens, against its median gap before).
 
 On CUDA: dummy:llama-3.2-1b in bf16 (the issue's shape). On CPU: the default model in fp32.
 Saves JSON + markdown under benchmarks/results/ and prints the table last.
 
     python benchmarks/offload_bench.py [--model dummy:llama-3.2-1b] [--contexts 1024 4096] [--repeats 5]
+                                       [--disk-return 2048]
 """
 import argparse
 import json
@@ -12,6 +15,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,6 +32,45 @@ def sync():
         torch.cuda.synchronize()
 
 
+def disk_return_gaps(model, ctx: int, trials: int, engine_kw: dict) -> dict:
+    """One user streams 40 tokens; after its 10th, a conversation of ctx tokens whose pages are in
+    the disk store (written by an earlier engine, as after a restart) comes back. Per trial: the
+    streaming user's longest gap between tokens from then on, and its median gap before."""
+    kv = tempfile.mkdtemp(prefix="kv-return-")
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    stream = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    rng = random.Random(1)
+    first = LLM(model, kv_store_dir=kv, **engine_kw)
+    vocab, bs = min(first.engine.model_config.vocab_size, 10000), first.engine.config.block_size
+    returning = [rng.randrange(vocab) for _ in range(ctx)]
+    first.generate([returning], one)
+    first.shutdown()                                                    # flushes its pages to disk
+    longest, before, cached = [], [], []
+    for _ in range(trials):
+        llm = LLM(model, kv_store_dir=kv, **engine_kw)
+        engine = llm.engine
+        streaming = engine.add_request([rng.randrange(vocab) for _ in range(100)], stream)
+        gaps, t, back = [], time.perf_counter(), None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            sync()
+            now = time.perf_counter()
+            for o in outs:
+                if o.request_id == streaming:
+                    gaps.append(now - t)
+                    t = now
+                elif o.finished:
+                    cached.append(o.num_cached_tokens)
+            if len(gaps) == 10 and back is None:
+                back = engine.add_request(returning + [1], one)
+        longest.append(1e3 * max(gaps[10:]))
+        before.append(1e3 * statistics.median(gaps[2:10]))
+        llm.shutdown()
+    assert all(c == ctx // bs * bs for c in cached), cached             # the prefix came back from disk
+    return {"context": ctx, "longest_gap_ms": statistics.median(longest), "median_gap_before_ms":
+            statistics.median(before), "longest_gap_trials_ms": longest, "trials": trials}
+
+
 def main(argv=None):
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,17 +79,21 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one restore")
+    ap.add_argument("--disk-return", type=int, default=2048, metavar="TOKENS",
+                    help="context of the conversation returning from disk while another user streams (0: skip)")
+    ap.add_argument("--only-disk-return", action="store_true", help="skip the restore-vs-recompute table")
     args = ap.parse_args(argv)
 
-    llm = LLM(args.model, cpu_offload_gib=4.0 if cuda else 1.0, max_num_batched_tokens=8192 if cuda else 2048,
-              max_model_len=8192, **({} if cuda else {"kv_cache_gib": 1.0}))
+    engine_kw = dict(cpu_offload_gib=4.0 if cuda else 1.0, max_num_batched_tokens=8192 if cuda else 2048,
+                     max_model_len=8192, **({} if cuda else {"kv_cache_gib": 1.0}))
+    llm = LLM(args.model, **engine_kw)
     engine, runner = llm.engine, llm.engine.runner
     vocab = min(engine.model_config.vocab_size, 10000)
     rng = random.Random(0)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([[rng.randrange(vocab) for _ in range(64)]], one)     # warm-up
     rows = []
-    for ctx in args.contexts:
+    for ctx in ([] if args.only_disk_return else args.contexts):
         recompute, restore, copy_s = [], [], []
         for _ in range(args.repeats):
             prompt = [rng.randrange(vocab) for _ in range(ctx + 1)]
@@ -100,21 +147,28 @@ def main(argv=None):
         row["speedup"] = row["recompute_ms"] / row["restore_ms"]
         row["copy_gb_s"] = nbytes / (row["copy_ms"] / 1e3) / 1e9
         rows.append(row)
+    model_id, dtype = engine.model_id, str(runner.dtype)
+    llm.shutdown()
+    disk = disk_return_gaps(args.model, args.disk_return, min(args.repeats, 3), engine_kw) if args.disk_return else None
     device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
-    meta = {"benchmark": "offload", "model": engine.model_id, "dtype": str(runner.dtype), "device": device,
+    meta = {"benchmark": "offload", "model": model_id, "dtype": dtype, "device": device,
             "commit": commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "repeats": args.repeats,
             "command": "python benchmarks/offload_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"offload-{'cuda' if cuda else 'cpu'}-{meta['date'][:10]}-{meta['commit']}"
-    stem.with_suffix(".json").write_text(json.dumps({**meta, "results": rows}, indent=1))
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "results": rows, "disk_return": disk}, indent=1))
     lines = [f"# Restore from host memory vs recompute — {meta['model']} {meta['dtype']} on {device}", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, median of {args.repeats}", "",
              "| context | recompute (prefill) ms | restore + 1 token ms | speedup | H2D copy ms | copy GB/s |",
              "|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['context']} | {r['recompute_ms']:.1f} | {r['restore_ms']:.1f} | {r['speedup']:.1f}x | "
               f"{r['copy_ms']:.2f} | {r['copy_gb_s']:.1f} |" for r in rows]
+    if disk:
+        lines += ["", f"A {disk['context']}-token conversation returns from the disk store while another user streams: "
+                  f"that user's longest gap between tokens {disk['longest_gap_ms']:.1f} ms (median of {disk['trials']} "
+                  f"trials), its median gap before {disk['median_gap_before_ms']:.1f} ms."]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
