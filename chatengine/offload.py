@@ -33,6 +33,7 @@ import torch
 
 log = logging.getLogger("chatengine.offload")
 MAGIC, VERSION = b"CEKV", 1
+READERS = 4                              # disk reads in parallel (file reads and crc32 release the GIL)
 PREFIX = struct.Struct("<4sHI")          # magic, format version, header length
 
 
@@ -254,13 +255,13 @@ class TieredCache:
         self.disk = DiskStore(disk_dir, root, disk_budget_bytes, block_shape, dtype) if disk_dir else None
         self.num_restored = self.num_promoted = 0
         self.inflight = None                    # event of the last restore's host -> device copies
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader") if self.host and self.disk else None
+        self.reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-disk-reader") if self.host and self.disk else None
 
     # ---- lookup (metadata + reads from disk) -------------------------------------------------------
     def lookup(self, hashes: list[bytes], token_lists: list[list[int]]) -> tuple[int, bool]:
         """(How many of `hashes`, a chain continuing a device hit, are in host memory, in order;
         whether the chain goes on with blocks on their way from disk). A disk hit is not waited for:
-        its read into a claimed host slot starts on the reader thread, with the disk hits after it,
+        its read into a claimed host slot starts on a reader thread, with the disk hits after it,
         and a later lookup finds them in host memory. A damaged file ends the run."""
         host, n = self.host, 0
         if host is None:
