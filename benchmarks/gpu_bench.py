@@ -13,7 +13,7 @@ Parts (all by default; `--part` picks some):
               64, page 16): bytes/s vs measured bandwidth, paged vs contiguous SDPA on the same data,
               and kernels that only read the same bytes (paged and flat: benchmarks/read_floor.py)
   sweep       decode-kernel launch parameters and split counts (for kernels/paged_attention.py)
-  profile     torch.profiler breakdown of one eager decode step (batch 256, 1k context)
+  profile     torch.profiler breakdown of one eager decode step (batch 256, 1k context; --profile-batches)
 Saves JSON + a markdown table (device, commit, versions) under --out and prints the table last.
 
     python benchmarks/gpu_bench.py [--quick] [--part throughput decode ...] [--out DIR]
@@ -650,15 +650,16 @@ def prefill_split_bench(B, q_len, ctx, splits, H_q=32, H_kv=8, D=64, page=16, co
 
 
 def part_profile(args, res):
-    profile_eager_decode(args, res, "")
+    for B in args.profile_batches:
+        profile_eager_decode(args, res, "" if B == 256 else f" B={B}", B)
 
 
-def profile_eager_decode(args, res, suffix):
+def profile_eager_decode(args, res, suffix, B=256):
     from torch.profiler import ProfilerActivity, profile
     shape = args.models[0]
     llm = engine(shape, args, enforce_eager=True)
     eng = llm.engine
-    B, ctx = 256, 1024
+    ctx = 1024
     rng = random.Random(0)
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     ids = [eng.add_request([rng.randint(0, 10000) for _ in range(ctx)], greedy) for _ in range(B)]
@@ -765,6 +766,7 @@ def main(argv=None):
     ap.add_argument("--variant", action="append", default=[],
                     help="extra engine settings as JSON, e.g. '{\"cpu_offload_gib\": 0}' (throughput part)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--profile-batches", type=int, nargs="+", default=[256], help="batch sizes of --part profile")
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--sweep", choices=["launch", "splits", "prefill", "decode", "both", "all"], default="both",
                     help="what --part sweep varies (decode: launch x PDL x splits on the kernel shapes; all: all)")
