@@ -31,7 +31,7 @@ from kernels import sampling as sampling_ops
 from chatengine.config import EngineConfig
 from chatengine.loader import LoadedModel
 from chatengine.models.llama import AttentionMetadata, LlamaModel
-from chatengine.sampler import Sampler, greedy
+from chatengine.sampler import Sampler
 from chatengine.sampling_params import SamplingParams
 from chatengine.sequence import Sequence
 
@@ -435,7 +435,7 @@ class ModelRunner:
         if self.fused_sampling and all(s.generator is None and p.top_k == 0 and p.top_p >= 1
                                        for s, p in zip(seqs, params)):
             if all(p.temperature == 0 for p in params):
-                return greedy(logits)
+                return sampling_ops.greedy_triton(logits)
             temps = temps.view(torch.float32)[:len(seqs)]   # staged with the step's inputs
             return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31))
         return self.sampler(logits.float(), params, [s.generator for s in seqs])

@@ -9,7 +9,8 @@ argmax done separately in torch. Ties go to the lowest index, as in `torch.argma
 The uniforms come from Triton's Philox (`tl.rand(seed, row * V + column)`): a step's `seed` and the
 row fix the draw. The torch reference takes its uniforms from a torch.Generator, so the two agree
 exactly on greedy rows and in distribution on sampled rows (tests/test_kernels.py checks both).
-Top-k / top-p and per-request seeded generators stay in chatengine/sampler.py.
+Top-k / top-p and per-request seeded generators stay in chatengine/sampler.py. `greedy_triton` is
+the all-greedy step's argmax, split over chunks of the vocabulary.
 """
 import torch
 
@@ -59,6 +60,49 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
     if N == 0:
         return out
     _sample_kernel[(N,)](logits, temperatures, out, logits.stride(0), V, seed, BLOCK_V=2048, num_warps=8)
+    return out
+
+
+@jit
+def _chunk_argmax_kernel(Logits, Vals, Idx, stride_l, vocab_size, num_chunks, CHUNK: tl.constexpr):
+    """Per (row, chunk): the chunk's max (fp32) and the first column holding it."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < vocab_size
+    x = tl.load(Logits + row.to(tl.int64) * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    top = tl.max(x, 0)
+    first = tl.min(tl.where(ok & (x == top), cols, 2147483647), 0)
+    tl.store(Vals + row * num_chunks + chunk, top)
+    tl.store(Idx + row * num_chunks + chunk, first)
+
+
+@jit
+def _rows_argmax_kernel(Vals, Idx, Out, num_chunks, BLOCK_C: tl.constexpr):
+    """Per row: the first column of the best chunk max (chunks are in column order)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    ok = offs < num_chunks
+    vals = tl.load(Vals + row * num_chunks + offs, mask=ok, other=float("-inf"))
+    idx = tl.load(Idx + row * num_chunks + offs, mask=ok, other=2147483647)
+    top = tl.max(vals, 0)
+    tl.store(Out + row, tl.min(tl.where(ok & (vals == top), idx, 2147483647), 0).to(tl.int64))
+
+
+def greedy_triton(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """argmax over the vocabulary (N,) int64, ties to the first index as `torch.argmax` (NaN aside:
+    never chosen here). Two launches that spread a row over many programs: one 128k row (batch 1)
+    is ~32 programs, not the one block torch gives a row. Reference: chatengine.sampler.greedy."""
+    check_device(logits)
+    N, V = logits.shape
+    assert logits.stride(1) == 1
+    out = torch.empty(N, dtype=torch.int64, device=logits.device)
+    if N == 0:
+        return out
+    C = triton.cdiv(V, chunk)
+    vals = torch.empty(N, C, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(N, C, dtype=torch.int32, device=logits.device)
+    _chunk_argmax_kernel[(N, C)](logits, vals, idx, logits.stride(0), V, C, CHUNK=chunk, num_warps=4)
+    _rows_argmax_kernel[(N,)](vals, idx, out, C, BLOCK_C=max(16, triton.next_power_of_2(C)), num_warps=1)
     return out
 
 

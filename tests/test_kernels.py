@@ -468,6 +468,24 @@ def test_sample_greedy_rows_exact(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_triton_is_argmax_with_first_index_ties(device, dtype):
+    from chatengine.sampler import greedy
+    g = torch.Generator().manual_seed(3)
+    for n, v, chunk in [(1, 128256, 4096), (5, 5003, 1024), (2, 100, 64), (3, 16, 64)]:   # odd vocab, one chunk
+        logits = torch.randn(n, v, generator=g).to(device, dtype)
+        out = sampling.greedy_triton(logits, chunk=chunk)
+        assert out.dtype == torch.int64 and out.tolist() == logits.argmax(-1).tolist() == greedy(logits).tolist()
+    logits = torch.zeros(4, 5003, device=device, dtype=dtype)
+    logits[0, [5, 3000]] = 1.0                                      # ties across chunks
+    logits[1, [1030, 1029]] = 2.0                                   # ties inside a chunk
+    logits[2] = float("-inf")                                       # nothing finite: index 0, as torch
+    logits[3, 5002] = 1.0                                           # the last column, in a partial chunk
+    assert sampling.greedy_triton(logits, chunk=1024).tolist() == [5, 1029, 0, 5002]
+    assert sampling.greedy_triton(logits[:0], chunk=1024).shape == (0,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_sample_distribution(device):
     # N rows of one small distribution: frequencies within 4 sigma of softmax(logits / T), for the
     # kernel (Philox uniforms) and the reference (torch uniforms) alike; the interpreter runs ~50 rows/s
