@@ -456,9 +456,7 @@ class ModelRunner:
         host = self._token_host[self._flip][:len(sampling)]
         self._flip ^= 1
         host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return LaunchedStep(samples, host, done)
+        return LaunchedStep(samples, host, self._record())
 
     def collect(self, step: LaunchedStep) -> list[int | None]:
         """Wait for a launched step; the sampled token of each sequence (None: mid-prefill)."""

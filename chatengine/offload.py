@@ -67,7 +67,8 @@ class DiskStore:
         found = []
         for path in self.dir.glob("*/*.kv"):
             try:
-                meta, _ = self._read_header(path)
+                with open(path, "rb") as f:
+                    meta, _ = self._read_header(f, path)
                 found.append((path.stat().st_mtime, meta, path))
             except (OSError, ValueError):
                 self._delete(path)
@@ -154,12 +155,12 @@ class DiskStore:
             total -= size
 
     # ---- reading ----------------------------------------------------------------------------------
-    def _read_header(self, path: Path) -> tuple[BlockMeta, int]:
-        with open(path, "rb") as f:
-            magic, version, n = PREFIX.unpack(f.read(PREFIX.size))
-            if magic != MAGIC or version != VERSION:
-                raise ValueError("bad magic or version")
-            h = json.loads(f.read(n))
+    def _read_header(self, f, path: Path) -> tuple[BlockMeta, int]:
+        """(meta, payload crc32) of the block file `f` (opened at `path`), left at its payload."""
+        magic, version, n = PREFIX.unpack(f.read(PREFIX.size))
+        if magic != MAGIC or version != VERSION:
+            raise ValueError("bad magic or version")
+        h = json.loads(f.read(n))
         if h["root"] != self.root.hex() or h["dtype"] != str(self.dtype).removeprefix("torch.") \
                 or tuple(h["shape"]) != self.block_shape:
             raise ValueError("block of another model, dtype or layout")
@@ -185,9 +186,8 @@ class DiskStore:
         path = entry[0]
         buf = out.view(torch.uint8).numpy().reshape(-1)          # out's bytes, written in place
         try:
-            meta, crc = self._read_header(path)
             with open(path, "rb") as f:
-                f.seek(PREFIX.size + PREFIX.unpack(f.read(PREFIX.size))[2])
+                meta, crc = self._read_header(f, path)
                 n = f.readinto(buf)
                 trailing = f.read(1)
             if meta.hash != h or n != buf.size or trailing or zlib.crc32(buf) != crc:
