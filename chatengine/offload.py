@@ -157,7 +157,10 @@ class DiskStore:
     # ---- reading ----------------------------------------------------------------------------------
     def _read_header(self, f, path: Path) -> tuple[BlockMeta, int]:
         """(meta, payload crc32) of the block file `f` (opened at `path`), left at its payload."""
-        magic, version, n = PREFIX.unpack(f.read(PREFIX.size))
+        head = f.read(PREFIX.size)
+        if len(head) != PREFIX.size:
+            raise ValueError("truncated header")
+        magic, version, n = PREFIX.unpack(head)
         if magic != MAGIC or version != VERSION:
             raise ValueError("bad magic or version")
         h = json.loads(f.read(n))

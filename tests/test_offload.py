@@ -111,6 +111,11 @@ def test_disk_store_index_rebuilt_damage_dropped_other_root_ignored(tmp_path):
     victim.write_bytes(bytes(data))
     assert lookup_settled(reopened, [m.hash for m in ms], [m.token_ids for m in ms]) == 1   # stops at the damage
     assert not victim.exists() and reopened.stats()["disk_damaged_files"] == 1
+    stub = reopened.disk.path(ms[2].hash)
+    stub.write_bytes(stub.read_bytes()[:5])              # cut inside the fixed prefix (a crash, a full disk)
+    assert TieredCache(b"a" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path),
+                       disk_budget_bytes=1 << 20).stats()["disk_blocks"] == 1   # dropped at the scan
+    assert not stub.exists()
     other = TieredCache(b"b" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path),
                         disk_budget_bytes=1 << 20)
     assert other.stats()["disk_blocks"] == 0 and other.lookup([ms[0].hash], [ms[0].token_ids]) == (0, False)
