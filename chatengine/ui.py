@@ -305,6 +305,7 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
     default_persona = service.default_persona
     monitor = EngineMonitor(service.engine)
     viewing: dict[str, str | None] = {}     # session -> the conversation its tab shows
+    painting: dict[str, str] = {}           # session -> the conversation a reply is streaming into
 
     def who(request: gr.Request | None) -> str:
         name = getattr(request, "username", None) if request is not None else None
@@ -543,6 +544,7 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
             last = 0.0
             final = None
             view = None
+            painting[session] = conv_id
             try:
                 async for up in gen:
                     final = up
@@ -565,6 +567,8 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
                     yield upd, gr.skip()
             finally:
                 await gen.aclose()
+                if painting.get(session) == conv_id:
+                    painting.pop(session)
             if final is not None and final.status == "error":
                 gr.Warning(final.error or "generation failed")
             if viewing.get(session, conv_id) != conv_id:
@@ -705,6 +709,9 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
                 user = who(request)
                 if not conv_id or not focus_id:
                     return (gr.skip(),) * 7
+                if painting.get(request.session_hash) == conv_id:
+                    gr.Warning("Wait for the reply to finish before switching versions.")
+                    return (gr.skip(),) * 7
                 try:
                     target = service.switch(user, conv_id, focus_id, step)
                     return render(user, conv_id, target)
@@ -722,6 +729,8 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
             user = who(request)
             idx = data.index if isinstance(data.index, int) else data.index[0]
             if not conv_id or not (0 <= idx < len(row_ids or [])) or row_ids[idx] is None:
+                return (gr.skip(),) * 5
+            if painting.get(request.session_hash) == conv_id:   # the stream owns the view and nav
                 return (gr.skip(),) * 5
             try:
                 view = service.view(user, conv_id)

@@ -190,6 +190,26 @@ def test_stop_keeps_partial_reply(alice, server):
     wait_for(lambda: not engine.requests, timeout=5)
 
 
+def test_versions_do_not_switch_under_a_streaming_reply(alice, server):
+    """While a reply streams, the stream owns the view: ◀ is refused (it would move the branch on
+    screen out from under the reply being painted)."""
+    out = send(alice, "Say hello.")
+    conv_id = out[3]["value"]
+    job = alice.submit(1.0, 1, 400, -1, 1, api_name="/regenerate")       # alternative 2/2, long
+    engine = server.app.state.chat.engine.engine
+    wait_for(lambda: any(r.seqs and r.seqs[0].num_output_tokens >= 3 for r in list(engine.requests.values())))
+    store = server.app.state.chat.store
+    leaf = store.active_path("alice", conv_id)[-1]
+    assert [s["id"] for s in store.siblings("alice", leaf["id"])].index(leaf["id"]) == 1
+    alice.predict(api_name="/previous_alternative")
+    assert store.active_path("alice", conv_id)[-1]["id"] == leaf["id"]
+    alice.predict(api_name="/stop")
+    job.result(timeout=30)
+    out = alice.predict(api_name="/previous_alternative")                # and once it is over, it does
+    assert "1 / 2" in out[1]["value"]
+    wait_for(lambda: not engine.requests, timeout=5)
+
+
 def test_two_users_are_isolated(alice, bob, server):
     out = send(alice, "alice's secret plan")
     a_conv = out[3]["value"]

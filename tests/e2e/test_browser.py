@@ -5,6 +5,7 @@ mid-reply loses no finished message. Screenshots go to $E2E_ARTIFACTS (default
 /tmp/chatengine-e2e). Skips cleanly without chromium or playwright."""
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -138,8 +139,12 @@ def last_bot(page):
 
 
 def wait_idle(page):
-    expect(page.locator("#send")).to_be_visible()
+    """Until the last reply is final. Its stats line ("N tokens · TTFT ...") comes only with the
+    final render: after an edit the browser shows an empty reply before the server has even
+    started (and #send is still visible then), so the cursor and the buttons alone can pass early."""
+    expect(last_bot(page)).to_contain_text(re.compile(r"\d+ tokens? · TTFT"))
     expect(last_bot(page)).not_to_contain_text("▍")
+    expect(page.locator("#send")).to_be_visible()
 
 
 def set_setting(page, elem_id, value):
@@ -217,9 +222,9 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     set_setting(page, "max-tokens", 4)
     send(page, 'look <img src=x onerror="window.__xss=1"> <script>window.__xss=2</script> <b>bold</b> '
                '[link](javascript:window.__xss=3)')
-    wait_idle(page)
     user_msg = page.locator('#chat [data-testid="user"]').last
     expect(user_msg).to_contain_text("<img src=x")
+    wait_idle(page)
     expect(user_msg).to_contain_text("<b>bold</b>")
     assert page.evaluate("window.__xss") is None
     assert page.locator("#chat img[src='x']").count() == 0
