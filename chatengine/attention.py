@@ -108,6 +108,12 @@ class TorchBackend:
             return qk[:, :H_q], qk[:, H_q:]
         return rotate(q), rotate(k)
 
+    def rotary_store_kv(self, positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        """q rotated (returned); k rotated and v stored into the cache slots `slot_mapping`."""
+        q, k = self.rotary(positions, q, k, cos, sin)
+        self.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+
     def silu_mul(self, gate_up):
         return fused_ops.silu_mul_ref(gate_up)
 
@@ -129,6 +135,9 @@ class TritonBackend:
 
     def rotary(self, positions, q, k, cos, sin):
         return fused_ops.rotary_triton(positions, q, k, cos, sin)
+
+    def rotary_store_kv(self, positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        return fused_ops.rotary_store_kv_triton(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
     def silu_mul(self, gate_up):
         return fused_ops.silu_mul_triton(gate_up)

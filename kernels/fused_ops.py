@@ -1,4 +1,5 @@
-"""Fused per-layer elementwise ops: RMSNorm (+ residual add), rotary embedding, SiLU-and-mul.
+"""Fused per-layer elementwise ops: RMSNorm (+ residual add), rotary embedding (alone, or with the
+new K/V's store into the paged cache), SiLU-and-mul.
 
 In eager torch these are ~8 (RMSNorm), ~14 (RoPE on q and k) and 2 (SiLU * up) small kernels per
 use: at decode sizes each costs a launch, not bandwidth, and ~40 of them per layer made a Llama-1B
@@ -13,6 +14,7 @@ Ideas from lightllm's `rmsnorm.py` (one program per row) and vLLM's fused add+RM
 import torch
 import torch.nn.functional as F
 
+from .cache_ops import store_kv_ref
 from .paged_attention import check_device, jit, tl, triton
 
 
@@ -113,6 +115,71 @@ def rotary_ref(positions, q, k, cos, sin):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+# ---------------------------------------------------------------------------- RoPE + KV store
+@jit
+def _rotary_store_kv_kernel(Q, K, V, Cos, Sin, Positions, slot_mapping, KCache, VCache,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+                            stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                            H_Q: tl.constexpr, H_KV: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                            BLOCK_HKV: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)              # one token: its q heads, k heads and v heads
+    pos = tl.load(Positions + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    c = tl.load(Cos + pos * stride_c + d).to(Q.dtype.element_ty).to(tl.float32)[None, :]
+    s = tl.load(Sin + pos * stride_c + d).to(Q.dtype.element_ty).to(tl.float32)[None, :]
+    _rotate_heads(Q, t, stride_qt, stride_qh, c, s, H_Q, BLOCK_HQ, HALF)
+    slot = tl.load(slot_mapping + t).to(tl.int64)   # int64: block * block stride can pass 2**31
+    if slot >= 0:                                   # < 0: a padding lane, nothing to store
+        block = slot // PAGE_SIZE
+        offset = slot % PAGE_SIZE
+        h = tl.arange(0, BLOCK_HKV)[:, None]
+        dd = tl.arange(0, HALF)[None, :]
+        ok = h < H_KV
+        pk = K + t * stride_kt + h * stride_kh + dd
+        k1 = tl.load(pk, mask=ok, other=0.0).to(tl.float32)
+        k2 = tl.load(pk + HALF, mask=ok, other=0.0).to(tl.float32)
+        # rounded to k's dtype first, as the unfused rotary (in place) then store_kv would
+        r1 = (k1 * c - k2 * s).to(K.dtype.element_ty).to(KCache.dtype.element_ty)
+        r2 = (k2 * c + k1 * s).to(K.dtype.element_ty).to(KCache.dtype.element_ty)
+        pkc = KCache + block * stride_kcb + offset * stride_kcs + h * stride_kch + dd
+        tl.store(pkc, r1, mask=ok)
+        tl.store(pkc + HALF, r2, mask=ok)
+        pv = V + t * stride_vt + h * stride_vh + dd
+        pvc = VCache + block * stride_vcb + offset * stride_vcs + h * stride_vch + dd
+        tl.store(pvc, tl.load(pv, mask=ok).to(VCache.dtype.element_ty), mask=ok)
+        tl.store(pvc + HALF, tl.load(pv + HALF, mask=ok).to(VCache.dtype.element_ty), mask=ok)
+
+
+def rotary_store_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`rotary_store_kv_ref` in one launch (was two: rotary, then store_kv): q rotates in place and is
+    returned; rotated k and v go straight to the cache slots (slot < 0: skipped); k itself is left as
+    it was (attention reads keys from the cache)."""
+    check_device(q)
+    T, H_q, D = q.shape
+    H_kv = k.shape[1]
+    assert q.stride(2) == k.stride(2) == v.stride(2) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    assert cos.is_contiguous() and sin.is_contiguous()
+    assert D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2, "head_dim / 2 must be a power of two"
+    if T:
+        _rotary_store_kv_kernel[(T,)](
+            q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            H_Q=H_q, H_KV=H_kv, BLOCK_HQ=triton.next_power_of_2(H_q), BLOCK_HKV=triton.next_power_of_2(H_kv),
+            HALF=D // 2, PAGE_SIZE=k_cache.shape[1], num_warps=4)
+    return q
+
+
+def rotary_store_kv_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    """q rotated (returned); k rotated and v written to the cache slots `slot_mapping` (< 0: skipped)."""
+    q, k = rotary_ref(positions, q, k, cos, sin)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 # ---------------------------------------------------------------------------- SiLU-and-mul

@@ -103,3 +103,10 @@ def test_rotary_equals_ref_exactly(dtype, H_q, H_kv, D, T):
     other = torch.randint(0, 512, (T,))                                     # not the step's positions
     got = backend.rotary(other, q, k, cos, sin)
     assert torch.equal(got[0], fused_ops.rotary_ref(other, q, k, cos, sin)[0])
+    # rotary + store in one call: the same q, and the cache as the reference writes it
+    v = qkv[:, (H_q + H_kv) * D:].view(T, H_kv, D)
+    kv, kv_ref = torch.zeros(2, 4, 2, 16, H_kv, D, dtype=dtype).unbind(0)       # (blocks, K|V, slot, H, D)
+    slots = torch.randperm(64)[:T]
+    got_q = backend.rotary_store_kv(positions, q, k, v, cos, sin, kv[:, 0], kv[:, 1], slots)
+    ref_q = fused_ops.rotary_store_kv_ref(positions, q, k, v, cos, sin, kv_ref[:, 0], kv_ref[:, 1], slots)
+    assert torch.equal(got_q, ref_q) and torch.equal(kv, kv_ref)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from chatengine import LLM, SamplingParams
+from kernels import fused_ops
 from kernels import paged_attention as pa
 
 HAS_CUDA = torch.cuda.is_available()
@@ -73,8 +74,10 @@ class DenseBackend:
     """One sequence, whole prompt at once: causal SDPA over its own K/V (no cache)."""
     name = "dense"
 
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        self.k, self.v = k, v
+    def rotary_store_kv(self, positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        q, self.k = fused_ops.rotary_ref(positions, q, k, cos, sin)
+        self.v = v
+        return q
 
     def attention(self, q, k_cache, v_cache, meta, scale):                  # q (T, H, D)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k.transpose(0, 1)[None],

@@ -557,6 +557,43 @@ def test_rotary(device, dtype, H_q, H_kv, D):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, cache_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("H_q, H_kv, D", [(32, 8, 64), (14, 2, 64), (4, 4, 128)])
+def test_rotary_store_kv_is_rotary_then_store_kv(device, dtype, cache_dtype, H_q, H_kv, D):
+    """The fused launch writes the same bits as the two kernels it replaces (q in place, the cache),
+    skips padding lanes, and leaves k and v as they were; and it is close to the torch reference."""
+    T, page_size = 29, 16
+    qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)           # q, k, v: views of one qkv
+    views = lambda x: (x[:, :H_q * D].view(T, H_q, D), x[:, H_q * D:(H_q + H_kv) * D].view(T, H_kv, D),  # noqa: E731
+                       x[:, (H_q + H_kv) * D:].view(T, H_kv, D))
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.cat([torch.arange(4096).float()[:, None] * inv_freq] * 2, -1)
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    positions = torch.randint(0, 4096, (T,), dtype=torch.int32, device=device)
+    slots = torch.randperm(8 * page_size)[:T].to(device, torch.int32)
+    slots[::5] = -1                                                         # padding lanes
+    kv = make_cache(8, page_size, H_kv, D, cache_dtype, device)
+
+    two, kv_two = qkv.clone(), kv.clone()                                   # the unfused pair
+    q2, k2, v2 = views(two)
+    fused_ops.rotary_triton(positions, q2, k2, cos, sin)
+    cache_ops.store_kv_triton(k2, v2, kv_two[:, 1, 0], kv_two[:, 1, 1], slots)
+    one, kv_one = qkv.clone(), kv.clone()
+    q1, k1, v1 = views(one)
+    got = fused_ops.rotary_store_kv_triton(positions, q1, k1, v1, cos, sin, kv_one[:, 1, 0], kv_one[:, 1, 1], slots)
+    assert got is q1 and torch.equal(q1, q2)
+    assert torch.equal(kv_one, kv_two)                                      # written slots and the rest
+    assert torch.equal(one[:, H_q * D:], qkv[:, H_q * D:])                  # k and v untouched
+
+    ref, kv_ref = qkv.clone(), kv.clone()
+    q_ref = fused_ops.rotary_store_kv_ref(positions.long(), *views(ref), cos, sin, kv_ref[:, 1, 0], kv_ref[:, 1, 1],
+                                          slots)
+    torch.testing.assert_close(got, q_ref, **ulp_close(device, dtype))
+    torch.testing.assert_close(kv_one, kv_ref, **ulp_close(device, cache_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("I", [300, 8192])
 def test_silu_mul(device, dtype, I):

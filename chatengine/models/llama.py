@@ -58,9 +58,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, backend):
+    """The fp32 cos/sin tables (P, D) that every layer's backend rotates q and k by."""
+
+    def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
-        self.config, self.max_positions, self.backend = config, max_positions, backend
+        self.config, self.max_positions = config, max_positions
         self.register_buffer("cos", torch.empty(max_positions, config.head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, config.head_dim), persistent=False)
 
@@ -73,8 +75,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)                      # (P, D)
         self.cos, self.sin = emb.cos(), emb.sin()                    # fp32 tables, cast per use as HF does
 
-    def forward(self, positions, q, k):                             # q (T, Hq, D), k (T, Hkv, D)
-        return self.backend.rotary(positions, q, k, self.cos, self.sin)  # triton: rotates in place
 
 
 class Attention(nn.Module):
@@ -94,9 +94,10 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]  # (N, bs, Hkv, D) views
-        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # q rotated; k rotated and v into their cache slots (one launch on triton)
+        q = self.backend.rotary_store_kv(positions, q, k, v, rope.cos, rope.sin, k_cache, v_cache,
+                                         meta.slot_mapping)
         o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)          # (T, Hq, D)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -144,7 +145,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(config, max_positions, backend)
+        self.rope = RotaryEmbedding(config, max_positions)
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices):
         """input_ids, positions: (T,); returns logits (len(logits_indices), vocab) in the model's dtype
