@@ -65,7 +65,21 @@ def rms_norm_ref(x, weight, eps, residual=None):
 
 # ---------------------------------------------------------------------------- rotary embedding
 @jit
-def _rotate_heads(X, t, stride_t, stride_h, c, s, H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+def _rope_row(Cos, Sin, Positions, t, stride_c, X, HALF: tl.constexpr):
+    """Token t's (cos, sin), each [1, HALF] in fp32. The tables are fp32 and [cos(f), cos(f)]: the
+    first half serves both halves; torch casts them to the activation dtype (X's) before
+    multiplying, so do we."""
+    pos = tl.load(Positions + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    c = tl.load(Cos + pos * stride_c + d).to(X.dtype.element_ty).to(tl.float32)[None, :]
+    s = tl.load(Sin + pos * stride_c + d).to(X.dtype.element_ty).to(tl.float32)[None, :]
+    return c, s
+
+
+@jit
+def _rotated(X, t, stride_t, stride_h, c, s, H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """Token t's H heads of X rotated, in fp32: (first halves, second halves, heads [BLOCK_H, 1],
+    columns [1, HALF], mask)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     ok = h < H
@@ -73,8 +87,15 @@ def _rotate_heads(X, t, stride_t, stride_h, c, s, H: tl.constexpr, BLOCK_H: tl.c
     x1 = tl.load(p, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(p + HALF, mask=ok, other=0.0).to(tl.float32)
     # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]
-    tl.store(p, (x1 * c - x2 * s).to(X.dtype.element_ty), mask=ok)
-    tl.store(p + HALF, (x2 * c + x1 * s).to(X.dtype.element_ty), mask=ok)
+    return x1 * c - x2 * s, x2 * c + x1 * s, h, d, ok
+
+
+@jit
+def _rotate_heads(X, t, stride_t, stride_h, c, s, H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    r1, r2, h, d, ok = _rotated(X, t, stride_t, stride_h, c, s, H, BLOCK_H, HALF)
+    p = X + t * stride_t + h * stride_h + d
+    tl.store(p, r1.to(X.dtype.element_ty), mask=ok)
+    tl.store(p + HALF, r2.to(X.dtype.element_ty), mask=ok)
 
 
 @jit
@@ -82,12 +103,7 @@ def _rotary_kernel(Q, K, Cos, Sin, Positions, stride_qt, stride_qh, stride_kt, s
                    H_Q: tl.constexpr, H_KV: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                    HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(Positions + t).to(tl.int64)
-    d = tl.arange(0, HALF)
-    # the tables are fp32 and [cos(f), cos(f)]: the first half serves both halves; torch casts
-    # them to the activation dtype before multiplying, so do we
-    c = tl.load(Cos + pos * stride_c + d).to(Q.dtype.element_ty).to(tl.float32)[None, :]
-    s = tl.load(Sin + pos * stride_c + d).to(Q.dtype.element_ty).to(tl.float32)[None, :]
+    c, s = _rope_row(Cos, Sin, Positions, t, stride_c, Q, HALF)
     _rotate_heads(Q, t, stride_qt, stride_qh, c, s, H_Q, BLOCK_HQ, HALF)
     _rotate_heads(K, t, stride_kt, stride_kh, c, s, H_KV, BLOCK_HKV, HALF)
 
@@ -125,29 +141,19 @@ def _rotary_store_kv_kernel(Q, K, V, Cos, Sin, Positions, slot_mapping, KCache, 
                             H_Q: tl.constexpr, H_KV: tl.constexpr, BLOCK_HQ: tl.constexpr,
                             BLOCK_HKV: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)              # one token: its q heads, k heads and v heads
-    pos = tl.load(Positions + t).to(tl.int64)
-    d = tl.arange(0, HALF)
-    c = tl.load(Cos + pos * stride_c + d).to(Q.dtype.element_ty).to(tl.float32)[None, :]
-    s = tl.load(Sin + pos * stride_c + d).to(Q.dtype.element_ty).to(tl.float32)[None, :]
+    c, s = _rope_row(Cos, Sin, Positions, t, stride_c, Q, HALF)
     _rotate_heads(Q, t, stride_qt, stride_qh, c, s, H_Q, BLOCK_HQ, HALF)
     slot = tl.load(slot_mapping + t).to(tl.int64)   # int64: block * block stride can pass 2**31
     if slot >= 0:                                   # < 0: a padding lane, nothing to store
         block = slot // PAGE_SIZE
         offset = slot % PAGE_SIZE
-        h = tl.arange(0, BLOCK_HKV)[:, None]
-        dd = tl.arange(0, HALF)[None, :]
-        ok = h < H_KV
-        pk = K + t * stride_kt + h * stride_kh + dd
-        k1 = tl.load(pk, mask=ok, other=0.0).to(tl.float32)
-        k2 = tl.load(pk + HALF, mask=ok, other=0.0).to(tl.float32)
+        r1, r2, h, d, ok = _rotated(K, t, stride_kt, stride_kh, c, s, H_KV, BLOCK_HKV, HALF)
         # rounded to k's dtype first, as the unfused rotary (in place) then store_kv would
-        r1 = (k1 * c - k2 * s).to(K.dtype.element_ty).to(KCache.dtype.element_ty)
-        r2 = (k2 * c + k1 * s).to(K.dtype.element_ty).to(KCache.dtype.element_ty)
-        pkc = KCache + block * stride_kcb + offset * stride_kcs + h * stride_kch + dd
-        tl.store(pkc, r1, mask=ok)
-        tl.store(pkc + HALF, r2, mask=ok)
-        pv = V + t * stride_vt + h * stride_vh + dd
-        pvc = VCache + block * stride_vcb + offset * stride_vcs + h * stride_vch + dd
+        pkc = KCache + block * stride_kcb + offset * stride_kcs + h * stride_kch + d
+        tl.store(pkc, r1.to(K.dtype.element_ty).to(KCache.dtype.element_ty), mask=ok)
+        tl.store(pkc + HALF, r2.to(K.dtype.element_ty).to(KCache.dtype.element_ty), mask=ok)
+        pv = V + t * stride_vt + h * stride_vh + d
+        pvc = VCache + block * stride_vcb + offset * stride_vcs + h * stride_vch + d
         tl.store(pvc, tl.load(pv, mask=ok).to(VCache.dtype.element_ty), mask=ok)
         tl.store(pvc + HALF, tl.load(pv + HALF, mask=ok).to(VCache.dtype.element_ty), mask=ok)
 
