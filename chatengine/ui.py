@@ -21,7 +21,7 @@ import html
 import logging
 import re
 import time
-from collections import deque
+from collections import Counter, deque
 
 import gradio as gr
 
@@ -305,7 +305,7 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
     default_persona = service.default_persona
     monitor = EngineMonitor(service.engine)
     viewing: dict[str, str | None] = {}     # session -> the conversation its tab shows
-    painting: dict[str, str] = {}           # session -> the conversation a reply is streaming into
+    painting: Counter = Counter()           # (session, conversation) -> replies streaming into it
 
     def who(request: gr.Request | None) -> str:
         name = getattr(request, "username", None) if request is not None else None
@@ -544,7 +544,7 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
             last = 0.0
             final = None
             view = None
-            painting[session] = conv_id
+            painting[session, conv_id] += 1
             try:
                 async for up in gen:
                     final = up
@@ -567,8 +567,9 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
                     yield upd, gr.skip()
             finally:
                 await gen.aclose()
-                if painting.get(session) == conv_id:
-                    painting.pop(session)
+                painting[session, conv_id] -= 1
+                if not painting[session, conv_id]:
+                    del painting[session, conv_id]
             if final is not None and final.status == "error":
                 gr.Warning(final.error or "generation failed")
             if viewing.get(session, conv_id) != conv_id:
@@ -709,7 +710,7 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
                 user = who(request)
                 if not conv_id or not focus_id:
                     return (gr.skip(),) * 7
-                if painting.get(request.session_hash) == conv_id:
+                if painting[request.session_hash, conv_id]:
                     gr.Warning("Wait for the reply to finish before switching versions.")
                     return (gr.skip(),) * 7
                 try:
@@ -730,7 +731,7 @@ def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: st
             idx = data.index if isinstance(data.index, int) else data.index[0]
             if not conv_id or not (0 <= idx < len(row_ids or [])) or row_ids[idx] is None:
                 return (gr.skip(),) * 5
-            if painting.get(request.session_hash) == conv_id:   # the stream owns the view and nav
+            if painting[request.session_hash, conv_id]:        # the stream owns the view and nav
                 return (gr.skip(),) * 5
             try:
                 view = service.view(user, conv_id)

@@ -76,7 +76,6 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = emb.cos(), emb.sin()                    # fp32 tables, cast per use as HF does
 
 
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, backend):
         super().__init__()
