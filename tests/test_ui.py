@@ -193,9 +193,9 @@ def test_stop_keeps_partial_reply(alice, server):
 def test_versions_do_not_switch_under_a_streaming_reply(alice, server):
     """While a reply streams, the stream owns the view: ◀ is refused (it would move the branch on
     screen out from under the reply being painted)."""
-    out = send(alice, "Say hello.")
+    out = send(alice, LONG_PROMPT)                                       # 8 tokens
     conv_id = out[3]["value"]
-    job = alice.submit(1.0, 1, 400, -1, 1, api_name="/regenerate")       # alternative 2/2, long
+    job = alice.submit(0, 1, 400, -1, 1, api_name="/regenerate")         # alternative 2/2: greedy, runs long
     engine = server.app.state.chat.engine.engine
     wait_for(lambda: any(r.seqs and r.seqs[0].num_output_tokens >= 3 for r in list(engine.requests.values())))
     store = server.app.state.chat.store
