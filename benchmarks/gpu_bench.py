@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import commit  # noqa: E402
 from benchmarks.read_floor import read_floors  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
-from chatengine.loader import DUMMY_SHAPES  # noqa: E402
-from kernels import paged_attention as pa  # noqa: E402
+from chatengine.engine.loader import DUMMY_SHAPES  # noqa: E402
+from chatengine.kernels import paged_attention as pa  # noqa: E402
 
 MODELS = ["llama-3.2-1b", "qwen2.5-0.5b"]
 PARTS = ["bandwidth", "throughput", "peer", "decode", "kernel", "sweep", "profile"]

@@ -4,7 +4,7 @@
                                    [--url http://127.0.0.1:7860 [--users-file users.json] [--data-dir data]]
 
 Without --url the server runs in this process: an AsyncLLM (the default model unless --model), the
-/v1 routes of `chatengine.api.build_api` with one API key per simulated user (so every user has its
+/v1 routes of `chatengine.app.api.routes.build_api` with one API key per simulated user (so every user has its
 own cache salt, as in production), under uvicorn on 127.0.0.1 in a thread, with the disk KV tier in
 a temporary directory. With --url it drives a running `python app.py` (loopback addresses only).
 
@@ -123,7 +123,7 @@ class InProcessServer:
         import uvicorn
 
         from chatengine import AsyncLLM
-        from chatengine.api import build_api
+        from chatengine.app.api.routes import build_api
         self.kv_dir = tempfile.TemporaryDirectory(prefix="load-test-kv-") if engine_options.pop("disk_kv") else None
         if self.kv_dir is not None:
             engine_options["kv_store_dir"] = self.kv_dir.name
@@ -478,7 +478,7 @@ def run(argv=None) -> dict:
             url = check_loopback(args.url)
             keys = []
             if args.users_file:
-                from chatengine.auth import load_users
+                from chatengine.app.auth import load_users
                 keys = [u["api_key"] for u in load_users(args.users_file).values() if u.get("api_key")]
             import httpx
             model = httpx.get(url + "/v1/models", timeout=30,

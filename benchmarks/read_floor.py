@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import gdc_launch_dependents, gdc_wait, pdl_supported
+from chatengine.kernels.paged_attention import gdc_launch_dependents, gdc_wait, pdl_supported
 
 TILE = 128              # keys per paged-read program, as the 1 x 8k decode launch
 ROWS = 256              # contiguous read: 256 x 64 bf16 = 32 KiB per program (best of 8-64 KiB, H200)

@@ -1,6 +1,8 @@
-"""chatengine: a paged-KV LLM serving engine for multi-user chat."""
+"""chatengine: a paged-KV LLM serving engine for multi-user chat. These names are the public API."""
 from chatengine.config import EngineConfig
-from chatengine.engine import LLM, AsyncLLM, LLMEngine
+from chatengine.engine.async_llm import AsyncLLM
+from chatengine.engine.llm import LLM
+from chatengine.engine.llm_engine import LLMEngine
 from chatengine.outputs import CompletionOutput, RequestOutput
 from chatengine.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from chatengine import AsyncLLM  # noqa: E402
-from chatengine.api import build_api  # noqa: E402
+from chatengine.app.api.routes import build_api  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 USERS = {"alice": {"password": "pw-a", "api_key": "sk-alice"},

@@ -1,4 +1,4 @@
-"""The torch attention backend (chatengine/attention.py) against the kernels' plain references:
+"""The torch attention backend (chatengine/engine/attention.py) against the kernels' plain references:
 store_kv and attention close to (rotary exactly equal to) the *_ref functions, and the per-step plans
 reused only by the step they were built for."""
 import sys
@@ -11,8 +11,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_kernels import MIXED, make_batch, make_cache  # noqa: E402
 
-from chatengine.attention import TorchBackend  # noqa: E402
-from kernels import cache_ops, fused_ops, paged_attention as pa  # noqa: E402
+from chatengine.engine.attention import TorchBackend  # noqa: E402
+from chatengine.kernels import cache_ops, fused_ops, paged_attention as pa  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

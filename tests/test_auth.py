@@ -1,10 +1,10 @@
-"""chatengine.auth: the users file, password checks (plain and pbkdf2), API key lookup."""
+"""chatengine.app.auth: the users file, password checks (plain and pbkdf2), API key lookup."""
 import json
 import sys
 
 import pytest
 
-from chatengine.auth import hash_password, load_users, user_for_api_key, validate_users, verify_password
+from chatengine.app.auth import hash_password, load_users, user_for_api_key, validate_users, verify_password
 
 FAST = 1000      # PBKDF2 iterations for tests (the default, 600k, is slow on purpose)
 
@@ -105,7 +105,7 @@ def test_hash_password_format_and_salt():
 def test_auth_command_line(tmp_path, monkeypatch, capsys):
     import io
 
-    from chatengine.auth import _main
+    from chatengine.app.auth import _main
     monkeypatch.setattr(sys, "stdin", io.StringIO("hunter2\n"))
     assert _main(["hash", "--iterations", str(FAST)]) == 0
     hashed = capsys.readouterr().out.strip()

@@ -1,10 +1,10 @@
 """BlockManager on tiny pools: exact block ids, ref counts, eviction order, all-or-nothing."""
 import pytest
 
-from chatengine.block_manager import BlockManager
-from chatengine.hashing import hash_block
+from chatengine.engine.kv.block_manager import BlockManager
+from chatengine.engine.kv.hashing import hash_block
 from chatengine.sampling_params import SamplingParams
-from chatengine.sequence import Sequence
+from chatengine.engine.sequence import Sequence
 
 BS = 4
 

@@ -4,11 +4,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from chatengine.block_manager import BlockManager
+from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.config import EngineConfig
 from chatengine.sampling_params import SamplingParams
-from chatengine.scheduler import Scheduler
-from chatengine.sequence import Sequence, SequenceStatus
+from chatengine.engine.scheduler import Scheduler
+from chatengine.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 NUM_BLOCKS = 12

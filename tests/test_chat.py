@@ -6,10 +6,10 @@ import time
 import pytest
 
 from chatengine import AsyncLLM
-from chatengine.chat import ChatService, TurnTemplate
+from chatengine.app.chat import ChatService, TurnTemplate
 from chatengine.personas import load_personas
-from chatengine.store import ChatStore, NotFound
-from chatengine.tokenizer import apply_chat_template
+from chatengine.app.store import ChatStore, NotFound
+from chatengine.engine.tokenizer import apply_chat_template
 
 GREEDY = dict(temperature=0, max_tokens=6)
 

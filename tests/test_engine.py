@@ -189,7 +189,7 @@ def test_stats_keys(llm):
 
 
 def test_detokenizer_streams_whole_characters(llm):
-    from chatengine.tokenizer import IncrementalDetokenizer
+    from chatengine.engine.tokenizer import IncrementalDetokenizer
     tok = llm.get_tokenizer()
     text = "Olá, naïve café 🤖🎉 — 日本語 ok"
     ids = tok.encode(text, add_special_tokens=False)

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from chatengine import LLM, SamplingParams
-from kernels import fused_ops
-from kernels import paged_attention as pa
+from chatengine.kernels import fused_ops
+from chatengine.kernels import paged_attention as pa
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

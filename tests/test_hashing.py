@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chatengine.hashing import (
+from chatengine.engine.kv.hashing import (
     DIGEST_SIZE, SECRET_FILE, SECRET_SIZE, file_digest, hash_block, hash_blocks,
     load_or_create_secret, model_fingerprint, salt_extra, salt_start_block, user_salt,
 )
@@ -45,7 +45,7 @@ def test_deterministic_across_calls(root):
 
 
 def test_deterministic_across_processes(root):
-    code = ("from chatengine.hashing import *\n"
+    code = ("from chatengine.engine.kv.hashing import *\n"
             f"r = model_fingerprint(*{FP_ARGS!r})\n"
             f"h = hash_blocks(r, list(range(50)), 16, 1, user_salt({SECRET!r}, 'bob'))\n"
             "print(r.hex(), *[x.hex() for x in h])\n")
@@ -187,7 +187,7 @@ def test_secret_created_0600_and_stable(tmp_path):
 
 
 def test_secret_race_between_processes(tmp_path):
-    code = ("import sys; from chatengine.hashing import load_or_create_secret\n"
+    code = ("import sys; from chatengine.engine.kv.hashing import load_or_create_secret\n"
             "print(load_or_create_secret(sys.argv[1]).hex())\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,
@@ -217,7 +217,7 @@ def test_chain_memo_gives_the_fresh_chain_and_reuses_only_alike_blocks():
     """Chains started from a remembered one equal chains hashed from scratch, for sequences that
     share prefixes of any length, with equal or different salts and public prefixes; a block is
     reused (the same bytes object) only where both hash it alike."""
-    from chatengine.hashing import ChainMemo, extend_chain, salt_extra
+    from chatengine.engine.kv.hashing import ChainMemo, extend_chain, salt_extra
     rng = random.Random(3)
     memo, bs, root = ChainMemo(size=4), 4, b"r" * 16
     base = [rng.randrange(50) for _ in range(40)]

@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before kernels/ imports triton
 
-from kernels import cache_ops, fused_ops, paged_attention as pa, sampling  # noqa: E402
+from chatengine.kernels import cache_ops, fused_ops, paged_attention as pa, sampling  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = pa.interpreting()
@@ -470,7 +470,7 @@ def test_sample_greedy_rows_exact(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_triton_is_argmax_with_first_index_ties(device, dtype):
-    from chatengine.sampler import greedy
+    from chatengine.engine.sampler import greedy
     g = torch.Generator().manual_seed(3)
     for n, v, chunk in [(1, 128256, 4096), (5, 5003, 1024), (2, 100, 64), (3, 16, 64)]:   # odd vocab, one chunk
         logits = torch.randn(n, v, generator=g).to(device, dtype)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from chatengine import LLM, SamplingParams
-from chatengine.offload import BlockMeta, TieredCache
+from chatengine.engine.kv.block_meta import BlockMeta
+from chatengine.engine.kv.tiers import TieredCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 SHAPE = (2, 2, 4, 2, 8)                 # (layers, K/V, block_size, kv_heads, head_dim)
@@ -197,7 +198,7 @@ def test_a_prefix_coming_from_disk_does_not_hold_up_others(tmp_path, monkeypatch
     """A returning conversation whose cached prefix is on disk waits for the reader thread; other
     requests keep running meanwhile (the engine never stalls on the read); then it restores."""
     import threading
-    from chatengine.offload import DiskStore
+    from chatengine.engine.kv.disk_store import DiskStore
     kv, params = str(tmp_path / "kv"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     returning, other = list(range(1, 60)), list(range(150, 180))
     first = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32)

@@ -441,7 +441,7 @@ def test_pool_exhaustion_preempts_offloads_and_stays_exact(tmp_path, async_sched
 
 # ---- F10: a full disk ---------------------------------------------------------------------------------
 class FullDiskOS:
-    """What chatengine.offload sees of `os` on a full disk: `failing` raises ENOSPC."""
+    """What chatengine.engine.kv.disk_store sees of `os` on a full disk: `failing` raises ENOSPC."""
 
     def __init__(self, failing: str):
         self.failing, self.calls = failing, 0
@@ -459,7 +459,7 @@ class FullDiskOS:
 
 @pytest.mark.parametrize("failing", ["open", "replace"])
 def test_full_disk_degrades_to_recompute(tmp_path, monkeypatch, caplog, failing):
-    import chatengine.offload as offload
+    import chatengine.engine.kv.disk_store as offload
     prompts = make_prompts(16, seed=6)
     ref = reference(prompts, 8)
     kv = tmp_path / "kv"
@@ -467,7 +467,7 @@ def test_full_disk_degrades_to_recompute(tmp_path, monkeypatch, caplog, failing)
                      max_model_len=128)
     full = FullDiskOS(failing)
     monkeypatch.setattr(offload, "os", full)
-    with caplog.at_level(logging.WARNING, logger="chatengine.offload"):
+    with caplog.at_level(logging.WARNING, logger="chatengine.kv.disk"):
         for _ in range(2):                              # the second pass would need spilled pages back
             assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY8)] == ref
         llm.engine.flush_kv()                           # a flush on a full disk does not raise either
@@ -538,7 +538,7 @@ def _rows(db: Path) -> dict:
 
 
 def _header(path: Path) -> dict:
-    from chatengine.offload import PREFIX
+    from chatengine.engine.kv.disk_store import PREFIX
     data = path.read_bytes()
     _, _, n = PREFIX.unpack(data[:PREFIX.size])
     return json.loads(data[PREFIX.size:PREFIX.size + n])
@@ -605,8 +605,8 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
     root_dir = next(d for d in (data / "kv").iterdir() if d.is_dir())
     files = sorted(root_dir.glob("*/*.kv"))
     assert len(files) >= 4
-    from chatengine.server import engine_kwargs
-    from chatengine.store import ChatStore
+    from chatengine.app.server import engine_kwargs
+    from chatengine.app.store import ChatStore
     store = ChatStore(db)
     user = store.db.execute("SELECT user_id FROM conversations WHERE id = ?", [cid]).fetchone()[0]
     path = store.active_path(user, cid)
@@ -642,7 +642,7 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
         disk = engine.engine.tiers.disk
         assert not tmp.exists() and not bad_magic.exists()
         assert engine.engine.stats()["disk_blocks"] == len(files) - 1
-        from chatengine.chat import ChatService
+        from chatengine.app.chat import ChatService
         from chatengine.personas import load_personas
         svc = ChatService(engine, store, load_personas())
 
@@ -764,7 +764,7 @@ def test_odd_unicode_and_control_characters_are_served(default_engine):
 @pytest.fixture(scope="module")
 def api_url(default_engine):
     uvicorn = pytest.importorskip("uvicorn")
-    from chatengine.api import build_api
+    from chatengine.app.api.routes import build_api
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(build_api(default_engine, None, model_name="m"), log_level="warning",
@@ -857,9 +857,9 @@ def test_html_in_model_output_is_returned_verbatim_as_json(api_url, default_engi
 
 
 def test_chat_service_stores_hostile_text_verbatim_and_hides_other_users(default_engine, tmp_path):
-    from chatengine.chat import ChatService
+    from chatengine.app.chat import ChatService
     from chatengine.personas import load_personas
-    from chatengine.store import ChatStore, NotFound
+    from chatengine.app.store import ChatStore, NotFound
     store = ChatStore(tmp_path / "chat.db")
     svc = ChatService(default_engine, store, load_personas())
     texts = ["<script>alert('x')</script>", "<img src=x onerror=alert(1)>", "[link](javascript:alert(1))",

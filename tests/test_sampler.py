@@ -1,12 +1,12 @@
-"""chatengine/sampler.py: greedy rows exact, draws distributed as softmax(logits / T) over the tokens
+"""chatengine/engine/sampler.py: greedy rows exact, draws distributed as softmax(logits / T) over the tokens
 top-k / top-p keep, the kept sets equal to a full sort's (CPU candidates and their fallback), seeded
 rows reproducible whatever shares the batch."""
 import pytest
 import torch
 
 from chatengine import SamplingParams
-from chatengine import sampler as sampler_mod
-from chatengine.sampler import Sampler
+from chatengine.engine import sampler as sampler_mod
+from chatengine.engine.sampler import Sampler
 
 
 @pytest.fixture(autouse=True)
@@ -102,7 +102,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 
 
 def test_chunked_greedy_is_argmax_with_first_index_ties():
-    from chatengine.sampler import greedy
+    from chatengine.engine.sampler import greedy
     g = torch.Generator().manual_seed(0)
     for n, v in [(1, 4096), (3, 49152), (2, 100)]:                  # 100: not split (100 % 32)
         logits = torch.randn(n, v, generator=g)

@@ -1,9 +1,9 @@
 """Scheduler without a model: token budget, chunked prefill mixed with decodes, FCFS, preemption."""
-from chatengine.block_manager import BlockManager
+from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.config import EngineConfig
 from chatengine.sampling_params import SamplingParams
-from chatengine.scheduler import Scheduler
-from chatengine.sequence import Sequence, SequenceStatus
+from chatengine.engine.scheduler import Scheduler
+from chatengine.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import chatengine.store as store_module
-from chatengine.store import MAX_CONTENT_CHARS, MAX_TITLE_CHARS, ChatStore, NotFound
+import chatengine.app.store as store_module
+from chatengine.app.store import MAX_CONTENT_CHARS, MAX_TITLE_CHARS, ChatStore, NotFound
 
 A, B = "alice", "bob"
 
@@ -418,7 +418,7 @@ def test_random_trees_match_a_model(shared_store, spec):
 
 
 def test_store_imports_no_engine_code():
-    path = Path(__file__).resolve().parents[1] / "chatengine" / "store.py"
+    path = Path(__file__).resolve().parents[1] / "chatengine" / "app" / "store.py"
     code = ("import importlib.util, sys\n"
             f"spec = importlib.util.spec_from_file_location('store', {str(path)!r})\n"
             "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"

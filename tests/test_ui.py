@@ -13,7 +13,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from gradio_client import Client  # noqa: E402
 
-from chatengine.server import close_app, create_app  # noqa: E402
+from chatengine.app.server import close_app, create_app  # noqa: E402
 
 USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"},
          "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
@@ -55,7 +55,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    pytest.importorskip("chatengine.auth", reason="login needs chatengine.auth")
+    pytest.importorskip("chatengine.app.auth", reason="login needs chatengine.app.auth")
     data = tmp_path_factory.mktemp("ui-data")
     users_file = data / "users.json"
     users_file.write_text(json.dumps(USERS))

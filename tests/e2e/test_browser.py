@@ -24,7 +24,7 @@ CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or ""
                  if p and os.path.exists(p)), None)
 if CHROMIUM is None:
     pytest.skip("chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
-pytest.importorskip("chatengine.auth", reason="login needs chatengine.auth")
+pytest.importorskip("chatengine.app.auth", reason="login needs chatengine.app.auth")
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 

@@ -7,7 +7,7 @@ The file maps user names to their credentials::
 
 A user needs a `password` (to sign in to the UI), an `api_key` (for the HTTP API), or both. Other
 fields are kept and ignored here. Passwords may be stored in plain text or hashed with
-`hash_password` (``python -m chatengine.auth hash`` prints a hash for a password typed at a prompt).
+`hash_password` (``python -m chatengine.app.auth hash`` prints a hash for a password typed at a prompt).
 
 Every comparison is constant-time in the secret; an unknown user name costs the same work as a
 known one, and an API key lookup compares against every key without stopping at a match.
@@ -183,7 +183,7 @@ def _main(argv=None) -> int:
     import argparse
     import getpass
 
-    parser = argparse.ArgumentParser(prog="python -m chatengine.auth",
+    parser = argparse.ArgumentParser(prog="python -m chatengine.app.auth",
                                      description="Helpers for the --users file of `chatengine serve`.")
     sub = parser.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hash", help="print a pbkdf2_sha256 hash of a password (read from a prompt, "

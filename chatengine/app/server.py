@@ -26,7 +26,7 @@ KV_DIR = "kv"
 
 def _auth_module():
     try:
-        from chatengine import auth
+        from chatengine.app import auth
         return auth
     except ImportError:          # not written yet: no users-file login
         return None
@@ -34,7 +34,7 @@ def _auth_module():
 
 def _api_builder():
     try:
-        from chatengine.api import build_api
+        from chatengine.app.api.routes import build_api
         return build_api
     except ImportError:
         return None
@@ -68,21 +68,21 @@ def create_app(*, data_dir: str | os.PathLike = "data", users: dict | None = Non
     import gradio as gr
     from fastapi import FastAPI
 
-    from chatengine.chat import ChatService
-    from chatengine.engine import AsyncLLM
+    from chatengine.app.chat import ChatService
+    from chatengine import AsyncLLM
     from chatengine.personas import load_personas
-    from chatengine.store import ChatStore
-    from chatengine.ui import CSS, build_ui, theme
+    from chatengine.app.store import ChatStore
+    from chatengine.app.ui.layout import CSS, build_ui, theme
 
     data = Path(data_dir)
     data.mkdir(parents=True, exist_ok=True)
     auth = _auth_module()
     if users is None and users_file is not None:
         if auth is None:
-            raise SystemExit("--users needs chatengine.auth, which is not available in this build")
+            raise SystemExit("--users needs chatengine.app.auth, which is not available in this build")
         users = auth.load_users(users_file)
     if users is not None and auth is None:
-        raise SystemExit("login needs chatengine.auth, which is not available in this build")
+        raise SystemExit("login needs chatengine.app.auth, which is not available in this build")
 
     own_engine = engine is None
     if own_engine:
@@ -99,7 +99,7 @@ def create_app(*, data_dir: str | os.PathLike = "data", users: dict | None = Non
     if build_api is not None:
         app = build_api(engine, users, model_name=str(model_name))
     else:
-        log.warning("chatengine.api is not available: serving the UI without the /v1 API")
+        log.warning("chatengine.app.api.routes is not available: serving the UI without the /v1 API")
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
     demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n)
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"of the KV cache ({KV_DIR}/) and the server secret that salts per-user cache keys")
     p.add_argument("--users", metavar="FILE", default=None,
                    help='JSON file of users: {"alice": {"password": "...", "api_key": "..."}}; passwords may '
-                        "be hashed (python -m chatengine.auth hash). Without it: one local user, no login")
+                        "be hashed (python -m chatengine.app.auth hash). Without it: one local user, no login")
     p.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face model directory; default: the embedded "
                         "SmolLM2-135M-Instruct")

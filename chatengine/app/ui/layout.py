@@ -25,7 +25,7 @@ from collections import Counter, deque
 
 import gradio as gr
 
-from chatengine.chat import ChatService, NotFound
+from chatengine.app.chat import ChatService, NotFound
 
 log = logging.getLogger("chatengine.ui")
 

@@ -1,4 +1,4 @@
-"""LLMEngine.step(); LLM (the synchronous facade); AsyncLLM (a background loop for asyncio callers).
+"""LLMEngine: requests in, step() out; the scheduler, the model runner and the KV tiers meet here.
 
 One step: schedule -> launch the model -> advance the sequences (stop checks, detokenize) -> outputs.
 
@@ -8,54 +8,28 @@ and for scheduling N+1 runs while the GPU computes N+1 instead of between the tw
 scheduled on placeholders for N's tokens (their ids stay on the device); a sequence that one of
 them stops (EOS, a stop string) is found one step later, at the cost of one wasted lane.
 """
-import asyncio
 import dataclasses
 import logging
 import secrets
-import threading
 import time
 import uuid
-from collections import deque
 
-from chatengine.block_manager import BlockManager, owner_tag
+from chatengine.engine.kv.block_manager import BlockManager, owner_tag
 from chatengine.config import EngineConfig
-from chatengine.hashing import load_or_create_secret, model_fingerprint, user_salt
-from chatengine.loader import load_model
-from chatengine.model_runner import ModelRunner, resolve_device_dtype
-from chatengine.offload import BlockMeta, TieredCache
+from chatengine.engine.kv.hashing import load_or_create_secret, model_fingerprint, user_salt
+from chatengine.engine.loader import load_model
+from chatengine.engine.model_runner import ModelRunner, resolve_device_dtype
+from chatengine.engine.kv.block_meta import BlockMeta
+from chatengine.engine.kv.tiers import TieredCache
 from chatengine.outputs import CompletionOutput, RequestOutput
 from chatengine.sampling_params import SamplingParams
-from chatengine.scheduler import Scheduler
-from chatengine.sequence import Sequence
-from chatengine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode
+from chatengine.engine.scheduler import Scheduler
+from chatengine.engine.request import Request
+from chatengine.engine.sequence import Sequence
+from chatengine.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode
 
 log = logging.getLogger("chatengine")
 KV_LAYOUT = "page-first/v1"
-
-
-class Request:
-    """One prompt and its n samples (sequences)."""
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 user: str | None):
-        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-        self.params, self.user = params, user
-        self.seqs: list[Sequence] = []
-        self.detoks: list[IncrementalDetokenizer] = []
-        self.error: str | None = None
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.num_finished = 0             # sequences finished so far (counted by LLMEngine._finish)
-        self.stream = True                # False: step() returns its output only once it has finished
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def finished(self) -> bool:
-        # read for every request every step: a count, not a scan of the sequences
-        return self.num_finished == self.params.n
 
 
 class LLMEngine:
@@ -489,248 +463,3 @@ class LLMEngine:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "attention_backend": self.runner.backend.name,
         }
-
-
-def _normalize_prompts(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
-                                                              for t in prompts):
-        return [list(prompts)]
-    if isinstance(prompts, (list, tuple)):
-        return list(prompts)
-    raise ValueError(f"prompts must be a string, a list of strings or token-id lists, got {type(prompts).__name__}")
-
-
-class LLM:
-    """Synchronous facade: generate / chat block until every request has finished."""
-
-    def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
-
-    def generate(self, prompts, sampling_params=None, *, user: str | None = None) -> list[RequestOutput]:
-        prompts = _normalize_prompts(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        # validate everything before adding anything: a bad prompt leaves nothing half-done
-        reqs = [self.engine.make_request(p, sp, user=user) for p, sp in zip(prompts, params)]
-        return self._run(reqs)
-
-    def chat(self, messages, sampling_params=None, *, user: str | None = None) -> list[RequestOutput]:
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or of such lists)")
-        conversations = [messages] if not isinstance(messages[0], list) else messages
-        tok = self.engine.tokenizer
-        ids = [apply_chat_template(tok, conv) for conv in conversations]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
-        reqs = [self.engine.make_request(p, sp, user=user) for p, sp in zip(ids, params)]
-        for req in reqs:
-            req.prompt = tok.decode(req.prompt_token_ids)
-        return self._run(reqs)
-
-    def _run(self, reqs: list[Request]) -> list[RequestOutput]:
-        engine = self.engine
-        for req in reqs:
-            req.stream = False    # only final outputs are kept: the engine builds no others
-            engine.add(req)
-        final = {}
-        try:
-            while any(req.request_id not in final for req in reqs):
-                for out in engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-        except BaseException:   # e.g. KeyboardInterrupt: free every block we hold
-            for req in reqs:
-                engine.abort(req.request_id)
-            raise
-        return [final[req.request_id] for req in reqs]
-
-    def get_tokenizer(self):
-        return self.engine.tokenizer
-
-    def register_persona(self, name: str, system_prompt: str) -> None:
-        self.engine.register_persona(name, system_prompt)
-
-    def stats(self) -> dict:
-        return self.engine.stats()
-
-    def forget_user(self, user: str) -> int:
-        return self.engine.forget_user(user)
-
-    def shutdown(self) -> None:
-        """Abort what runs and flush the KV cache to the disk store (if any)."""
-        self.engine.close()
-
-
-class AsyncLLM:
-    """The engine on a background thread; many asyncio callers stream from it at once.
-
-    Callers validate in their own thread (ValueError raised at once), then hand the request to the
-    engine thread through an inbox; outputs come back through per-request asyncio queues.
-    """
-
-    def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
-        self._inbox: deque = deque()              # ("add", req, loop, queue) | ("abort", request_id)
-        self._wake = threading.Condition()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = False
-        self._stats, self._stats_time = self.engine.stats(), time.monotonic()
-        self._thread = threading.Thread(target=self._loop, name="chatengine-loop", daemon=True)
-        self._thread.start()
-
-    async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None,
-                       user: str | None = None):
-        """Yield cumulative RequestOutputs until finished. Closing the generator aborts the request."""
-        req = self.engine.make_request(prompt, sampling_params, request_id=request_id, user=user)
-        if self._stopped:
-            raise RuntimeError("the engine has shut down")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._post(("add", req, asyncio.get_running_loop(), queue))
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    finished = True         # refused when added: nothing of ours to abort (the id may be another's)
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._post(("abort", req.request_id))
-
-    async def chat(self, messages, sampling_params=None, *, request_id=None, user=None):
-        ids = apply_chat_template(self.engine.tokenizer, messages)
-        async for out in self.generate(ids, sampling_params, request_id=request_id, user=user):
-            yield out
-
-    async def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return set(self.engine.eos_token_ids)
-
-    @property
-    def max_n(self) -> int:
-        return self.engine.config.max_n
-
-    @property
-    def is_running(self) -> bool:
-        """True while the engine loop is alive and accepting requests."""
-        return not self._stopped and self._thread.is_alive()
-
-    def get_tokenizer(self):
-        return self.engine.tokenizer
-
-    def register_persona(self, name: str, system_prompt: str) -> None:
-        self.engine.register_persona(name, system_prompt)
-
-    def stats(self) -> dict:
-        """A snapshot the engine thread publishes (at most every 0.2 s): safe from any thread."""
-        return dict(self._stats)
-
-    def _publish_stats(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._stats_time >= 0.2:
-            self._stats, self._stats_time = self.engine.stats(), now
-
-    def forget_user(self, user: str) -> None:
-        self._post(("forget", user))
-
-    def shutdown(self) -> None:
-        """Abort what runs, stop the loop and flush the KV cache to the disk store (if any)."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self._post(("stop",))
-        self._thread.join(timeout=60)
-        self.engine.close()
-
-    def _post(self, item) -> None:
-        with self._wake:
-            self._inbox.append(item)
-            self._wake.notify()
-
-    def _deliver(self, out: RequestOutput | Exception, request_id: str) -> None:
-        self._deliver_many([(request_id, out)])
-
-    def _deliver_many(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
-        """Hand outputs to their callers' queues with one wake-up per event loop, not one per
-        output: each wake-up is a syscall, and a step streams to up to max_num_seqs callers."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}     # loop -> [(request_id, queue, out)]
-        for request_id, out in items:
-            target = self._queues.get(request_id)
-            if target is None:
-                continue
-            loop, queue = target
-            if isinstance(out, Exception) or out.finished:
-                del self._queues[request_id]
-            batches.setdefault(loop, []).append((request_id, queue, out))
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:      # the caller's loop has closed: nobody is listening any more
-                for request_id, _, out in batch:
-                    if not isinstance(out, Exception) and not out.finished:
-                        self.engine.abort(request_id)
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while True:
-            idle_s = engine.config.idle_offload_s
-            if not self._inbox and not engine.has_unfinished_requests():
-                self._publish_stats(force=True)          # the picture at rest is exact
-            with self._wake:
-                while not self._inbox and not engine.has_unfinished_requests():
-                    if not self._wake.wait(timeout=idle_s) and idle_s is not None:
-                        if engine.offload_cached_blocks(idle_for_s=idle_s):   # idle conversations move out
-                            self._publish_stats(force=True)
-                inbox, self._inbox = self._inbox, deque()
-            for item in inbox:
-                if item[0] == "stop":
-                    for request_id in list(engine.requests):
-                        self._deliver(engine.abort(request_id), request_id)
-                    return
-                if item[0] == "forget":
-                    engine.forget_user(item[1])
-                    continue
-                if item[0] == "add":
-                    _, req, loop, queue = item
-                    if req.request_id in self._queues:   # a duplicate id must not take over the running stream
-                        try:
-                            loop.call_soon_threadsafe(queue.put_nowait, ValueError(
-                                f"request id {req.request_id!r} is already running"))
-                        except RuntimeError:   # that caller's loop has closed
-                            pass
-                        continue
-                    self._queues[req.request_id] = (loop, queue)
-                    try:
-                        engine.add(req)
-                    except ValueError as e:
-                        self._deliver(e, req.request_id)
-                else:
-                    out = engine.abort(item[1])
-                    if out is not None:
-                        self._deliver(out, item[1])
-            try:
-                outputs = engine.step()
-            except Exception as e:    # a bug outside the forward: fail everything in flight, keep serving
-                log.exception("engine step failed")
-                outputs = engine._fail(set(engine.requests), f"{type(e).__name__}: {e}")
-            self._deliver_many([(out.request_id, out) for out in outputs])
-            self._publish_stats()
-
-
-def _put_all(batch: list[tuple[str, asyncio.Queue, object]]) -> None:
-    """Runs on a caller's event loop: one step's outputs for the requests of that loop, in order."""
-    for _, queue, out in batch:
-        queue.put_nowait(out)

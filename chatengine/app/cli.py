@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmarks"
 DEFAULT_BENCH = "cpu_throughput"
 
@@ -92,14 +92,8 @@ def main(argv=None) -> int:
 
 # ---- serve --------------------------------------------------------------------------------------
 def serve(argv: list[str]) -> int:
-    try:
-        from chatengine import server
-    except ModuleNotFoundError as e:
-        if e.name != "chatengine.server":
-            raise
-        print("chatengine serve: chatengine/server.py is not there yet (it builds the engine, the UI and "
-              "the API); until then, nothing to serve.", file=sys.stderr)
-        return 2
+    from chatengine.app import server
+
     result = server.main(argv)
     return result if isinstance(result, int) else 0
 
@@ -226,7 +220,7 @@ def chat(args) -> int:
 
 def _fit(engine, base, history, max_tokens) -> list[int]:
     """Token ids of the conversation; drops the oldest turns while it does not fit the context."""
-    from chatengine.tokenizer import apply_chat_template
+    from chatengine.engine.tokenizer import apply_chat_template
 
     while True:
         ids = apply_chat_template(engine.tokenizer, base + history)

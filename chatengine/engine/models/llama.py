@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from chatengine.loader import ModelConfig
+from chatengine.engine.loader import ModelConfig
 
 
 @dataclass

@@ -25,15 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chatengine.attention import get_backend
-from kernels import cache_ops, paged_attention
-from kernels import sampling as sampling_ops
+from chatengine.engine.attention import get_backend
+from chatengine.kernels import cache_ops, paged_attention
+from chatengine.kernels import sampling as sampling_ops
 from chatengine.config import EngineConfig
-from chatengine.loader import LoadedModel
-from chatengine.models.llama import AttentionMetadata, LlamaModel
-from chatengine.sampler import Sampler
+from chatengine.engine.loader import LoadedModel
+from chatengine.engine.models.llama import AttentionMetadata, LlamaModel
+from chatengine.engine.sampler import Sampler
 from chatengine.sampling_params import SamplingParams
-from chatengine.sequence import Sequence
+from chatengine.engine.sequence import Sequence
 
 log = logging.getLogger("chatengine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

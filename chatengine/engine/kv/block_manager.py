@@ -19,9 +19,9 @@ import time
 from collections import OrderedDict
 from itertools import chain
 
-from chatengine.hashing import ChainMemo, salt_extra, salt_start_block
-from chatengine.offload import BlockMeta
-from chatengine.sequence import Sequence
+from chatengine.engine.kv.hashing import ChainMemo, salt_extra, salt_start_block
+from chatengine.engine.kv.block_meta import BlockMeta
+from chatengine.engine.sequence import Sequence
 
 
 def owner_tag(salt: bytes) -> bytes:

@@ -9,7 +9,7 @@ on CPU under TRITON_INTERPRET=1 for tests): one launch per op instead of ~8 (RMS
 """
 import torch
 
-from kernels import cache_ops, fused_ops, paged_attention
+from chatengine.kernels import cache_ops, fused_ops, paged_attention
 
 
 class TorchBackend:

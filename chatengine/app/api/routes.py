@@ -44,9 +44,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chatengine.auth import user_for_api_key
+from chatengine.app.auth import user_for_api_key
 from chatengine.sampling_params import SamplingParams
-from chatengine.tokenizer import apply_chat_template, encode
+from chatengine.engine.tokenizer import apply_chat_template, encode
 
 log = logging.getLogger("chatengine.api")
 
@@ -352,7 +352,7 @@ def build_api(engine, users: dict | None, *, model_name: str, max_body_bytes: in
               rate_limit_per_minute: int | None = None, default_max_tokens: int | None = None) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible routes for `engine` (an AsyncLLM).
 
-    users: the dict of `chatengine.auth.load_users`, or None for local single-user mode (any key).
+    users: the dict of `chatengine.app.auth.load_users`, or None for local single-user mode (any key).
     model_name: the id listed by /v1/models and named in every response.
     max_body_bytes: larger request bodies get 413.
     rate_limit_per_minute: completion requests per user per minute (token bucket), None = unlimited.
@@ -361,7 +361,7 @@ def build_api(engine, users: dict | None, *, model_name: str, max_body_bytes: in
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("model_name must be a non-empty string")
     if users is not None and not isinstance(users, dict):
-        raise ValueError("users must be a dict (see chatengine.auth.load_users) or None")
+        raise ValueError("users must be a dict (see chatengine.app.auth.load_users) or None")
     limiter = RateLimiter(rate_limit_per_minute) if rate_limit_per_minute is not None else None
     core = engine.engine
     created = int(time.time())

@@ -15,9 +15,9 @@ by EOS or a stop string costs one wasted lane, found when the values arrive.
 from collections import deque
 from dataclasses import dataclass, field
 
-from chatengine.block_manager import BlockManager
+from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.config import EngineConfig
-from chatengine.sequence import Sequence, SequenceStatus
+from chatengine.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

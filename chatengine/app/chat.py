@@ -40,8 +40,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from chatengine.sampling_params import SamplingParams
-from chatengine.store import ChatStore, NotFound
-from chatengine.tokenizer import apply_chat_template, encode
+from chatengine.app.store import ChatStore, NotFound
+from chatengine.engine.tokenizer import apply_chat_template, encode
 
 __all__ = ["ChatService", "ChatSettings", "ReplyUpdate", "TurnTemplate", "NotFound"]
 

@@ -91,7 +91,7 @@ def _rows_argmax_kernel(Vals, Idx, Out, num_chunks, BLOCK_C: tl.constexpr):
 def greedy_triton(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """argmax over the vocabulary (N,) int64, ties to the first index as `torch.argmax` (NaN aside:
     never chosen here). Two launches that spread a row over many programs: one 128k row (batch 1)
-    is ~32 programs, not the one block torch gives a row. Reference: chatengine.sampler.greedy."""
+    is ~32 programs, not the one block torch gives a row. Reference: chatengine.engine.sampler.greedy."""
     check_device(logits)
     N, V = logits.shape
     assert logits.stride(1) == 1

@@ -1,0 +1,186 @@
+"""AsyncLLM: the engine on a background thread, streaming to many asyncio callers at once."""
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+
+from chatengine.config import EngineConfig
+from chatengine.engine.llm_engine import LLMEngine
+from chatengine.engine.tokenizer import apply_chat_template
+from chatengine.outputs import RequestOutput
+
+log = logging.getLogger("chatengine")
+
+
+class AsyncLLM:
+    """The engine on a background thread; many asyncio callers stream from it at once.
+
+    Callers validate in their own thread (ValueError raised at once), then hand the request to the
+    engine thread through an inbox; outputs come back through per-request asyncio queues.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._inbox: deque = deque()              # ("add", req, loop, queue) | ("abort", request_id)
+        self._wake = threading.Condition()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._stats, self._stats_time = self.engine.stats(), time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="chatengine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None,
+                       user: str | None = None):
+        """Yield cumulative RequestOutputs until finished. Closing the generator aborts the request."""
+        req = self.engine.make_request(prompt, sampling_params, request_id=request_id, user=user)
+        if self._stopped:
+            raise RuntimeError("the engine has shut down")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._post(("add", req, asyncio.get_running_loop(), queue))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True         # refused when added: nothing of ours to abort (the id may be another's)
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._post(("abort", req.request_id))
+
+    async def chat(self, messages, sampling_params=None, *, request_id=None, user=None):
+        ids = apply_chat_template(self.engine.tokenizer, messages)
+        async for out in self.generate(ids, sampling_params, request_id=request_id, user=user):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.engine.eos_token_ids)
+
+    @property
+    def max_n(self) -> int:
+        return self.engine.config.max_n
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine loop is alive and accepting requests."""
+        return not self._stopped and self._thread.is_alive()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def register_persona(self, name: str, system_prompt: str) -> None:
+        self.engine.register_persona(name, system_prompt)
+
+    def stats(self) -> dict:
+        """A snapshot the engine thread publishes (at most every 0.2 s): safe from any thread."""
+        return dict(self._stats)
+
+    def _publish_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_time >= 0.2:
+            self._stats, self._stats_time = self.engine.stats(), now
+
+    def forget_user(self, user: str) -> None:
+        self._post(("forget", user))
+
+    def shutdown(self) -> None:
+        """Abort what runs, stop the loop and flush the KV cache to the disk store (if any)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._post(("stop",))
+        self._thread.join(timeout=60)
+        self.engine.close()
+
+    def _post(self, item) -> None:
+        with self._wake:
+            self._inbox.append(item)
+            self._wake.notify()
+
+    def _deliver(self, out: RequestOutput | Exception, request_id: str) -> None:
+        self._deliver_many([(request_id, out)])
+
+    def _deliver_many(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
+        """Hand outputs to their callers' queues with one wake-up per event loop, not one per
+        output: each wake-up is a syscall, and a step streams to up to max_num_seqs callers."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}     # loop -> [(request_id, queue, out)]
+        for request_id, out in items:
+            target = self._queues.get(request_id)
+            if target is None:
+                continue
+            loop, queue = target
+            if isinstance(out, Exception) or out.finished:
+                del self._queues[request_id]
+            batches.setdefault(loop, []).append((request_id, queue, out))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:      # the caller's loop has closed: nobody is listening any more
+                for request_id, _, out in batch:
+                    if not isinstance(out, Exception) and not out.finished:
+                        self.engine.abort(request_id)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            idle_s = engine.config.idle_offload_s
+            if not self._inbox and not engine.has_unfinished_requests():
+                self._publish_stats(force=True)          # the picture at rest is exact
+            with self._wake:
+                while not self._inbox and not engine.has_unfinished_requests():
+                    if not self._wake.wait(timeout=idle_s) and idle_s is not None:
+                        if engine.offload_cached_blocks(idle_for_s=idle_s):   # idle conversations move out
+                            self._publish_stats(force=True)
+                inbox, self._inbox = self._inbox, deque()
+            for item in inbox:
+                if item[0] == "stop":
+                    for request_id in list(engine.requests):
+                        self._deliver(engine.abort(request_id), request_id)
+                    return
+                if item[0] == "forget":
+                    engine.forget_user(item[1])
+                    continue
+                if item[0] == "add":
+                    _, req, loop, queue = item
+                    if req.request_id in self._queues:   # a duplicate id must not take over the running stream
+                        try:
+                            loop.call_soon_threadsafe(queue.put_nowait, ValueError(
+                                f"request id {req.request_id!r} is already running"))
+                        except RuntimeError:   # that caller's loop has closed
+                            pass
+                        continue
+                    self._queues[req.request_id] = (loop, queue)
+                    try:
+                        engine.add(req)
+                    except ValueError as e:
+                        self._deliver(e, req.request_id)
+                else:
+                    out = engine.abort(item[1])
+                    if out is not None:
+                        self._deliver(out, item[1])
+            try:
+                outputs = engine.step()
+            except Exception as e:    # a bug outside the forward: fail everything in flight, keep serving
+                log.exception("engine step failed")
+                outputs = engine._fail(set(engine.requests), f"{type(e).__name__}: {e}")
+            self._deliver_many([(out.request_id, out) for out in outputs])
+            self._publish_stats()
+
+
+def _put_all(batch: list[tuple[str, asyncio.Queue, object]]) -> None:
+    """Runs on a caller's event loop: one step's outputs for the requests of that loop, in order."""
+    for _, queue, out in batch:
+        queue.put_nowait(out)

@@ -1,0 +1,210 @@
+"""The disk store: one file per KV block under a directory named by the model's root fingerprint.
+
+Layout: `<kv_store_dir>/<root hex>/<hash[:2]>/<hash hex>.kv`, one file per block: a fixed
+prefix (magic, version, header length), a JSON header (root, hash, parent, owner, token ids, dtype,
+shape, crc32 of the payload) and the raw page bytes. Files are written to a temp name and renamed,
+so a crash leaves either the whole file or none. Anything that fails to verify is a miss and is
+deleted. The index is rebuilt by scanning the directory at start; a size budget evicts the LRU.
+"""
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from chatengine.engine.kv.block_meta import BlockMeta
+
+log = logging.getLogger("chatengine.kv.disk")
+MAGIC, VERSION = b"CEKV", 1
+PREFIX = struct.Struct("<4sHI")          # magic, format version, header length
+
+
+class DiskStore:
+    def __init__(self, directory: str | Path, root: bytes, budget_bytes: int, block_shape, dtype: torch.dtype,
+                 queue_size: int = 256):
+        self.dir = Path(directory) / root.hex()
+        self.root, self.budget, self.block_shape, self.dtype = root, budget_bytes, tuple(block_shape), dtype
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.dir, 0o700)
+        self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()   # LRU: head evicted first
+        self.lock = threading.Lock()
+        self.num_dropped = self.num_write_errors = self.num_damaged = 0
+        self._scan()
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self.writer.start()
+
+    def path(self, h: bytes) -> Path:
+        return self.dir / h.hex()[:2] / f"{h.hex()}.kv"
+
+    def _scan(self) -> None:
+        found = []
+        for path in self.dir.glob("*/*.kv"):
+            try:
+                with open(path, "rb") as f:
+                    meta, _ = self._read_header(f, path)
+                found.append((path.stat().st_mtime, meta, path))
+            except (OSError, ValueError):
+                self._delete(path)
+        for _, meta, path in sorted(found, key=lambda x: x[0]):
+            self.index[meta.hash] = (path, path.stat().st_size, meta)
+        for tmp in self.dir.glob("*/.*.tmp"):   # a crash mid-write leaves only temp files behind
+            self._delete(tmp)
+
+    @property
+    def num_bytes(self) -> int:
+        # list() first: stats() reads this on other threads while the writer thread adds entries
+        return sum(size for _, size, _ in list(self.index.values()))
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.index
+
+    def meta(self, h: bytes) -> BlockMeta | None:
+        entry = self.index.get(h)
+        return entry[2] if entry else None
+
+    # ---- writing ----------------------------------------------------------------------------------
+    def write_behind(self, meta: BlockMeta, page: torch.Tensor, block: bool = False, ready=None) -> bool:
+        """Queue a write; when the queue is full, drop it (block=False) rather than stall the engine.
+        `ready`: a CUDA event that marks the (non-blocking) copy into `page` done; the writer waits on it."""
+        if meta.hash in self.index:
+            return True
+        try:
+            self.queue.put((meta, page, ready), block=block)
+            return True
+        except queue.Full:
+            self.num_dropped += 1
+            return False
+
+    def reserve(self, n: int) -> int:
+        """How many of n writes to queue now (the queue's free room); the rest count as dropped, so
+        the caller skips copying their pages off the device. Only the engine's thread queues writes."""
+        take = max(0, min(n, self.queue.maxsize - self.queue.qsize()))
+        self.num_dropped += n - take
+        return take
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            finally:
+                self.queue.task_done()
+
+    def _write(self, meta: BlockMeta, page: torch.Tensor, ready=None) -> None:
+        if meta.hash in self.index:
+            return
+        if ready is not None:
+            ready.synchronize()
+        payload = page.contiguous().view(torch.uint8).numpy().tobytes()
+        header = json.dumps({"root": self.root.hex(), "hash": meta.hash.hex(), "parent": meta.parent.hex(),
+                             "owner": meta.owner.hex(), "tokens": list(meta.token_ids),
+                             "dtype": str(self.dtype).removeprefix("torch."), "shape": list(self.block_shape),
+                             "crc32": zlib.crc32(payload)}).encode()
+        path = self.path(meta.hash)
+        tmp = path.parent / f".{path.name}.{threading.get_ident()}.tmp"
+        try:
+            path.parent.mkdir(exist_ok=True, mode=0o700)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(PREFIX.pack(MAGIC, VERSION, len(header)) + header + payload)
+            os.replace(tmp, path)
+        except OSError as e:        # e.g. a full disk: the block stays recomputable, nothing breaks
+            self.num_write_errors += 1
+            if self.num_write_errors == 1 or self.num_write_errors % 100 == 0:
+                log.warning("KV disk store write failed (%s); falling back to recompute", e)
+            self._delete(tmp)
+            return
+        with self.lock:
+            self.index[meta.hash] = (path, path.stat().st_size, meta)
+            self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        total = self.num_bytes
+        while total > self.budget and len(self.index) > 1:
+            _, (path, size, _) = self.index.popitem(last=False)
+            self._delete(path)
+            total -= size
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def _read_header(self, f, path: Path) -> tuple[BlockMeta, int]:
+        """(meta, payload crc32) of the block file `f` (opened at `path`), left at its payload."""
+        head = f.read(PREFIX.size)
+        if len(head) != PREFIX.size:
+            raise ValueError("truncated header")
+        magic, version, n = PREFIX.unpack(head)
+        if magic != MAGIC or version != VERSION:
+            raise ValueError("bad magic or version")
+        h = json.loads(f.read(n))
+        if h["root"] != self.root.hex() or h["dtype"] != str(self.dtype).removeprefix("torch.") \
+                or tuple(h["shape"]) != self.block_shape:
+            raise ValueError("block of another model, dtype or layout")
+        meta = BlockMeta(bytes.fromhex(h["hash"]), bytes.fromhex(h["parent"]), tuple(h["tokens"]),
+                         bytes.fromhex(h["owner"]))
+        if path.name != f"{meta.hash.hex()}.kv":
+            raise ValueError("file name does not match its hash")
+        return meta, h["crc32"]
+
+    def read(self, h: bytes) -> tuple[BlockMeta, torch.Tensor] | None:
+        """The block's meta and page, verified; None (and the file deleted) when anything is off."""
+        page = torch.empty(self.block_shape, dtype=self.dtype)
+        meta = self.read_into(h, page)
+        return None if meta is None else (meta, page)
+
+    def read_into(self, h: bytes, out: torch.Tensor) -> BlockMeta | None:
+        """Read the block's page straight into `out` (contiguous, the block's shape and dtype: e.g. a
+        host pool slot) and verify it: its meta, or None (the file deleted) when anything is off.
+        Safe on a reader thread."""
+        entry = self.index.get(h)
+        if entry is None:
+            return None
+        path = entry[0]
+        buf = out.view(torch.uint8).numpy().reshape(-1)          # out's bytes, written in place
+        try:
+            with open(path, "rb") as f:
+                meta, crc = self._read_header(f, path)
+                n = f.readinto(buf)
+                trailing = f.read(1)
+            if meta.hash != h or n != buf.size or trailing or zlib.crc32(buf) != crc:
+                raise ValueError("checksum or size mismatch")
+        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+            log.warning("KV block file %s is damaged (%s): dropped", path.name, e)
+            self.num_damaged += 1
+            self.drop(h)
+            return None
+        with self.lock:
+            if h in self.index:
+                self.index.move_to_end(h)
+        try:
+            os.utime(path)       # the mtime is the LRU order across restarts
+        except OSError:          # evicted by the writer's budget meanwhile: the page is read already
+            pass
+        return meta
+
+    def drop(self, h: bytes) -> None:
+        with self.lock:
+            entry = self.index.pop(h, None)
+        self._delete(entry[0] if entry else self.path(h))
+
+    @staticmethod
+    def _delete(path: Path) -> None:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    def flush(self) -> None:
+        self.queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self.queue.put(None)
+        self.writer.join(timeout=10)
