@@ -5,15 +5,13 @@ import threading
 import time
 from collections import deque
 
-from chatengine.config import EngineConfig
-from chatengine.engine.llm_engine import LLMEngine
-from chatengine.engine.tokenizer import apply_chat_template
+from chatengine.engine.facade import EngineFacade
 from chatengine.outputs import RequestOutput
 
 log = logging.getLogger("chatengine")
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFacade):
     """The engine on a background thread; many asyncio callers stream from it at once.
 
     Callers validate in their own thread (ValueError raised at once), then hand the request to the
@@ -21,7 +19,7 @@ class AsyncLLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        super().__init__(model, **kwargs)
         self._inbox: deque = deque()              # ("add", req, loop, queue) | ("abort", request_id)
         self._wake = threading.Condition()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -54,7 +52,7 @@ class AsyncLLM:
                 self._post(("abort", req.request_id))
 
     async def chat(self, messages, sampling_params=None, *, request_id=None, user=None):
-        ids = apply_chat_template(self.engine.tokenizer, messages)
+        ids = self.apply_chat_template(messages)
         async for out in self.generate(ids, sampling_params, request_id=request_id, user=user):
             yield out
 
@@ -62,27 +60,9 @@ class AsyncLLM:
         self._post(("abort", request_id))
 
     @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return set(self.engine.eos_token_ids)
-
-    @property
-    def max_n(self) -> int:
-        return self.engine.config.max_n
-
-    @property
     def is_running(self) -> bool:
         """True while the engine loop is alive and accepting requests."""
         return not self._stopped and self._thread.is_alive()
-
-    def get_tokenizer(self):
-        return self.engine.tokenizer
-
-    def register_persona(self, name: str, system_prompt: str) -> None:
-        self.engine.register_persona(name, system_prompt)
 
     def stats(self) -> dict:
         """A snapshot the engine thread publishes (at most every 0.2 s): safe from any thread."""

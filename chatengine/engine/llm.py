@@ -1,8 +1,6 @@
 """LLM: the synchronous facade; generate / chat block until every request has finished."""
-from chatengine.config import EngineConfig
-from chatengine.engine.llm_engine import LLMEngine
+from chatengine.engine.facade import EngineFacade
 from chatengine.engine.request import Request
-from chatengine.engine.tokenizer import apply_chat_template
 from chatengine.outputs import RequestOutput
 
 
@@ -17,11 +15,8 @@ def _normalize_prompts(prompts) -> list:
     raise ValueError(f"prompts must be a string, a list of strings or token-id lists, got {type(prompts).__name__}")
 
 
-class LLM:
+class LLM(EngineFacade):
     """Synchronous facade: generate / chat block until every request has finished."""
-
-    def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     def generate(self, prompts, sampling_params=None, *, user: str | None = None) -> list[RequestOutput]:
         prompts = _normalize_prompts(prompts)
@@ -37,7 +32,7 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or of such lists)")
         conversations = [messages] if not isinstance(messages[0], list) else messages
         tok = self.engine.tokenizer
-        ids = [apply_chat_template(tok, conv) for conv in conversations]
+        ids = [self.apply_chat_template(conv) for conv in conversations]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
         reqs = [self.engine.make_request(p, sp, user=user) for p, sp in zip(ids, params)]
         for req in reqs:
@@ -60,15 +55,6 @@ class LLM:
                 engine.abort(req.request_id)
             raise
         return [final[req.request_id] for req in reqs]
-
-    def get_tokenizer(self):
-        return self.engine.tokenizer
-
-    def register_persona(self, name: str, system_prompt: str) -> None:
-        self.engine.register_persona(name, system_prompt)
-
-    def stats(self) -> dict:
-        return self.engine.stats()
 
     def forget_user(self, user: str) -> int:
         return self.engine.forget_user(user)

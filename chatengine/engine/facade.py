@@ -1,0 +1,69 @@
+"""What LLM and AsyncLLM both offer besides generating: the model's limits, its tokenizer, checks.
+
+This is the door the app comes through: everything here is safe to call from any thread (it reads
+settings fixed at start, or validates without touching engine state).
+"""
+from chatengine.config import EngineConfig
+from chatengine.engine.llm_engine import LLMEngine
+from chatengine.engine.tokenizer import apply_chat_template, encode
+from chatengine.sampling_params import SamplingParams
+
+
+class EngineFacade:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    # ---- the model and its limits ---------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens of one sequence."""
+        return self.engine.max_model_len
+
+    @property
+    def max_n(self) -> int:
+        return self.engine.config.max_n
+
+    @property
+    def max_tokens_limit(self) -> int:
+        """The largest max_tokens a request may ask for."""
+        return self.engine.config.max_tokens_limit or self.engine.max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the device KV pool holds at once: no single sequence can grow past it."""
+        return self.engine.block_manager.num_blocks * self.engine.config.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.engine.eos_token_ids)
+
+    # ---- text -----------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added)."""
+        return encode(self.engine.tokenizer, text)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of one conversation rendered with the model's chat template."""
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt)
+
+    def check_request(self, prompt, sampling_params: SamplingParams | None = None, *, user: str | None = None) -> None:
+        """Raise the ValueError that generate() would raise for this request, without running it."""
+        self.engine.make_request(prompt, sampling_params, user=user)
+
+    # ---- personas and figures -------------------------------------------------------------------
+    def register_persona(self, name: str, system_prompt: str) -> None:
+        self.engine.register_persona(name, system_prompt)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
