@@ -1,5 +1,5 @@
-"""Shared fixtures: the default model loaded once per session, tiny random models, and a check
-that every test leaves all KV blocks free."""
+"""Shared fixtures: the default model loaded once per session, tiny random models, a check that
+every test leaves all KV blocks free, and real servers on loopback."""
 import os
 
 import pytest
@@ -51,3 +51,20 @@ def blocks_drain(request):
             used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
             assert used == 0, f"{name}: {used} KV blocks still in use after the test"
             engine.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def serve():
+    """Starts ASGI apps under uvicorn on 127.0.0.1, each in a thread of this process: ``serve(app).url``.
+    They stop when the module's tests are done."""
+    pytest.importorskip("uvicorn")
+    from chatengine.app.server import ServerThread
+    servers = []
+
+    def start(app) -> ServerThread:
+        servers.append(ServerThread(app))
+        return servers[-1]
+
+    yield start
+    for server in reversed(servers):
+        server.stop()

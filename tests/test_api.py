@@ -2,16 +2,14 @@
 uvicorn servers on loopback. One engine for the module; three apps on it: multi-user (API keys),
 local single-user mode, and a rate-limited one."""
 import json
-import socket
-import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
 
 from chatengine import AsyncLLM  # noqa: E402
 from chatengine.app.api.routes import build_api  # noqa: E402
@@ -22,26 +20,13 @@ USERS = {"alice": {"password": "pw-a", "api_key": "sk-alice"},
          "carol": {"api_key": "sk-carol"}}
 
 
-class Server:
-    def __init__(self, app):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
+@dataclass
+class API:
+    """A served app (see the `serve` fixture) and openai clients for it."""
+    url: str
 
     def client(self, key="sk-none", **kw):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60, **kw)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +37,10 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def servers(engine):
-    made = {"multi": Server(build_api(engine, USERS, model_name=MODEL)),
-            "local": Server(build_api(engine, None, model_name=MODEL)),
-            "limited": Server(build_api(engine, USERS, model_name=MODEL, rate_limit_per_minute=2))}
-    yield made
-    for s in made.values():
-        s.stop()
+def servers(engine, serve):
+    return {"multi": API(serve(build_api(engine, USERS, model_name=MODEL)).url),
+            "local": API(serve(build_api(engine, None, model_name=MODEL)).url),
+            "limited": API(serve(build_api(engine, USERS, model_name=MODEL, rate_limit_per_minute=2)).url)}
 
 
 @pytest.fixture

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Self
+
+from chatengine.app import auth
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no outbound calls from Gradio
 
@@ -22,109 +27,112 @@ log = logging.getLogger("chatengine.server")
 
 DB_FILE = "chat.db"
 KV_DIR = "kv"
-
-
-def _auth_module():
-    try:
-        from chatengine.app import auth
-        return auth
-    except ImportError:          # not written yet: no users-file login
-        return None
-
-
-def _api_builder():
-    try:
-        from chatengine.app.api.routes import build_api
-        return build_api
-    except ImportError:
-        return None
+# command-line flags that are engine settings of the same name
+ENGINE_FLAGS = ("device", "dtype", "kv_cache_gib", "gpu_memory_utilization", "max_num_seqs",
+                "max_num_batched_tokens", "max_model_len")
 
 
 def engine_kwargs(data_dir: str | os.PathLike | None, *, disk_kv: bool = True, **kwargs) -> dict:
-    """EngineConfig keyword arguments, with data_dir / kv_store_dir only where the engine knows
-    them; None values are left out (engine defaults)."""
-    from chatengine.config import EngineConfig
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    out = {k: v for k, v in kwargs.items() if v is not None and k in names}
+    """AsyncLLM keyword arguments: `kwargs` without its None values (engine defaults), and the data
+    directory's server secret and (with disk_kv) its disk tier of the KV cache."""
+    out = {k: v for k, v in kwargs.items() if v is not None}
     if data_dir is not None:
-        if "data_dir" in names:
-            out["data_dir"] = os.fspath(data_dir)
-        if disk_kv and "kv_store_dir" in names:
+        out["data_dir"] = os.fspath(data_dir)
+        if disk_kv:
             out["kv_store_dir"] = os.fspath(Path(data_dir) / KV_DIR)
     return out
 
 
-def create_app(*, data_dir: str | os.PathLike = "data", users: dict | None = None,
-               users_file: str | os.PathLike | None = None, engine=None, model: str | None = None,
-               engine_options: dict | None = None, personas: dict | None = None,
+def create_app(*, data_dir: str | os.PathLike = "data", users_file: str | os.PathLike | None = None,
+               engine=None, model: str | None = None, engine_options: dict | None = None,
                title: str = "chatengine", max_n: int = 4, disk_kv: bool = True):
     """Build the ASGI app (FastAPI with the API routes and the Gradio UI mounted at "/").
 
-    ``engine``: an AsyncLLM to use (tests share one); otherwise one is built from ``model`` and
-    ``engine_options``. ``users``: the dict of ``auth.load_users`` (or ``users_file`` to load);
-    None = a single local user without login. The pieces are in ``app.state.chat`` (engine,
-    store, service, demo) for shutdown and tests.
+    ``engine``: an AsyncLLM to use (tests share one; it stays up at close_app); otherwise one is built
+    from ``model`` and ``engine_options``. ``users_file``: see ``auth.load_users``; None = a single
+    local user without login. ``app.state.chat`` holds the engine and the store.
     """
     import gradio as gr
-    from fastapi import FastAPI
 
-    from chatengine.app.chat import ChatService
     from chatengine import AsyncLLM
-    from chatengine.personas import load_personas
-    from chatengine.app.store import ChatStore
+    from chatengine.app.api.routes import build_api
+    from chatengine.app.chat import ChatService
     from chatengine.app.ui.layout import CSS, build_ui, theme
+    from chatengine.personas import load_personas
 
     data = Path(data_dir)
     data.mkdir(parents=True, exist_ok=True)
-    auth = _auth_module()
-    if users is None and users_file is not None:
-        if auth is None:
-            raise SystemExit("--users needs chatengine.app.auth, which is not available in this build")
-        users = auth.load_users(users_file)
-    if users is not None and auth is None:
-        raise SystemExit("login needs chatengine.app.auth, which is not available in this build")
-
+    users = auth.load_users(users_file) if users_file is not None else None
     own_engine = engine is None
     if own_engine:
         engine = AsyncLLM(model, **engine_kwargs(data, disk_kv=disk_kv, **(engine_options or {})))
-    store = ChatStore(data / DB_FILE)
-    interrupted = store.recover_interrupted()
-    if interrupted:
-        log.info("marked %d replies interrupted by the last shutdown", interrupted)
-    personas = load_personas() if personas is None else personas
-    service = ChatService(engine, store, personas)
-
-    build_api = _api_builder()
-    model_name = getattr(getattr(engine, "engine", None), "model_id", None) or model or "chatengine"
-    if build_api is not None:
-        app = build_api(engine, users, model_name=str(model_name))
-    else:
-        log.warning("chatengine.app.api.routes is not available: serving the UI without the /v1 API")
-        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-
+    store = _open_store(data / DB_FILE)
+    service = ChatService(engine, store, load_personas())
+    app = build_api(engine, users, model_name=str(engine.model_id))
     demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n)
-    async def check_login(username: str, password: str) -> bool:
-        # a hashed password costs ~0.5 s of PBKDF2: off the event loop that streams replies
-        return await asyncio.to_thread(auth.verify_password, users, username, password)
-
-    login = check_login if users is not None else None
+    login = _login_check(users) if users is not None else None
     app = gr.mount_gradio_app(app, demo, path="/", auth=login,
                               auth_message="Sign in to chatengine" if login else None,
                               theme=theme(), css=CSS, ssr_mode=False, footer_links=["settings"],
                               show_error=True)
-    app.state.chat = SimpleNamespace(engine=engine, store=store, service=service, demo=demo,
-                                     own_engine=own_engine)
+    app.state.chat = SimpleNamespace(engine=engine, store=store, own_engine=own_engine)
     return app
 
 
+def _open_store(path: Path):
+    from chatengine.app.store import ChatStore
+    store = ChatStore(path)
+    interrupted = store.recover_interrupted()
+    if interrupted:
+        log.info("marked %d replies interrupted by the last shutdown", interrupted)
+    return store
+
+
+def _login_check(users: dict):
+    async def check_login(username: str, password: str) -> bool:
+        # a hashed password costs ~0.5 s of PBKDF2: off the event loop that streams replies
+        return await asyncio.to_thread(auth.verify_password, users, username, password)
+    return check_login
+
+
 def close_app(app) -> None:
-    """Shut the engine down (flushing its KV store) and close the database."""
-    chat = getattr(app.state, "chat", None)
-    if chat is None:
-        return
+    """Shut the engine down (flushing its KV store) unless it was given to create_app; close the database."""
+    chat = app.state.chat
     if chat.own_engine:
         chat.engine.shutdown()
     chat.store.close()
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1 (an ephemeral port) in a daemon thread of this process: for
+    tests and benchmarks that drive a real server and look at its engine and store meanwhile."""
+
+    def __init__(self, app, *, startup_timeout: float = 60.0):
+        import uvicorn
+        self.app = app
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + startup_timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                self.stop()
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self._sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -182,14 +190,10 @@ def main(argv=None) -> None:
     if args.users is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --users: anyone who can reach it is the local user", args.host)
     import uvicorn
+    engine_options = {name: getattr(args, name) for name in ENGINE_FLAGS}
     try:
-        app = create_app(
-            data_dir=args.data_dir, users_file=args.users, model=args.model, title=args.title,
-            max_n=args.max_alternatives, disk_kv=not args.no_disk_kv,
-            engine_options=dict(device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                                gpu_memory_utilization=args.gpu_memory_utilization,
-                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                max_model_len=args.max_model_len))
+        app = create_app(data_dir=args.data_dir, users_file=args.users, model=args.model, title=args.title,
+                         max_n=args.max_alternatives, disk_kv=not args.no_disk_kv, engine_options=engine_options)
     except ValueError as e:           # a bad flag value, users file or model path
         sys.exit(f"error: {e}")
     print(f"chatengine: open http://{args.host}:{args.port}/  (API at /v1)", flush=True)
