@@ -40,11 +40,9 @@ import json
 import os
 import platform
 import random
-import socket
 import sqlite3
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -120,28 +118,17 @@ class InProcessServer:
     """AsyncLLM + the /v1 API under uvicorn on 127.0.0.1 (an ephemeral port) in a thread."""
 
     def __init__(self, num_users: int, model: str | None, engine_options: dict):
-        import uvicorn
-
         from chatengine import AsyncLLM
         from chatengine.app.api.routes import build_api
+        from chatengine.app.server import ServerThread
         self.kv_dir = tempfile.TemporaryDirectory(prefix="load-test-kv-") if engine_options.pop("disk_kv") else None
         if self.kv_dir is not None:
             engine_options["kv_store_dir"] = self.kv_dir.name
         self.engine = AsyncLLM(model, **engine_options)
         self.keys = [f"sk-load-user-{i}" for i in range(num_users)]
         users = {f"user{i}": {"api_key": key} for i, key in enumerate(self.keys)}
-        app = build_api(self.engine, users, model_name=str(self.engine.engine.model_id))
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
+        self.server = ServerThread(build_api(self.engine, users, model_name=str(self.engine.model_id)))
+        self.url = self.server.url
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -159,8 +146,7 @@ class InProcessServer:
         return False, self.stats()
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
+        self.server.stop()
         self.engine.shutdown()
         if self.kv_dir is not None:
             self.kv_dir.cleanup()
@@ -490,7 +476,7 @@ def run(argv=None) -> dict:
                 kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
                 debug_checks=args.debug_checks or args.quick, disk_kv=not args.no_disk_kv))
             url, keys = server.url, server.keys
-            model = str(server.engine.engine.model_id)
+            model = str(server.engine.model_id)
             before = server.stats()
             device = before["device"]
         test = LoadTest(url, keys, s, model)
