@@ -12,6 +12,14 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from chatengine import AsyncLLM  # noqa: E402
+from chatengine.app.api.protocol import (  # noqa: E402
+    APIError,
+    ChatMessage,
+    Limits,
+    StreamOptions,
+    parse_request,
+    sampling_params,
+)
 from chatengine.app.api.routes import build_api  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -200,6 +208,40 @@ def test_stream_with_openai_client_reassembles(local):
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0     # the same prompt just ran
+
+
+# ---- the protocol without HTTP ------------------------------------------------------------------
+LIMITS = Limits(max_n=4, max_tokens=100, max_model_len=128, kv_capacity_tokens=96)
+
+
+def test_parse_request_builds_the_request_model():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    req = parse_request("chat", {"messages": [{"role": "developer", "content": parts}], "max_tokens": 5,
+                                 "max_completion_tokens": 3, "top_k": -1, "stream": True,
+                                 "stream_options": {"include_usage": True}, "unknown": 1}, LIMITS)
+    assert req.messages == [ChatMessage(role="system", content="a\nb")] and req.prompt is None
+    assert req.stream == StreamOptions(stream=True, include_usage=True)
+    params = sampling_params(req.sampling, 10, LIMITS)
+    assert params.max_tokens == 3 and params.top_k == 0 and params.n == 1
+    # without max_tokens: the room left in the context, the engine's limit and the KV pool, whichever is least
+    req = parse_request("completion", {"prompt": [[1, 2]], "n": 2.0}, LIMITS)
+    assert req.prompt == [1, 2] and req.sampling.n == 2
+    assert sampling_params(req.sampling, 40, LIMITS).max_tokens == 56
+    assert sampling_params(req.sampling, 40, Limits(4, 100, 128, 96, default_max_tokens=8)).max_tokens == 8
+
+
+@pytest.mark.parametrize("kind,body,param", [
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 101}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("completion", {"prompt": [1, True]}, "prompt"),
+])
+def test_parse_request_names_the_bad_field(kind, body, param):
+    with pytest.raises(APIError) as e:
+        parse_request(kind, body, LIMITS)
+    assert e.value.status == 400 and e.value.param == param and param in e.value.message
 
 
 # ---- auth and rate limit ------------------------------------------------------------------------

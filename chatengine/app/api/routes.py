@@ -197,7 +197,7 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     else:
         message = str(e.detail)
     return JSONResponse(error_body(message, code="not_found" if e.status_code == 404 else None),
-                        status_code=e.status_code, headers=getattr(e, "headers", None))
+                        status_code=e.status_code, headers=e.headers)
 
 
 async def _internal_error(request: Request, e: Exception) -> JSONResponse:
