@@ -1,8 +1,6 @@
 """The Gradio UI through gradio_client against a real server on loopback (one per module):
 login, streaming, stop, regenerate, two users isolated."""
 import json
-import socket
-import threading
 import time
 
 import pytest
@@ -13,7 +11,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from gradio_client import Client  # noqa: E402
 
-from chatengine.app.server import close_app, create_app  # noqa: E402
+from chatengine.app.server import ServerThread, close_app, create_app  # noqa: E402
 
 USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"},
          "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
@@ -21,36 +19,6 @@ USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"},
 SHORT = ("assistant", 0, 1, 8, -1, 1)
 LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."
 LONG = ("assistant", 0, 1, 400, -1, 1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    """uvicorn in a background thread of this process (the test can look at the store)."""
-
-    def __init__(self, app, port):
-        self.app, self.url = app, f"http://127.0.0.1:{port}/"
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            assert self.thread.is_alive(), "server thread died"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +29,7 @@ def server(tmp_path_factory):
     users_file.write_text(json.dumps(USERS))
     app = create_app(data_dir=data, users_file=users_file,
                      engine_options=dict(kv_cache_gib=0.25, max_num_batched_tokens=512))
-    with ServerThread(app, free_port()) as srv:
+    with ServerThread(app) as srv:
         yield srv
     close_app(app)
 
@@ -269,7 +237,7 @@ def test_local_mode_without_login(server, tmp_path):
     """Without a users file: one local user and no login page (the engine is shared here)."""
     engine = server.app.state.chat.engine
     app = create_app(data_dir=tmp_path, engine=engine)
-    with ServerThread(app, free_port()) as local:
+    with ServerThread(app) as local:
         c = Client(local.url, verbose=False, analytics_enabled=False)
         try:
             out = send(c, "hello")
