@@ -15,7 +15,9 @@ from starlette.requests import Request
 
 from chatengine import SamplingParams
 
-ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+Kind = Literal["chat", "completion"]          # the two routes: /v1/chat/completions, /v1/completions
+Role = Literal["system", "user", "assistant"]
+ROLE_ALIASES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 
@@ -41,8 +43,8 @@ class _Model(BaseModel):
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "user", "assistant"]     # "developer" arrives as "system"
-    content: str                                     # text parts arrive joined by newlines
+    role: Role                      # "developer" arrives as "system"
+    content: str                    # text parts arrive joined by newlines
 
 
 class StreamOptions(_Model):
@@ -66,7 +68,7 @@ class Sampling(_Model):
 
 class CompletionRequest(_Model):
     """One request of either route: `messages` for chat, `prompt` (text or token ids) for completions."""
-    kind: Literal["chat", "completion"]
+    kind: Kind
     messages: list[ChatMessage] | None = None
     prompt: str | list[int] | None = None
     stream: StreamOptions = StreamOptions()
@@ -88,7 +90,7 @@ class Limits:
                    default_max_tokens)
 
 
-def parse_request(kind: str, body: dict, limits: Limits) -> CompletionRequest:
+def parse_request(kind: Kind, body: dict, limits: Limits) -> CompletionRequest:
     """The request model of a JSON body, or the APIError (400) of its first bad field."""
     chat = kind == "chat"
     reject_unsupported(body, chat=chat)

@@ -40,6 +40,7 @@ from chatengine.app.api.access import Access
 from chatengine.app.api.protocol import (
     APIError,
     CompletionRequest,
+    Kind,
     Limits,
     error_body,
     parse_request,
@@ -78,7 +79,7 @@ class OpenAIService:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "chatengine",
                 "max_model_len": self.limits.max_model_len}
 
-    def prepare(self, kind: str, body: dict, user: str | None) -> tuple[CompletionRequest, Job]:
+    def prepare(self, kind: Kind, body: dict, user: str | None) -> tuple[CompletionRequest, Job]:
         """Validate, tokenize and check with the engine (run in a worker thread: long prompts must not
         block other streams)."""
         req = parse_request(kind, body, self.limits)
@@ -105,14 +106,14 @@ class OpenAIService:
             except Exception as e:  # noqa: BLE001 - e.g. jinja2 TemplateError: "roles must alternate user/assistant"
                 raise APIError(400, f"the model's chat template rejected these messages: {e}",
                                param="messages") from None
-        if not isinstance(req.prompt, str):
-            return list(req.prompt)
-        try:
-            return self.engine.encode(req.prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+        if isinstance(req.prompt, str):
+            try:
+                return self.engine.encode(req.prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from None
+        return list(req.prompt or ())
 
-    async def complete(self, kind: str, request: Request) -> Response:
+    async def complete(self, kind: Kind, request: Request) -> Response:
         """One chat or text completion, whole or streamed."""
         user = self.access.authenticate(request)
         self.access.rate_limit(user)
@@ -219,11 +220,10 @@ def build_api(engine: AsyncLLM, users: dict | None, *, model_name: str, max_body
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("model_name must be a non-empty string")
     access = Access(users, rate_limit_per_minute)
-    app = FastAPI(title="chatengine OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="chatengine OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  exception_handlers={APIError: _api_error, StarletteHTTPException: _http_error,
+                                      Exception: _internal_error})
     app.state.api = OpenAIService(engine, access, model_name=model_name, max_body_bytes=max_body_bytes,
                                   default_max_tokens=default_max_tokens)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
     return app

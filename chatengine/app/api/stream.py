@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from chatengine import AsyncLLM, RequestOutput, SamplingParams
-from chatengine.app.api.protocol import APIError
+from chatengine.app.api.protocol import APIError, Kind
 
 log = logging.getLogger("chatengine.api")
 
@@ -29,7 +29,7 @@ class ClientDisconnected(Exception):
 @dataclass(frozen=True)
 class Job:
     """A validated, tokenized request on its way to the engine."""
-    kind: str                 # "chat" | "completion"
+    kind: Kind
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
