@@ -10,6 +10,7 @@ Lookups go host -> disk; a disk hit is read and verified into a host slot on a r
 without stalling the engine (the request waits, the others run), so a restore copies from host
 memory only. Entries a pending restore needs are pinned: never evicted until the copy is done.
 """
+import logging
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -18,6 +19,7 @@ import torch
 from chatengine.engine.kv.block_meta import BlockMeta
 from chatengine.engine.kv.disk_store import DiskStore
 
+log = logging.getLogger("chatengine.kv.tiers")
 READERS = 4                              # disk reads in parallel (file reads and crc32 release the GIL)
 
 
