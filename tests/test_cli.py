@@ -82,11 +82,10 @@ def test_chat_history_drops_oldest_turns_to_fit():
 
     from chatengine.app.cli import _fit
 
-    class Tok:      # one token per character of content
-        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-            return [1] * sum(len(m["content"]) for m in messages)
+    def one_token_per_character(messages):
+        return [1] * sum(len(m["content"]) for m in messages)
 
-    engine = SimpleNamespace(tokenizer=Tok(), max_model_len=100)
+    engine = SimpleNamespace(apply_chat_template=one_token_per_character, max_model_len=100)
     base = [{"role": "system", "content": "s" * 10}]
     history = [{"role": "user", "content": "a" * 30}, {"role": "assistant", "content": "b" * 30},
                {"role": "user", "content": "c" * 20}]

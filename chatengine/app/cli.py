@@ -1,6 +1,7 @@
 """The `chatengine` command: `serve` (the web UI and the OpenAI-compatible API), `chat` (a terminal
 chat on the engine, streaming) and `bench` (the scripts in benchmarks/)."""
 import argparse
+import asyncio
 import os
 import subprocess
 import sys
@@ -154,54 +155,46 @@ def chat(args) -> int:
     else:
         system = args.system
 
-    from chatengine import LLM, SamplingParams
+    from chatengine import AsyncLLM, SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                            seed=args.seed)
-    interactive = sys.stdin.isatty()
     print("loading the model...", file=sys.stderr, flush=True)
     try:
-        llm = LLM(args.model, device=args.device, kv_cache_gib=args.kv_cache_gib)
-        engine = llm.engine
-        params.validate(engine.config.max_n, engine.config.max_tokens_limit or engine.max_model_len)
+        engine = AsyncLLM(args.model, device=args.device, kv_cache_gib=args.kv_cache_gib)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                seed=args.seed)
+        params.validate(engine.max_n, engine.max_tokens_limit)
     except (ValueError, OSError) as e:
         print(f"chatengine chat: {e}", file=sys.stderr)
         return 2
-    if engine.tokenizer is None:
-        print("chatengine chat: this model has no tokenizer (dummy weights); chat needs real weights",
-              file=sys.stderr)
-        return 2
-    print(f"{engine.model_id} on {engine.runner.device}. {CHAT_HELP}", file=sys.stderr, flush=True)
+    try:
+        if engine.get_tokenizer() is None:
+            print("chatengine chat: this model has no tokenizer (dummy weights); chat needs real weights",
+                  file=sys.stderr)
+            return 2
+        print(f"{engine.model_id} on {engine.stats()['device']}. {CHAT_HELP}", file=sys.stderr, flush=True)
+        _converse(engine, system, params)
+    finally:
+        engine.shutdown()
+    return 0
 
+
+def _converse(engine, system: str | None, params) -> None:
+    """The read-answer loop until /quit or end of input."""
+    interactive = sys.stdin.isatty()
     base = [{"role": "system", "content": system}] if system else []
     history: list[dict] = []
     while True:
         try:
             line = input("you> " if interactive else "")
-        except EOFError:
-            break
-        except KeyboardInterrupt:
-            print(file=sys.stderr)
-            break
-        text = line.strip()
-        if not text:
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                print(file=sys.stderr)
+            return
+        text = _command(line.strip(), history)
+        if text is None:
             continue
-        if text.startswith("/"):
-            command = text.split()[0].lower()
-            if command in ("/quit", "/exit"):
-                break
-            if command == "/reset":
-                history.clear()
-                print("(conversation cleared)", file=sys.stderr, flush=True)
-                continue
-            if command == "/help":
-                print(CHAT_HELP, file=sys.stderr, flush=True)
-                continue
-            if not text.startswith("//"):
-                print(f"unknown command {command}; try /help (start with // to send a message beginning "
-                      "with /)", file=sys.stderr, flush=True)
-                continue
-            text = text[1:]
+        if text is _QUIT:
+            return
         history.append({"role": "user", "content": text})
         try:
             ids = _fit(engine, base, history, params.max_tokens)
@@ -214,16 +207,37 @@ def chat(args) -> int:
             history.pop()
         else:
             history.append({"role": "assistant", "content": reply})
-    llm.shutdown()
-    return 0
+
+
+_QUIT = object()
+
+
+def _command(text: str, history: list[dict]):
+    """A line typed at the prompt: the message to send, None (nothing to send) or _QUIT."""
+    if not text:
+        return None
+    if not text.startswith("/"):
+        return text
+    command = text.split()[0].lower()
+    if command in ("/quit", "/exit"):
+        return _QUIT
+    if command == "/reset":
+        history.clear()
+        print("(conversation cleared)", file=sys.stderr, flush=True)
+    elif command == "/help":
+        print(CHAT_HELP, file=sys.stderr, flush=True)
+    elif text.startswith("//"):
+        return text[1:]
+    else:
+        print(f"unknown command {command}; try /help (start with // to send a message beginning with /)",
+              file=sys.stderr, flush=True)
+    return None
 
 
 def _fit(engine, base, history, max_tokens) -> list[int]:
     """Token ids of the conversation; drops the oldest turns while it does not fit the context."""
-    from chatengine.engine.tokenizer import apply_chat_template
-
     while True:
-        ids = apply_chat_template(engine.tokenizer, base + history)
+        ids = engine.apply_chat_template(base + history)
         room = engine.max_model_len - len(ids)
         if room >= min(max_tokens, 64) or len(history) <= 1:
             if room < 1:
@@ -235,37 +249,33 @@ def _fit(engine, base, history, max_tokens) -> list[int]:
 
 
 def _stream_answer(engine, ids, params, interactive) -> str | None:
+    """Print the reply as it streams; Ctrl-C stops it (what was written is kept). None: refused."""
+    out = sys.stdout
+    state = {"text": "", "sent": 0}
+
+    async def stream() -> None:
+        async for o in engine.generate(ids, params):
+            state["text"] = o.outputs[0].text
+            out.write(state["text"][state["sent"]:])
+            out.flush()
+            state["sent"] = len(state["text"])
+            if o.finished and o.error:
+                print(f"\nerror: the engine failed: {o.error}", file=sys.stderr)
+
     try:
-        request_id = engine.add_request(ids, params)
+        engine.check_request(ids, params)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return None
-    out = sys.stdout
     if interactive:
         out.write("assistant> ")
-    sent, text = 0, ""
     try:
-        done = False
-        while not done:
-            for o in engine.step():
-                if o.request_id != request_id:
-                    continue
-                text = o.outputs[0].text
-                out.write(text[sent:])
-                out.flush()
-                sent = len(text)
-                if o.finished:
-                    done = True
-                    if o.error:
-                        print(f"\nerror: the engine failed: {o.error}", file=sys.stderr)
-            if not done and not engine.has_unfinished_requests():
-                break
+        asyncio.run(stream())        # closing the stream on Ctrl-C aborts the request in the engine
     except KeyboardInterrupt:
-        engine.abort(request_id)
         out.write(" [stopped]")
     out.write("\n")
     out.flush()
-    return text
+    return state["text"]
 
 
 if __name__ == "__main__":
