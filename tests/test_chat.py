@@ -9,7 +9,6 @@ from chatengine import AsyncLLM
 from chatengine.app.chat import ChatService, TurnTemplate
 from chatengine.personas import load_personas
 from chatengine.app.store import ChatStore, NotFound
-from chatengine.engine.tokenizer import apply_chat_template
 
 GREEDY = dict(temperature=0, max_tokens=6)
 
@@ -18,7 +17,10 @@ class SpyEngine:
     """Delegates to an AsyncLLM and records every request (prompt ids, params, user)."""
 
     def __init__(self, engine):
-        self.inner, self.engine, self.calls = engine, engine.engine, []
+        self.inner, self.calls = engine, []
+
+    def __getattr__(self, name):      # the rest of the public API: as the engine has it
+        return getattr(self.inner, name)
 
     def generate(self, prompt, params, *, request_id=None, user=None):
         self.calls.append(dict(prompt=list(prompt), params=params, user=user, request_id=request_id))
@@ -27,11 +29,6 @@ class SpyEngine:
     async def abort(self, request_id):
         await self.inner.abort(request_id)
 
-    def get_tokenizer(self):
-        return self.inner.get_tokenizer()
-
-    def stats(self):
-        return self.inner.stats()
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +67,11 @@ def run(agen_factory):
 def test_turn_template_matches_full_rendering(svc):
     tpl = svc.template
     assert tpl.incremental, "SmolLM2's ChatML template must concatenate turn by turn"
-    tok = svc.tokenizer
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <there> & `x`"},
             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again?"}]
     ids = tpl.system_ids("Be brief.") + tpl.user_ids(msgs[1]["content"]) + \
         tpl.assistant_ids_from_text("Hello!") + tpl.user_ids("Again?")
-    assert ids == apply_chat_template(tok, msgs)
+    assert ids == svc.engine.apply_chat_template(msgs)
     # generated ids that end with the end-of-turn token get only the newline after it
     end = tpl.close_ids[0]
     assert tpl.assistant_ids([5, 6, end]) == [5, 6] + tpl.close_ids
@@ -103,7 +99,7 @@ def test_token_ids_continuity_across_turns(svc):
     # continuation of it (same text; the reply's ids are the sampled ones)
     persona = svc.personas["assistant"].system_prompt
     texts = [{"role": "system", "content": persona}, {"role": "user", "content": "What is 2+2?"}]
-    assert p1 == apply_chat_template(svc.tokenizer, texts)
+    assert p1 == svc.engine.apply_chat_template(texts)
     texts += [{"role": "assistant", "content": path[2]["content"]}, {"role": "user", "content": "And 3+3?"}]
     rendered = svc.tokenizer.apply_chat_template(texts, tokenize=False, add_generation_prompt=True)
     assert svc.tokenizer.decode(p2) == rendered
@@ -296,4 +292,10 @@ def test_template_fallback_renders_full_text():
         def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
             raise RuntimeError("no template")
 
-    assert TurnTemplate(Odd()).incremental is False
+    class OddEngine:
+        eos_token_ids: set[int] = set()
+
+        def get_tokenizer(self):
+            return Odd()
+
+    assert TurnTemplate(OddEngine()).incremental is False

@@ -41,7 +41,6 @@ from dataclasses import asdict, dataclass, field
 
 from chatengine.sampling_params import SamplingParams
 from chatengine.app.store import ChatStore, NotFound
-from chatengine.engine.tokenizer import apply_chat_template, encode
 
 __all__ = ["ChatService", "ChatSettings", "ReplyUpdate", "TurnTemplate", "NotFound"]
 
@@ -111,11 +110,13 @@ class TurnTemplate:
 
     MARK = "\u2063@@chatengine-content@@\u2063"
 
-    def __init__(self, tokenizer, eos_token_ids=()):
-        self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids)
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            self.eos_token_ids.add(tokenizer.eos_token_id)
+    def __init__(self, engine):
+        """engine: LLM or AsyncLLM (its tokenizer, encode and apply_chat_template)."""
+        self.engine = engine
+        self.tokenizer = engine.get_tokenizer()
+        self.eos_token_ids = set(engine.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         try:
             self._derive()
             self.incremental = self._check()
@@ -155,7 +156,7 @@ class TurnTemplate:
         self.close_ids = self.encode(a_after)
 
     def encode(self, text: str) -> list[int]:
-        return encode(self.tokenizer, text)
+        return self.engine.encode(text)
 
     def _check(self) -> bool:
         sample = [("system", "You are a test persona."), ("user", "Hi there! <b>x</b>"),
@@ -165,8 +166,9 @@ class TurnTemplate:
         ids += self.user_ids(sample[1][1])
         ids += self.assistant_ids_from_text(sample[2][1])
         ids += self.user_ids(sample[3][1])
-        ok = ids == apply_chat_template(self.tokenizer, msgs)
-        first = self.first_user_ids("Hello") == apply_chat_template(self.tokenizer, [{"role": "user", "content": "Hello"}])
+        ok = ids == self.engine.apply_chat_template(msgs)
+        hello = [{"role": "user", "content": "Hello"}]
+        first = self.first_user_ids("Hello") == self.engine.apply_chat_template(hello)
         return ok and first
 
     # the pieces ---------------------------------------------------------------------------------
@@ -215,9 +217,8 @@ class ChatService:
             default_persona = next(iter(self.personas), None)
         self.default_persona = default_persona
         self.tokenizer = engine.get_tokenizer()
-        inner = getattr(engine, "engine", None)
-        self.max_model_len = getattr(inner, "max_model_len", None)
-        self.template = TurnTemplate(self.tokenizer, getattr(inner, "eos_token_ids", ()))
+        self.max_model_len = engine.max_model_len
+        self.template = TurnTemplate(engine)
         self._active: dict[tuple[str, str], dict[str, _Turn]] = {}
 
     # ---- conversations --------------------------------------------------------------------------
@@ -347,12 +348,8 @@ class ChatService:
         s = ChatSettings.from_any(settings)
         # validate now, before anything is written
         SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                       seed=s.seed).validate(self._max_n(), self.max_model_len or 1 << 30)
+                       seed=s.seed).validate(self.engine.max_n, self.engine.max_tokens_limit)
         return s
-
-    def _max_n(self) -> int:
-        cfg = getattr(getattr(self.engine, "engine", None), "config", None)
-        return getattr(cfg, "max_n", 16)
 
     def _check_length(self, prompt: list[int], s: ChatSettings) -> None:
         if self.max_model_len and len(prompt) >= self.max_model_len:
@@ -372,7 +369,7 @@ class ChatService:
         else:
             new_ids = None
             msgs = [] if parent is None else self._path_messages(user, parent)
-            prompt = apply_chat_template(self.tokenizer, msgs + [{"role": "user", "content": text}])
+            prompt = self.engine.apply_chat_template(msgs + [{"role": "user", "content": text}])
         self._check_length(prompt, s)
         umid = self.store.add_message(user, cid, "user", text, parent, token_ids=new_ids)
         if conv["title"] == DEFAULT_TITLE:            # name the chat after its first message
@@ -403,7 +400,7 @@ class ChatService:
     def _prompt(self, user, user_msg_id) -> list[int]:
         if self.template.incremental:
             return self._path_ids(user, user_msg_id)
-        return apply_chat_template(self.tokenizer, self._path_messages(user, user_msg_id))
+        return self.engine.apply_chat_template(self._path_messages(user, user_msg_id))
 
     async def _generate(self, user, cid, parent_id, prompt, s: ChatSettings, seed_offset: int):
         """Stream one engine request with n samples into n new assistant siblings under
