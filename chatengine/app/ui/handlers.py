@@ -1,0 +1,352 @@
+"""ChatUI: every handler of the page, as methods over ChatService.
+
+Each handler takes the user from ``gr.Request`` (``request.username`` when login is on, one local
+user otherwise) and passes it to ChatService, which checks ownership in SQL: a conversation id of
+someone else behaves exactly like an id that does not exist. Handlers return dicts keyed by
+component (see components.py): what a handler leaves out keeps its value.
+
+Streaming: async generators, UI updates throttled to ~80 ms (the engine batches every user; a
+browser cannot paint faster than that anyway). While a tab shows another conversation, a reply goes
+on (and is saved) without touching the screen.
+"""
+from __future__ import annotations
+
+import html
+import time
+from collections import Counter
+
+import gradio as gr
+
+from chatengine.app.chat import ChatService, NotFound
+from chatengine.app.ui.components import Components
+from chatengine.app.ui.monitor import EngineMonitor
+from chatengine.app.ui.render import (default_focus, kv_picture, nav_state, persona_header, persona_placeholder,
+                                      to_chat, unescape_html)
+
+LOCAL_USER = "local"
+THROTTLE_S = 0.08
+
+
+def _index(data) -> int:
+    """The row index of a chatbot event (Gradio gives an int or an [row, column] pair)."""
+    return data.index if isinstance(data.index, int) else data.index[0]
+
+
+def settings_of(temperature, top_p, max_tokens, seed, n) -> dict:
+    """The generation settings as ChatService takes them (seed -1 or empty: random)."""
+    seed = None if seed is None or seed == "" or float(seed) < 0 else int(seed)
+    return dict(temperature=float(temperature), top_p=float(top_p), max_tokens=int(max_tokens), seed=seed, n=int(n))
+
+
+class ChatUI:
+    def __init__(self, service: ChatService, c: Components, *, auth_enabled: bool = False,
+                 local_user: str = LOCAL_USER):
+        self.service, self.c = service, c
+        self.auth_enabled, self.local_user = auth_enabled, local_user
+        self.personas, self.default_persona = service.personas, service.default_persona
+        self.monitor = EngineMonitor(service.engine)
+        self.viewing: dict[str, str | None] = {}     # session -> the conversation its tab shows
+        self.painting: Counter = Counter()           # (session, conversation) -> replies streaming into it
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def who(self, request: gr.Request | None) -> str:
+        name = getattr(request, "username", None) if request is not None else None
+        if name:
+            return str(name)
+        if self.auth_enabled:
+            raise gr.Error("Please log in.")
+        return self.local_user
+
+    def conv_choices(self, user: str, query: str | None = None) -> list[tuple[str, str]]:
+        return [(c["title"], c["id"]) for c in self.service.list_conversations(user, (query or "").strip() or None)]
+
+    def conv_list(self, user: str, value: str | None) -> dict:
+        return gr.update(choices=self.conv_choices(user), value=value)
+
+    def header(self, persona_name: str | None) -> dict:
+        text = persona_header(self.personas.get(persona_name or ""))
+        return gr.update(value=text, visible=bool(text))
+
+    def nav(self, view: list[dict], focus: str | None) -> dict:
+        label, can_prev, can_next = nav_state(view, focus)
+        c = self.c
+        return {c.alt_label: gr.update(value=label), c.prev_btn: gr.update(interactive=can_prev),
+                c.next_btn: gr.update(interactive=can_next), c.regen_btn: gr.update(interactive=focus is not None)}
+
+    def render(self, user: str, cid: str | None, focus: str | None = None) -> dict:
+        """The transcript of conversation ``cid`` with its selection and ◀ k/N ▶ state."""
+        view = self.service.view(user, cid) if cid else []
+        focus = default_focus(view, focus)
+        c = self.c
+        return {c.chatbot: to_chat(view), c.rows: [m["id"] for m in view], c.focus: focus, **self.nav(view, focus)}
+
+    def blank(self) -> dict:
+        """An empty transcript with no selection."""
+        c = self.c
+        off = gr.update(interactive=False)
+        return {c.chatbot: [], c.rows: [], c.focus: None, c.alt_label: "", c.prev_btn: off, c.next_btn: off,
+                c.regen_btn: off}
+
+    def waiting_view(self, user: str, cid: str) -> dict:
+        """The new user message at once, with an empty reply bubble."""
+        view = self.service.view(user, cid)
+        c = self.c
+        off = gr.update(interactive=False)
+        return {c.chatbot: to_chat(view) + [{"role": "assistant", "content": "▍"}],
+                c.rows: [m["id"] for m in view] + [None], c.focus: None, c.alt_label: "Waiting for the engine…",
+                c.prev_btn: off, c.next_btn: off, c.regen_btn: off}
+
+    # ---- page load / sidebar --------------------------------------------------------------------
+    async def on_load(self, request: gr.Request) -> dict:      # async: runs on the server loop (the sampler task)
+        user = self.who(request)
+        self.monitor.ensure_running()
+        name = f"Signed in as **{html.escape(user)}** · [Log out](/logout)" if self.auth_enabled else ""
+        return {self.c.conv_list: self.conv_list(user, None), self.c.who_md: name}
+
+    def on_unload(self, request: gr.Request) -> None:
+        self.viewing.pop(request.session_hash, None)
+
+    def new_chat(self, persona_name, request: gr.Request) -> dict:
+        self.who(request)
+        self.viewing[request.session_hash] = None
+        name = persona_name if persona_name in self.personas else self.default_persona
+        p = self.personas.get(name or "")
+        c = self.c
+        return {**self.blank(), c.cid: None, c.chatbot: gr.update(value=[], placeholder=persona_placeholder(p)),
+                c.alt_label: gr.update(value=""), c.conv_list: gr.update(value=None), c.rename_box: "",
+                c.persona: gr.update(visible=True, value=name, info=p.description if p else None),
+                c.header: gr.update(visible=False)}
+
+    def open_conv(self, conv_id, request: gr.Request) -> dict:
+        user = self.who(request)
+        if not conv_id:
+            return gr.skip()
+        c = self.c
+        try:
+            conv = self.service.get_conversation(user, conv_id)
+            out = self.render(user, conv_id)
+        except NotFound:
+            gr.Warning("That conversation does not exist.")
+            return {**self.blank(), c.cid: None, c.rename_box: "", c.conv_list: self.conv_list(user, None)}
+        self.viewing[request.session_hash] = conv_id
+        return {**out, c.cid: conv_id, c.persona: gr.update(visible=False), c.rename_box: conv["title"],
+                c.header: self.header(conv["persona"])}
+
+    def fill_title(self, conv_id, request: gr.Request) -> str:
+        user = self.who(request)
+        if not conv_id:
+            return ""
+        try:
+            return self.service.get_conversation(user, conv_id)["title"]
+        except NotFound:
+            return ""
+
+    def on_search(self, query, current, request: gr.Request):
+        user = self.who(request)
+        return gr.update(choices=self.conv_choices(user, query), value=current)
+
+    def on_persona(self, name) -> dict:
+        p = self.personas.get(name or "")
+        return {self.c.persona: gr.update(info=p.description if p else None),
+                self.c.chatbot: gr.update(placeholder=persona_placeholder(p))}
+
+    def rename(self, conv_id, new_title, request: gr.Request):
+        user = self.who(request)
+        if not conv_id:
+            gr.Warning("Open a chat first.")
+            return gr.skip()
+        try:
+            self.service.rename_conversation(user, conv_id, new_title)
+        except NotFound:
+            gr.Warning("That conversation does not exist.")
+        except ValueError as e:
+            gr.Warning(str(e))
+        return self.conv_list(user, conv_id)
+
+    def delete(self, conv_id, persona_name, request: gr.Request) -> dict:
+        user = self.who(request)
+        if conv_id:
+            try:
+                self.service.delete_conversation(user, conv_id)
+            except NotFound:
+                gr.Warning("That conversation does not exist.")
+        return {**self.new_chat(persona_name, request), self.c.conv_list: self.conv_list(user, None),
+                self.c.confirm_row: gr.update(visible=False)}
+
+    # ---- streaming turns ------------------------------------------------------------------------
+    def _progress(self, view: list[dict], up) -> dict:
+        """The transcript while a reply streams: the first alternative's text so far."""
+        shown = up.message_ids[0]
+        for m in view:
+            if m["id"] == shown:
+                m["content"] = up.texts[0]
+                m["stats"] = up.stats[0] if up.stats else {}
+        c = self.c
+        off = gr.update(interactive=False)
+        label = f"Generating {len(up.message_ids)} alternatives…" if len(up.message_ids) > 1 else "Generating…"
+        return {c.chatbot: to_chat(view, streaming_id=shown), c.rows: [m["id"] for m in view], c.focus: shown,
+                c.alt_label: label, c.prev_btn: off, c.next_btn: off, c.regen_btn: off}
+
+    async def stream(self, user: str, conv_id: str, gen, session: str):
+        """Drive a ChatService generator; yield throttled UI updates, then the stored state
+        (statuses, stats, k/N) once it ends."""
+        last, final, view = 0.0, None, None
+        self.painting[session, conv_id] += 1
+        try:
+            async for up in gen:
+                final = up
+                if view is None:
+                    view = self.service.view(user, conv_id)
+                now = time.monotonic()
+                if up.finished or now - last < THROTTLE_S or self.viewing.get(session, conv_id) != conv_id:
+                    continue
+                last = now
+                yield self._progress(view, up)
+        finally:
+            await gen.aclose()
+            self.painting[session, conv_id] -= 1
+            if not self.painting[session, conv_id]:
+                del self.painting[session, conv_id]
+        if final is not None and final.status == "error":
+            gr.Warning(final.error or "generation failed")
+        if self.viewing.get(session, conv_id) != conv_id:      # the tab moved on: only its list changes
+            yield {self.c.conv_list: self.conv_list(user, self.viewing.get(session))}
+            return
+        focus_id = final.message_ids[0] if final is not None else None
+        yield {**self.render(user, conv_id, focus_id), self.c.conv_list: self.conv_list(user, conv_id)}
+
+    def _start_send(self, user: str, text: str, conv_id, persona_name, settings: dict):
+        """(conversation id, reply generator) of a new turn; a new chat that fails leaves nothing behind."""
+        is_new = conv_id is None
+        if is_new:
+            conv_id = self.service.new_conversation(user, persona_name or self.default_persona)
+        try:
+            return conv_id, self.service.send(user, conv_id, text, settings)
+        except ValueError:
+            if is_new:
+                self.service.delete_conversation(user, conv_id)
+            raise
+
+    async def send(self, text, conv_id, persona_name, temperature, top_p, max_tokens, seed, n, request: gr.Request):
+        user = self.who(request)
+        if not isinstance(text, str) or not text.strip():
+            yield gr.skip()
+            return
+        try:
+            conv_id, gen = self._start_send(user, text, conv_id, persona_name,
+                                            settings_of(temperature, top_p, max_tokens, seed, n))
+        except NotFound:
+            gr.Warning("That conversation does not exist; start a new chat.")
+            yield gr.skip()
+            return
+        except ValueError as e:
+            gr.Warning(str(e))
+            yield gr.skip()
+            return
+        self.viewing[request.session_hash] = conv_id
+        conv = self.service.get_conversation(user, conv_id)
+        c = self.c
+        yield {**self.waiting_view(user, conv_id), c.msg: "", c.cid: conv_id, c.conv_list: self.conv_list(user, conv_id),
+               c.persona: gr.update(visible=False), c.header: self.header(conv["persona"])}
+        async for upd in self.stream(user, conv_id, gen, request.session_hash):
+            yield upd
+
+    async def regenerate(self, conv_id, msg_id, temperature, top_p, max_tokens, seed, n, request: gr.Request):
+        user = self.who(request)
+        if not conv_id:
+            yield gr.skip()
+            return
+        try:
+            gen = self.service.regenerate(user, conv_id, msg_id, settings_of(temperature, top_p, max_tokens, seed, n))
+        except NotFound:
+            gr.Warning("That message does not exist.")
+            yield gr.skip()
+            return
+        except ValueError as e:
+            gr.Warning(str(e))
+            yield gr.skip()
+            return
+        async for upd in self.stream(user, conv_id, gen, request.session_hash):
+            yield upd
+
+    async def retry(self, conv_id, row_ids, temperature, top_p, max_tokens, seed, n, data: gr.RetryData,
+                    request: gr.Request):
+        idx = _index(data)
+        msg_id = row_ids[idx] if 0 <= idx < len(row_ids or []) else None
+        async for out in self.regenerate(conv_id, msg_id, temperature, top_p, max_tokens, seed, n, request):
+            yield out
+
+    async def edit(self, conv_id, row_ids, temperature, top_p, max_tokens, seed, n, data: gr.EditData,
+                   request: gr.Request):
+        user = self.who(request)
+        idx = _index(data)
+        msg_id = row_ids[idx] if conv_id and 0 <= idx < len(row_ids or []) else None
+        value = data.value
+        if isinstance(value, list):      # normalized content parts
+            value = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in value)
+        try:
+            if msg_id is None:
+                raise NotFound("no such message")
+            gen = self.service.edit(user, conv_id, msg_id, unescape_html(str(value or "")),
+                                    settings_of(temperature, top_p, max_tokens, seed, n))
+        except (NotFound, ValueError) as e:
+            gr.Warning(str(e) if isinstance(e, ValueError) else "That message does not exist.")
+            yield self.render(user, conv_id) if conv_id else gr.skip()
+            return
+        yield self.waiting_view(user, conv_id)
+        async for upd in self.stream(user, conv_id, gen, request.session_hash):
+            yield upd
+
+    async def stop(self, conv_id, request: gr.Request) -> dict:
+        user = self.who(request)
+        if conv_id:
+            try:
+                await self.service.stop(user, conv_id)
+            except NotFound:
+                pass
+        return self.idle()
+
+    def busy(self) -> dict:
+        return {self.c.send_btn: gr.update(visible=False), self.c.stop_btn: gr.update(visible=True)}
+
+    def idle(self) -> dict:
+        return {self.c.send_btn: gr.update(visible=True), self.c.stop_btn: gr.update(visible=False)}
+
+    # ---- alternatives ---------------------------------------------------------------------------
+    def switch(self, conv_id, focus_id, step: int, request: gr.Request) -> dict:
+        user = self.who(request)
+        if not conv_id or not focus_id:
+            return gr.skip()
+        if self.painting[request.session_hash, conv_id]:
+            gr.Warning("Wait for the reply to finish before switching versions.")
+            return gr.skip()
+        try:
+            return self.render(user, conv_id, self.service.switch(user, conv_id, focus_id, step))
+        except NotFound:
+            gr.Warning("That message does not exist.")
+            return gr.skip()
+
+    def previous(self, conv_id, focus_id, request: gr.Request) -> dict:
+        return self.switch(conv_id, focus_id, -1, request)
+
+    def next(self, conv_id, focus_id, request: gr.Request) -> dict:
+        return self.switch(conv_id, focus_id, +1, request)
+
+    def on_select(self, conv_id, row_ids, data: gr.SelectData, request: gr.Request) -> dict:
+        user = self.who(request)
+        idx = _index(data)
+        if not conv_id or not (0 <= idx < len(row_ids or [])) or row_ids[idx] is None:
+            return gr.skip()
+        if self.painting[request.session_hash, conv_id]:        # the stream owns the view and nav
+            return gr.skip()
+        try:
+            view = self.service.view(user, conv_id)
+        except NotFound:
+            return gr.skip()
+        return {self.c.focus: row_ids[idx], **self.nav(view, row_ids[idx])}
+
+    # ---- engine tab -----------------------------------------------------------------------------
+    async def engine_tick(self) -> dict:
+        self.monitor.ensure_running()
+        hit_df, thr_df = self.monitor.frames()
+        return {self.c.kv_html: kv_picture(self.monitor.stats()), self.c.hit_plot: hit_df, self.c.thr_plot: thr_df}

@@ -1,0 +1,188 @@
+"""What the UI shows, as text: messages (HTML-escaped outside code), stats footers, the ◀ k/N ▶
+label, persona blurbs and the Engine tab's picture of the KV pages. Pure functions, no Gradio."""
+import html
+import re
+
+# ---- text ---------------------------------------------------------------------------------------
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+_INLINE_CODE = re.compile(r"(`+)(?:.+?)\1", re.S)
+
+
+def _segments(text: str):
+    """Split markdown into (is_code, chunk) pieces: fenced blocks and inline code spans are code."""
+    out, buf, fence = [], [], None
+    for line in text.splitlines(keepends=True):
+        m = _FENCE.match(line)
+        if fence is None and m:
+            out.append((False, "".join(buf)))
+            buf, fence = [line], m.group(1)
+        elif fence is not None:
+            buf.append(line)
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line.strip()[len(m.group(1)):]:
+                out.append((True, "".join(buf)))
+                buf, fence = [], None
+        else:
+            buf.append(line)
+    out.append((fence is not None, "".join(buf)))
+    pieces = []
+    for is_code, chunk in out:
+        if is_code or not chunk:
+            pieces.append((is_code, chunk))
+            continue
+        pos = 0
+        for m in _INLINE_CODE.finditer(chunk):
+            pieces.append((False, chunk[pos:m.start()]))
+            pieces.append((True, m.group(0)))
+            pos = m.end()
+        pieces.append((False, chunk[pos:]))
+    return pieces
+
+
+def escape_html(text: str) -> str:
+    """Escape & and < outside code, so HTML in a message is shown as text (markdown and code
+    blocks still render; code is escaped by the markdown renderer itself)."""
+    return "".join(c if code else c.replace("&", "&amp;").replace("<", "&lt;") for code, c in _segments(text))
+
+
+def unescape_html(text: str) -> str:
+    """The inverse of escape_html (for the text of an edited message)."""
+    return "".join(c if code else c.replace("&lt;", "<").replace("&amp;", "&") for code, c in _segments(text))
+
+
+def _fmt_ms(ms) -> str:
+    return f"{ms / 1000:.2f} s" if ms >= 1000 else f"{ms:.0f} ms"
+
+
+def footer(m: dict, streaming: bool = False) -> str:
+    """The stats line under a reply (HTML with fixed classes; every value is escaped)."""
+    st = m.get("stats") or {}
+    parts = []
+    if m.get("n", 1) > 1:
+        parts.append(f"<span class='alt'>{m['k']}/{m['n']}</span>")
+    if st.get("tokens") is not None:
+        parts.append(f"{st['tokens']} tokens")
+    if st.get("ttft_ms") is not None:
+        parts.append(f"TTFT {_fmt_ms(st['ttft_ms'])}")
+    if st.get("tok_s") is not None:
+        parts.append(f"{st['tok_s']:.1f} tok/s")
+    if st.get("prompt_tokens") is not None:
+        parts.append(f"{st.get('cached_tokens', 0)}/{st['prompt_tokens']} prompt tokens from cache")
+    status = m.get("status")
+    warn = None
+    if status == "aborted":
+        parts.append("stopped")
+    elif status == "interrupted":
+        warn = "interrupted (the server stopped)"
+    elif status == "error":
+        warn = "error: " + str(st.get("error") or "generation failed")
+    elif st.get("finish_reason") == "length":
+        parts.append("cut at max tokens")
+    if streaming:
+        parts = parts[:1] + ["generating…"] if m.get("n", 1) > 1 else ["generating…"]
+    text = " · ".join(parts)
+    if warn:
+        text += (" · " if text else "") + f"<span class='msg-warn'>⚠ {html.escape(warn)}</span>"
+    return f"<span class='msg-stats'>{text}</span>" if text else ""
+
+
+def to_chat(view: list[dict], streaming_id: str | None = None) -> list[dict]:
+    rows = []
+    for m in view:
+        if m["role"] == "user":
+            rows.append({"role": "user", "content": escape_html(m["content"])})
+            continue
+        streaming = m["id"] == streaming_id
+        body = escape_html(m["content"])
+        if streaming:
+            body += " ▍"
+        elif not body.strip():
+            body = "*(no text)*" if m.get("status") != "aborted" else "*(stopped before the first token)*"
+        foot = footer(m, streaming)
+        rows.append({"role": "assistant", "content": body + ("\n\n" + foot if foot else "")})
+    return rows
+
+
+def default_focus(view: list[dict], focus: str | None) -> str | None:
+    ids = [m["id"] for m in view]
+    if focus in ids:
+        return focus
+    for m in reversed(view):
+        if m["role"] == "assistant":
+            return m["id"]
+    return ids[-1] if ids else None
+
+
+def nav_state(view: list[dict], focus: str | None):
+    """(label markdown, prev interactive, next interactive) for the selected message."""
+    m = next((m for m in view if m["id"] == focus), None)
+    if m is None:
+        return "", False, False
+    pos = [x["id"] for x in view if x["role"] == m["role"]].index(m["id"]) + 1
+    last = m["id"] == view[-1]["id"] or (m["role"] == "assistant" and
+                                          m["id"] == next(x["id"] for x in reversed(view) if x["role"] == "assistant"))
+    if m["role"] == "assistant":
+        what = "Last reply" if last else f"Reply {pos}"
+        kind = "alternative"
+    else:
+        what = f"Your message {pos}"
+        kind = "version"
+    label = f"{what} · {kind} **{m['k']} / {m['n']}**" if m["n"] > 1 else f"{what} · {kind} 1 / 1"
+    if len(view) > 2:
+        label += " <span style='opacity:.55'>· click a message to select it</span>"
+    return label, m["k"] > 1, m["k"] < m["n"]
+
+
+# ---- engine view --------------------------------------------------------------------------------
+def kv_picture(stats: dict, max_cells: int = 768) -> str:
+    """A waffle picture of the device KV pool (each cell = one or more pages) and tier counts."""
+    total = int(stats.get("kv_blocks_total") or 0)
+    used = int(stats.get("kv_blocks_used") or 0)
+    shared = min(int(stats.get("kv_blocks_shared") or 0), used)
+    cached = int(stats.get("kv_blocks_cached") or 0)
+    free = max(int(stats.get("kv_blocks_free", total - used)) - cached, 0)
+    per = max(1, -(-total // max_cells))
+    cells = []
+    for cls, count in (("kv-shared", shared), ("kv-used", used - shared), ("kv-cached", cached), ("kv-free", free)):
+        cells += [cls] * (-(-count // per) if count else 0)
+    cells = cells[: -(-total // per)] if total else []
+    grid = "".join(f"<div class='kv-cell {c}'></div>" for c in cells)
+    bs = stats.get("block_size", 16)
+
+    def legend(cls, label, n):
+        return f"<span><span class='kv-cell {cls}'></span>{label}: <b>{n}</b></span>"
+
+    hit = stats.get("prefix_cache_hit_rate")
+    tiers = [
+        ("Device pages", f"{used + cached}/{total}", f"{used} in use · {cached} cached · {free} free"),
+        ("Shared pages", shared, "used by more than one sequence (personas, forks)"),
+        ("CPU tier", stats.get("cpu_blocks_used", 0), "pages offloaded to CPU memory"),
+        ("Disk tier", stats.get("disk_blocks", 0), "pages persisted on disk"),
+        ("Prefix-cache hit rate", f"{100 * hit:.1f}%" if hit is not None else "–", "of prompt tokens since start"),
+        ("Requests", f"{stats.get('num_running', 0)} running", f"{stats.get('num_waiting', 0)} waiting · "
+                                                              f"{stats.get('num_preemptions', 0)} preempted"),
+        ("Generated tokens", stats.get("num_generated_tokens", 0), f"{stats.get('model', '')} on {stats.get('device', '?')}"),
+    ]
+    tier_html = "".join(f"<div class='kv-tier'><span>{html.escape(str(a))}</span><b>{html.escape(str(b))}</b>"
+                        f"<span>{html.escape(str(c))}</span></div>" for a, b, c in tiers)
+    scale = f" (one cell = {per} pages)" if per > 1 else ""
+    return (f"<div><div class='kv-legend'>{legend('kv-shared', 'shared', shared)}"
+            f"{legend('kv-used', 'in use', used - shared)}{legend('kv-cached', 'cached (reusable)', cached)}"
+            f"{legend('kv-free', 'free', free)}<span style='opacity:.7'>{total} device pages of {bs} tokens{scale}"
+            f"</span></div><div class='kv-grid'>{grid}</div><div class='kv-tiers'>{tier_html}</div></div>")
+
+
+# ---- personas -----------------------------------------------------------------------------------
+def persona_placeholder(persona) -> str:
+    """The empty chat's welcome for a persona (None: a plain prompt to type)."""
+    if persona is None:
+        return "### Start a conversation\nType a message below."
+    return (f"<div style='text-align:center'><h2>{html.escape(persona.title)}</h2>"
+            f"<p style='opacity:.75'>{html.escape(persona.description)}</p>"
+            "<p style='opacity:.55;font-size:.9em'>Pick a persona above, then type a message below.</p></div>")
+
+
+def persona_header(persona) -> str:
+    """The one-line persona header of an open conversation ("" for none)."""
+    if persona is None:
+        return ""
+    return f"**{html.escape(persona.title)}** <span style='opacity:.65'>· {html.escape(persona.description)}</span>"

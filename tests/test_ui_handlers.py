@@ -1,0 +1,115 @@
+"""ChatUI's handlers called as methods, without HTTP: what each returns, keyed by component."""
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+gr = pytest.importorskip("gradio")
+
+from chatengine import AsyncLLM  # noqa: E402
+from chatengine.app.chat import ChatService  # noqa: E402
+from chatengine.app.store import ChatStore  # noqa: E402
+from chatengine.app.ui.components import build_components  # noqa: E402
+from chatengine.app.ui.handlers import ChatUI, settings_of  # noqa: E402
+from chatengine.personas import load_personas  # noqa: E402
+
+GREEDY = (0, 1, 6, -1, 1)          # temperature, top_p, max_tokens, seed, n
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = AsyncLLM(max_num_batched_tokens=512, kv_cache_gib=0.25)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def ui(engine, tmp_path):
+    store = ChatStore(tmp_path / "chat.db")
+    service = ChatService(engine, store, load_personas())
+    with gr.Blocks():
+        c = build_components(service.personas, service.default_persona, "t", 4)
+    yield ChatUI(service, c, auth_enabled=True)
+    store.close()
+
+
+def request(user: str, session: str = "s1"):
+    return SimpleNamespace(username=user, session_hash=session)
+
+
+def drain(agen) -> list:
+    async def go():
+        return [x async for x in agen]
+    return asyncio.run(go())
+
+
+def send(ui, user, text, conv_id=None, session="s1"):
+    return drain(ui.send(text, conv_id, "assistant", *GREEDY, request(user, session)))
+
+
+def test_settings_of_maps_the_form():
+    assert settings_of(0.5, 0.9, 12.0, -1, 2.0) == dict(temperature=0.5, top_p=0.9, max_tokens=12, seed=None, n=2)
+    assert settings_of(0, 1, 8, 7, 1)["seed"] == 7 and settings_of(0, 1, 8, "", 1)["seed"] is None
+
+
+def test_login_required_when_auth_is_on(ui):
+    with pytest.raises(gr.Error):
+        ui.who(SimpleNamespace(username=None, session_hash="s"))
+    assert ui.who(request("alice")) == "alice"
+
+
+def test_send_streams_then_renders_the_stored_turn(ui):
+    c = ui.c
+    updates = send(ui, "alice", "Say hi.")
+    first, last = updates[0], updates[-1]
+    conv_id = first[c.cid]
+    assert conv_id and first[c.msg] == ""
+    assert first[c.chatbot][-1] == {"role": "assistant", "content": "▍"}      # the waiting bubble
+    assert first[c.rows][-1] is None
+    rows = last[c.rows]
+    assert len(rows) == 2 and None not in rows                               # the user turn and its reply
+    assert last[c.focus] == rows[-1]
+    assert [r["role"] for r in last[c.chatbot]] == ["user", "assistant"]
+    assert "tokens" in last[c.chatbot][-1]["content"]                         # the stats footer
+    assert last[c.conv_list]["value"] == conv_id
+    assert ui.painting == {}                                                  # no stream left counted
+
+
+def test_empty_message_changes_nothing(ui):
+    assert send(ui, "alice", "   ") == [gr.skip()]
+
+
+def test_another_users_conversation_is_not_found(ui):
+    c = ui.c
+    conv_id = send(ui, "alice", "Hello")[0][c.cid]
+    out = ui.open_conv(conv_id, request("bob", "s2"))
+    assert out[c.cid] is None and out[c.chatbot] == [] and out[c.rows] == []
+    assert ui.fill_title(conv_id, request("bob", "s2")) == ""
+    opened = ui.open_conv(conv_id, request("alice"))
+    assert opened[c.cid] == conv_id and len(opened[c.rows]) == 2
+
+
+def test_regenerate_then_switch_versions(ui):
+    c = ui.c
+    last = send(ui, "alice", "Pick a colour.")[-1]
+    conv_id, reply = ui.viewing["s1"], last[c.focus]
+    regen = drain(ui.regenerate(conv_id, reply, 1.0, 1, 6, 3, 1, request("alice")))[-1]
+    assert "**2 / 2**" in regen[c.alt_label]["value"]
+    back = ui.previous(conv_id, regen[c.focus], request("alice"))
+    assert "**1 / 2**" in back[c.alt_label]["value"] and back[c.rows][-1] == reply
+    assert back[c.next_btn]["interactive"] is True and back[c.prev_btn]["interactive"] is False
+
+
+def test_rename_and_delete(ui):
+    c = ui.c
+    conv_id = send(ui, "alice", "Hello")[0][c.cid]
+    listed = ui.rename(conv_id, "My chat", request("alice"))
+    assert ("My chat", conv_id) in listed["choices"]
+    out = ui.delete(conv_id, "assistant", request("alice"))
+    assert out[c.cid] is None and out[c.confirm_row]["visible"] is False
+    assert all(cid != conv_id for _, cid in out[c.conv_list]["choices"])
+
+
+def test_engine_tick_draws_the_pool(ui):
+    out = asyncio.run(ui.engine_tick())
+    assert "kv-grid" in out[ui.c.kv_html] and set(out) == {ui.c.kv_html, ui.c.hit_plot, ui.c.thr_plot}
