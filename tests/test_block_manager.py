@@ -167,9 +167,7 @@ def decode(bm, seq, token):
 
 def published(bm):
     """(block id, hash) of each block published since the last call, in order."""
-    out = [(block_id, meta.hash) for block_id, meta in bm.pending_publishes]
-    bm.pending_publishes.clear()
-    return out
+    return [(block_id, meta.hash) for block_id, meta in bm.take_publishes()]
 
 
 def test_cache_full_blocks_publishes_exactly_the_newly_full_blocks():

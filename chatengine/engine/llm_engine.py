@@ -19,8 +19,8 @@ from chatengine.config import EngineConfig
 from chatengine.engine.kv.hashing import load_or_create_secret, model_fingerprint, user_salt
 from chatengine.engine.loader import load_model
 from chatengine.engine.model_runner import ModelRunner, resolve_device_dtype
-from chatengine.engine.kv.block_meta import BlockMeta
 from chatengine.engine.kv.tiers import TieredCache
+from chatengine.engine.kv.transfers import KVTransfers
 from chatengine.outputs import CompletionOutput, RequestOutput
 from chatengine.sampling_params import SamplingParams
 from chatengine.engine.scheduler import Scheduler
@@ -56,6 +56,7 @@ class LLMEngine:
         self._in_flight = None                 # (SchedulerOutput, LaunchedStep) not collected yet
         self.tiers = self._make_tiers(root)
         self.block_manager.tiers = self.tiers
+        self.transfers = KVTransfers(self.runner, self.block_manager, self.tiers) if self.tiers is not None else None
         self.block_manager.write_behind = config.kv_store_dir is not None and config.enable_prefix_caching
         # per-user salts derive from this secret; kept on disk so salted blocks outlive restarts
         secret_dir = config.data_dir or config.kv_store_dir
@@ -81,107 +82,16 @@ class LLMEngine:
         return TieredCache(root, runner.kv_cache.shape[1:], runner.dtype, num_host, runner.device.type == "cuda",
                            config.kv_store_dir, int(config.kv_store_gib * 2**30))
 
-    def _run_transfers(self) -> None:
-        """Copies the schedule asked for, before the forward: evicted pages to host memory first
-        (their device blocks may be restore targets), then restores into the device pool."""
-        bm, tiers = self.block_manager, self.tiers
-        restores, bm.pending_restores = bm.pending_restores, []
-        hashes = [h for _, h in restores]
-        try:
-            self._copy_evictions()
-            if restores:
-                tiers.copies_in_flight(self.runner.restore_blocks([b for b, _ in restores], tiers.host.data,
-                                                                  tiers.host_slots(hashes)))
-        except BaseException:   # never leave a published block without its data
-            for block_id, _ in restores:
-                bm.unpublish(block_id)
-            raise
-        finally:
-            if hashes:
-                tiers.unpin(hashes)
-
-    def _device_pages(self, block_ids: list[int]):
-        """(block id, host copy of its page) for each of block_ids, gathered 64 pages per copy."""
-        for i in range(0, len(block_ids), 64):
-            chunk = block_ids[i:i + 64]
-            yield from zip(chunk, self.runner.gather_blocks(chunk))
-
-    def _copy_evictions(self) -> None:
-        """Write evicted pages back to host memory, or to disk without a host tier: queued on the device
-        before anything can overwrite their blocks, behind the step in flight, without a host wait."""
-        bm = self.block_manager
-        if bm.pending_evictions:
-            evicted, bm.pending_evictions = bm.pending_evictions, []
-            if self.tiers.host is not None:
-                self._save_to_host(evicted)
-            else:
-                self._queue_to_disk([(b, meta) for b, meta in evicted if meta.hash not in self.tiers.disk], block=True)
-
-    def _save_to_host(self, blocks: list[tuple[int, BlockMeta]]) -> list[bool]:
-        """Queue device -> host-memory copies of these (block id, meta) pages into claimed host slots;
-        returns whether each page will be in host memory (False: every slot pinned)."""
-        tiers, stored, ids, slots, claimed = self.tiers, [], [], [], []
-        for block_id, meta in blocks:
-            ok, slot = tiers.claim(meta)
-            stored.append(ok)
-            if slot is not None:
-                ids.append(block_id)
-                slots.append(slot)
-                claimed.append(meta.hash)
-        if ids:
-            try:
-                copied = self.runner.queue_save_blocks(ids, tiers.host.data, slots)
-            except BaseException:        # never leave a host entry whose page did not arrive
-                tiers.unclaim(claimed)
-                raise
-            tiers.landing(slots, copied)
-        return stored
-
-    def _queue_to_disk(self, blocks: list[tuple[int, BlockMeta]], block: bool) -> None:
-        """Queue these (block id, meta) pages for the disk writer, copied off the device behind the
-        step in flight (the writer waits for the copy); block=False drops what a full queue cannot take."""
-        disk = self.tiers.disk
-        for i in range(0, len(blocks), 64):
-            chunk = blocks[i:i + 64]
-            pages, copied = self.runner.queue_gather_blocks([block_id for block_id, _ in chunk])
-            for (_, meta), page in zip(chunk, pages):
-                disk.write_behind(meta, page, block=block, ready=copied)
-
-    def _write_behind(self) -> None:
-        """Queue newly published pages for the disk store. Their last slots may be written by the step
-        in flight (async scheduling): the copies queue behind it on the device and the disk writer
-        waits for them, so the host does not wait here and the step keeps its overlap."""
-        bm, disk = self.block_manager, self.tiers.disk
-        if bm.pending_publishes:
-            published, bm.pending_publishes = bm.pending_publishes, []
-            todo = [(block_id, meta) for block_id, meta in published if meta.hash not in disk]
-            self._queue_to_disk(todo[:disk.reserve(len(todo))], block=False)   # a full queue: dropped before any copy
-
     def flush_kv(self) -> None:
         """Write every cached block of every tier to the disk store and wait for it."""
-        if self.tiers is None or self.tiers.disk is None:
-            return
-        blocks = self.block_manager.blocks
-        hashed = [b.block_id for b in blocks if b.hash is not None]
-        for block_id, page in self._device_pages(hashed):
-            self.tiers.disk.write_behind(blocks[block_id].meta(), page, block=True)
-        self.tiers.flush()
+        if self.transfers is not None:
+            self.transfers.flush()
 
     def offload_cached_blocks(self, max_blocks: int | None = None, idle_for_s: float = 0.0) -> int:
         """Move idle cached pages (free on the device for at least idle_for_s, oldest first) to host
         memory now, freeing the device for active users. Blocks of running requests never move.
         Returns how many moved."""
-        bm = self.block_manager
-        if self.tiers is None or self.tiers.host is None:
-            return 0
-        cutoff = time.monotonic() - idle_for_s
-        idle = [b for b in bm.free_lru if bm.blocks[b].hash is not None and bm.blocks[b].freed_at <= cutoff]
-        idle = idle[:max_blocks]
-        for block_id, stored in zip(idle, self._save_to_host([(b, bm.blocks[b].meta()) for b in idle])):
-            if stored:       # its copy is queued before any step that could reuse the block
-                bm.unpublish(block_id)
-                bm.free_lru.move_to_end(block_id, last=False)
-        return len(idle)
+        return self.transfers.offload_idle(max_blocks, idle_for_s) if self.transfers is not None else 0
 
     def forget_user(self, user: str) -> int:
         """Drop a (deleted) user's cached KV from every tier; returns the number of blocks dropped."""
@@ -292,8 +202,8 @@ class LLMEngine:
             self.scheduler.add_running(child)
             self.num_forks += 1
         if copies:
-            if self.tiers is not None:    # a tail may land on a block evicted just now: save its page first
-                self._copy_evictions()
+            if self.transfers is not None:    # a tail may land on a block evicted just now: save its page first
+                self.transfers.copy_evictions()
             self.runner.copy_blocks(copies)
 
     def add_request(self, prompt, params=None, *, request_id=None, user=None) -> str:
@@ -323,8 +233,8 @@ class LLMEngine:
             self.tiers.wait_for_loads(0.05)     # only prefixes on their way from disk: no busy loop
         if out.seqs:
             try:
-                if self.tiers is not None:
-                    self._run_transfers()
+                if self.transfers is not None:
+                    self.transfers.before_forward()
                 launched = (out, self.runner.launch(out.seqs, out.num_new_tokens))
             except Exception as e:   # fail this step's requests cleanly; the engine serves the others
                 log.exception("forward pass failed")
@@ -357,8 +267,8 @@ class LLMEngine:
         sampled = [(seq, token_id, seq.fill_placeholder(token_id))
                    for seq, token_id in zip(out.seqs, token_ids) if token_id is not None and not seq.is_finished]
         self.scheduler.publish(out)
-        if self.block_manager.pending_publishes:
-            self._write_behind()
+        if self.transfers is not None:
+            self.transfers.write_behind()
         self.num_steps += 1
         touched = {}
         for seq, token_id, pos in sampled:
@@ -437,23 +347,15 @@ class LLMEngine:
         self.block_manager.check_invariants(live)
 
     def stats(self) -> dict:
-        bm = self.block_manager
+        tiers = (self.tiers.stats() if self.tiers is not None else
+                 {"cpu_blocks_total": 0, "cpu_blocks_used": 0, "disk_blocks": 0, "disk_bytes": 0})
         return {
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
-            "kv_blocks_cached": bm.num_cached_free_blocks,
-            "kv_blocks_free": bm.num_free_blocks,
-            **(self.tiers.stats() if self.tiers is not None else
-               {"cpu_blocks_total": 0, "cpu_blocks_used": 0, "disk_blocks": 0, "disk_bytes": 0}),
-            "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0,
-            "prefix_cache_hit_tokens": bm.num_hit_tokens,
-            "prefix_cache_queried_tokens": bm.num_queried_tokens,
-            "evictions": bm.num_evictions,
+            **self.block_manager.stats(),
+            **tiers,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_forks": self.num_forks,
-            "kv_blocks_shared": sum(1 for b in bm.blocks if b.ref_count > 1),
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             "block_size": self.config.block_size,

@@ -269,6 +269,51 @@ class BlockManager:
             del self.cached[block.hash]
         block.clear_hash()
 
+    # ---- what the KV transfers take and give back ------------------------------------------------
+    def take_restores(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) of host -> device copies the last allocation asked for; the list empties."""
+        restores, self.pending_restores = self.pending_restores, []
+        return restores
+
+    def take_evictions(self) -> list[tuple[int, BlockMeta]]:
+        """Evicted hashed blocks whose pages must be written back before their blocks are reused."""
+        evicted, self.pending_evictions = self.pending_evictions, []
+        return evicted
+
+    def take_publishes(self) -> list[tuple[int, BlockMeta]]:
+        """Blocks published since the last call (for the disk store's write-behind)."""
+        published, self.pending_publishes = self.pending_publishes, []
+        return published
+
+    def hashed_blocks(self) -> list[tuple[int, BlockMeta]]:
+        """Every block that holds a published page, with its meta."""
+        return [(b.block_id, b.meta()) for b in self.blocks if b.hash is not None]
+
+    def idle_cached_blocks(self, freed_before: float) -> list[int]:
+        """Free blocks still holding a published page, free since before `freed_before`, oldest first."""
+        return [b for b in self.free_lru if self.blocks[b].hash is not None and self.blocks[b].freed_at <= freed_before]
+
+    def block_meta(self, block_id: int) -> BlockMeta:
+        return self.blocks[block_id].meta()
+
+    def demote(self, block_id: int) -> None:
+        """A free block whose page now lives in a lower tier: unpublished and reused first."""
+        self.unpublish(block_id)
+        self.free_lru.move_to_end(block_id, last=False)
+
+    def stats(self) -> dict:
+        return {
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": self.num_blocks - self.num_free_blocks,
+            "kv_blocks_cached": self.num_cached_free_blocks,
+            "kv_blocks_free": self.num_free_blocks,
+            "prefix_cache_hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0,
+            "prefix_cache_hit_tokens": self.num_hit_tokens,
+            "prefix_cache_queried_tokens": self.num_queried_tokens,
+            "evictions": self.num_evictions,
+            "kv_blocks_shared": sum(1 for b in self.blocks if b.ref_count > 1),
+        }
+
     def drop_owner(self, owner: bytes) -> int:
         """Unpublish free cached blocks of one user (a deleted user); blocks in use are left alone."""
         n = 0
