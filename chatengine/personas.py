@@ -2,7 +2,7 @@
 
 A persona file is front matter between two `---` lines (`name`, `title`, `description`, as
 simple `key: value` lines), then the system prompt text. Persona prompts are public and their KV
-blocks are shared by all users (DESIGN.md, Isolation), so nothing secret belongs in them.
+blocks are shared by all users (docs/ARCHITECTURE.md, isolation), so nothing secret belongs in them.
 """
 import re
 from dataclasses import dataclass

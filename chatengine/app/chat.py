@@ -3,7 +3,7 @@
 A conversation is a tree in the ChatStore. Its root is the persona's system message; user and
 assistant turns alternate below it; siblings are alternatives (regenerate, edit, n samples).
 
-Conversations are token ids (DESIGN.md): every message stores the exact ids of its own turn, so
+Conversations are token ids: every message stores the exact ids of its own turn, so
 the prompt of the next turn is the concatenation of the stored ids along the path plus the ids
 of the new user turn, and a follow-up hits every cached KV block of its history. For ChatML
 (SmolLM2, Qwen2) the pieces are
@@ -410,106 +410,124 @@ class ChatService:
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
                                 seed=seed)
         settings = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed, n=s.n)
-        mids = []
-        for i in range(s.n):
-            mids.append(self.store.add_message(user, cid, "assistant", "", parent_id, status="streaming",
-                                               settings=dict(settings, index=i), activate=(i == 0)))
-        request_id = f"chat-{uuid.uuid4().hex}"
-        turn = _Turn(request_id)
-        self._active.setdefault((user, cid), {})[request_id] = turn
-        up = ReplyUpdate(cid, parent_id, mids, [""] * s.n, [0] * s.n, [None] * s.n,
-                         stats=[{} for _ in range(s.n)], num_prompt_tokens=len(prompt))
-        t0 = time.monotonic()
-        t_first: float | None = None
-        t_end: list[float | None] = [None] * s.n
-        last: object = None
-        last_save = t0
-        stream = self.engine.generate(prompt, params, request_id=request_id, user=user)
-
-        def stats_for(i: int, now: float) -> dict:
-            ntok = up.num_tokens[i]
-            end = t_end[i] or now
-            st = {"tokens": ntok, "prompt_tokens": len(prompt), "cached_tokens": up.num_cached_tokens}
-            if t_first is not None:
-                st["ttft_ms"] = round((t_first - t0) * 1000, 1)
-                if ntok > 1 and end > t_first:
-                    st["tok_s"] = round((ntok - 1) / (end - t_first), 2)
-            st["duration_ms"] = round((end - t0) * 1000, 1)
-            if up.finish_reasons[i]:
-                st["finish_reason"] = up.finish_reasons[i]
-            return st
-
-        def save(final_status: str | None) -> None:
-            now = time.monotonic()
-            outs = last.outputs if last is not None else []
-            for i, mid in enumerate(mids):
-                st = stats_for(i, now)
-                if final_status is None:
-                    self.store.update_message(user, mid, content=up.texts[i], stats=st)
-                    continue
-                status = final_status
-                if final_status == "done" and up.finish_reasons[i] == "abort":
-                    status = "aborted"
-                gen = outs[i].token_ids if i < len(outs) else []
-                ids = self.template.assistant_ids(gen) if self.template.incremental else None
-                if up.error:
-                    st["error"] = up.error
-                up.stats[i] = st
-                self.store.update_message(user, mid, content=up.texts[i], token_ids=ids, stats=st,
-                                          status=status)
-
+        mids = [self.store.add_message(user, cid, "assistant", "", parent_id, status="streaming",
+                                       settings=dict(settings, index=i), activate=(i == 0)) for i in range(s.n)]
+        turn = _Turn(f"chat-{uuid.uuid4().hex}")
+        self._active.setdefault((user, cid), {})[turn.request_id] = turn
+        run = _Reply(self, user, ReplyUpdate(cid, parent_id, mids, [""] * s.n, [0] * s.n, [None] * s.n,
+                                             stats=[{} for _ in range(s.n)], num_prompt_tokens=len(prompt)))
+        stream = self.engine.generate(prompt, params, request_id=turn.request_id, user=user)
         try:
             try:
                 async for out in stream:
-                    last = out
-                    now = time.monotonic()
-                    if t_first is None:
-                        t_first = now
-                    up.num_cached_tokens = out.num_cached_tokens
-                    for c in out.outputs[:s.n]:
-                        i = c.index
-                        up.texts[i], up.num_tokens[i] = c.text, len(c.token_ids)
-                        if c.finish_reason and up.finish_reasons[i] is None:
-                            up.finish_reasons[i], t_end[i] = c.finish_reason, now
-                    if out.error:
-                        up.error = out.error
-                    if out.finished:
+                    if run.absorb(out):
                         break
-                    if now - last_save >= SAVE_EVERY_S:
-                        last_save = now
-                        save(None)
-                    up.stats = [stats_for(i, now) for i in range(s.n)]
-                    yield up
+                    yield run.up
             except ValueError as e:          # the engine refused the request (length, memory)
-                up.error = str(e)
-            if up.error:
-                up.status = "error"
-            elif turn.stop_requested or any(r == "abort" for r in up.finish_reasons):
-                up.status = "aborted"
-            else:
-                up.status = "done"
-            save(up.status)
-            yield up
+                run.up.error = str(e)
+            run.finish(turn.stop_requested)
+            yield run.up
         finally:
             # normal end, Stop, or the consumer closed us (cancelled event): keep what we have
-            try:
-                await stream.aclose()
-            except Exception:   # pragma: no cover - defensive
-                pass
-            if up.status == "streaming":
-                up.status = "aborted"
-                for i in range(s.n):
-                    if up.finish_reasons[i] is None:
-                        up.finish_reasons[i] = "abort"
-                try:
-                    save("aborted")
-                except Exception:
-                    log.exception("could not save the partial reply")
+            await _close_quietly(stream)
+            run.keep_partial()
             turns = self._active.get((user, cid), {})
-            turns.pop(request_id, None)
+            turns.pop(turn.request_id, None)
             if not turns:
                 self._active.pop((user, cid), None)
             turn.done.set()
+
+
+async def _close_quietly(stream) -> None:
+    try:
+        await stream.aclose()
+    except Exception:   # pragma: no cover - defensive: closing must never mask the reply's own end
+        pass
+
+
+class _Reply:
+    """The bookkeeping of one generation: its ReplyUpdate, timings, and saving it to the store."""
+
+    def __init__(self, service: "ChatService", user: str, up: ReplyUpdate):
+        self.service, self.user, self.up = service, user, up
+        self.n = len(up.message_ids)
+        self.t0 = self.last_save = time.monotonic()
+        self.t_first: float | None = None
+        self.t_end: list[float | None] = [None] * self.n
+        self.last = None                  # the engine's latest RequestOutput
+
+    def absorb(self, out) -> bool:
+        """Take one engine output; True when it is the last. Saves partial text every SAVE_EVERY_S."""
+        up, now = self.up, time.monotonic()
+        self.last = out
+        if self.t_first is None:
+            self.t_first = now
+        up.num_cached_tokens = out.num_cached_tokens
+        for c in out.outputs[:self.n]:
+            up.texts[c.index], up.num_tokens[c.index] = c.text, len(c.token_ids)
+            if c.finish_reason and up.finish_reasons[c.index] is None:
+                up.finish_reasons[c.index], self.t_end[c.index] = c.finish_reason, now
+        if out.error:
+            up.error = out.error
+        if out.finished:
+            return True
+        if now - self.last_save >= SAVE_EVERY_S:
+            self.last_save = now
+            self.save(None)
+        up.stats = [self.stats_for(i, now) for i in range(self.n)]
+        return False
+
+    def stats_for(self, i: int, now: float) -> dict:
+        up, end = self.up, self.t_end[i] or now
+        ntok = up.num_tokens[i]
+        st = {"tokens": ntok, "prompt_tokens": up.num_prompt_tokens, "cached_tokens": up.num_cached_tokens}
+        if self.t_first is not None:
+            st["ttft_ms"] = round((self.t_first - self.t0) * 1000, 1)
+            if ntok > 1 and end > self.t_first:
+                st["tok_s"] = round((ntok - 1) / (end - self.t_first), 2)
+        st["duration_ms"] = round((end - self.t0) * 1000, 1)
+        if up.finish_reasons[i]:
+            st["finish_reason"] = up.finish_reasons[i]
+        return st
+
+    def finish(self, stop_requested: bool) -> None:
+        up = self.up
+        if up.error:
+            up.status = "error"
+        elif stop_requested or any(r == "abort" for r in up.finish_reasons):
+            up.status = "aborted"
+        else:
+            up.status = "done"
+        self.save(up.status)
+
+    def keep_partial(self) -> None:
+        """The stream ended before finish() (Stop, a closed tab): save what came as aborted."""
+        up = self.up
+        if up.status != "streaming":
+            return
+        up.status = "aborted"
+        up.finish_reasons = [r or "abort" for r in up.finish_reasons]
+        try:
+            self.save("aborted")
+        except Exception:
+            log.exception("could not save the partial reply")
+
+    def save(self, final_status: str | None) -> None:
+        """Write the texts (and, once final, status, stats and token ids) of every alternative."""
+        up, store, now = self.up, self.service.store, time.monotonic()
+        outs = self.last.outputs if self.last is not None else []
+        for i, mid in enumerate(up.message_ids):
+            st = self.stats_for(i, now)
+            if final_status is None:
+                store.update_message(self.user, mid, content=up.texts[i], stats=st)
+                continue
+            status = "aborted" if final_status == "done" and up.finish_reasons[i] == "abort" else final_status
+            ids = self.service.template.assistant_ids(outs[i].token_ids if i < len(outs) else []) \
+                if self.service.template.incremental else None
+            if up.error:
+                st["error"] = up.error
+            up.stats[i] = st
+            store.update_message(self.user, mid, content=up.texts[i], token_ids=ids, stats=st, status=status)
 
 
 def _title_from(text: str) -> str:

@@ -2,8 +2,8 @@
 
 Every hash here is deterministic (no os.urandom, no Python hash()), so a block computed before a
 restart, or on the CPU or disk tier, has the same key afterwards. Every variable-length field is
-length-prefixed, so two different inputs can never serialise to the same bytes (ambiguous
-concatenation is how sglang/ktransformers let tenants collide; see reference/reliability.md §2.2).
+length-prefixed, so two different inputs can never serialise to the same bytes (with plain
+concatenation, one tenant's tokens plus salt could spell another tenant's key).
 """
 import hashlib
 import hmac
@@ -41,7 +41,7 @@ def _typed(value) -> bytes:
 def model_fingerprint(model_id: str, weights_digest: str, dtype: str, kv_layout: str,
                       block_size: int, extra: tuple = ()) -> bytes:
     """Root of every hash chain. Changed weights, dtype, layout or block size give a new root,
-    so KV computed under the old model can never be hit (reference/engines.md §7.2)."""
+    so KV computed under the old model can never be hit."""
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     fields = (model_id, weights_digest, dtype, kv_layout, block_size, *extra)
