@@ -26,7 +26,7 @@ statuses. Saves JSON + a markdown table under benchmarks/results/ (machine, comm
 Exit status 1 when any check fails.
 
 --quick (CI, tests/test_load.py): 4 users, 12 s of arrivals at 1.5/s, at most 30 turns, short replies.
-A soak (reference/reliability.md L3: 2000 turns with hang-ups, then zero blocks in use) is the same
+A soak (2000 turns with hang-ups, then zero blocks in use) is the same
 script run long, with the invariant checker on after every step:
 
     python benchmarks/load_test.py --users 16 --duration 7200 --rate 0.5 --max-requests 2000 --debug-checks

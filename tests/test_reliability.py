@@ -1,4 +1,4 @@
-"""Reliability (reference/reliability.md §7): faults survived, abort storms, KV pool exhaustion, a
+"""Reliability (RELIABILITY.md): faults survived, abort storms, KV pool exhaustion, a
 full or foreign KV store, SIGKILL of the real server, and bad inputs through the engine, the API and
 the chat service. Every engine here runs the invariant checker after every step (debug_checks),
 and every test ends with no request left and no KV block in use.
@@ -762,22 +762,9 @@ def test_odd_unicode_and_control_characters_are_served(default_engine):
 
 
 @pytest.fixture(scope="module")
-def api_url(default_engine):
-    uvicorn = pytest.importorskip("uvicorn")
+def api_url(default_engine, serve):
     from chatengine.app.api.routes import build_api
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_api(default_engine, None, model_name="m"), log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    yield serve(build_api(default_engine, None, model_name="m")).url
 
 
 MSG = '"messages": [{"role": "user", "content": "hi"}]'
