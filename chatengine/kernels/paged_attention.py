@@ -542,13 +542,3 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     for rows, o in outs:
         out.index_copy_(0, rows, o)
     return out
-
-
-def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                    max_seqlen_q=None, max_seqlen_k=None, num_splits=None, backend=None):
-    """Varlen paged attention on the backend `resolve_backend(q.device, backend)` picks."""
-    if resolve_backend(q.device, backend) == "triton":
-        return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                                      max_seqlen_q, max_seqlen_k, num_splits)
-    return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                               max_seqlen_q, max_seqlen_k)

@@ -149,21 +149,6 @@ class TieredCache:
         self.inflight = event
 
     # ---- write-back from the device ---------------------------------------------------------------
-    def put(self, meta: BlockMeta, page: torch.Tensor) -> bool:
-        """Store one page in host memory (LRU spills to disk). False if every slot is pinned."""
-        if self.host is None:
-            if self.disk is not None:
-                self.disk.write_behind(meta, page.clone(), block=True)
-            return False
-        stored, slot = self.claim(meta)
-        if slot is not None:
-            self._settle(slot)                     # a device copy may still be landing in this reused slot
-            if self.inflight is not None:          # a restore may still be reading this slot: wait for it
-                self.inflight.synchronize()
-                self.inflight = None
-            self.host.data[slot].copy_(page)
-        return stored
-
     def claim(self, meta: BlockMeta) -> tuple[bool, int | None]:
         """Room in host memory for one page, indexed now: (whether the page will be here, the slot to
         copy it to; None when it is here already or nothing is free). A device copy into the slot
