@@ -1,4 +1,5 @@
 """What every benchmark records about its run."""
+
 import os
 import subprocess
 from pathlib import Path
@@ -12,12 +13,14 @@ def commit(override: str | None = None) -> str:
         return override or os.environ["CHATENGINE_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=here).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here
+        ).stdout.strip()
         if not sha:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=here).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=here
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except OSError:
         return "unknown"

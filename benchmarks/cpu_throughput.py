@@ -14,6 +14,7 @@ another process has descheduled (~10 ms each), which slows both engines several-
 Our greedy tokens are checked against HF's for every prompt up to our first EOS (`greedy_match`:
 HF's min_new_tokens bans EOS, while ours, with ignore_eos, may emit it and go on).
 """
+
 import argparse
 import json
 import os
@@ -21,7 +22,7 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -31,11 +32,22 @@ from benchmarks.common import commit  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
-    "Explain what a KV cache is.", "Give me a recipe for pancakes.", "Why is the sky blue?",
-    "Summarise the plot of Hamlet.", "How do I reverse a list in Python?", "What is photosynthesis?",
-    "Tell me a joke about cats.", "Name three rivers in Europe.", "What does a CPU do?",
-    "How far is the moon?", "Suggest a name for a bakery.", "What is 17 times 23?", "Describe a sunset.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a KV cache is.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Summarise the plot of Hamlet.",
+    "How do I reverse a list in Python?",
+    "What is photosynthesis?",
+    "Tell me a joke about cats.",
+    "Name three rivers in Europe.",
+    "What does a CPU do?",
+    "How far is the moon?",
+    "Suggest a name for a bakery.",
+    "What is 17 times 23?",
+    "Describe a sunset.",
 ]
 
 
@@ -61,10 +73,13 @@ def main(argv=None):
     llm = LLM(enable_prefix_caching=False, max_num_batched_tokens=1024, kv_cache_gib=0.5)
     tok = llm.get_tokenizer()
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.hf_dir, dtype=torch.float32).eval()
     progress(f"loaded; {torch.get_num_threads()} torch threads")
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=True) for q in QUESTIONS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in QUESTIONS
+    ]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
     n_out, c_max = args.max_tokens, max(args.concurrency)
     sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
@@ -79,11 +94,16 @@ def main(argv=None):
     @torch.inference_mode()
     def peer(p):
         t = time.perf_counter()
-        out = hf.generate(torch.tensor([p]), max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
-                          pad_token_id=tok.eos_token_id)
+        out = hf.generate(
+            torch.tensor([p]),
+            max_new_tokens=n_out,
+            min_new_tokens=n_out,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+        )
         dt = time.perf_counter() - t
         assert out.shape[1] - len(p) == n_out
-        return dt, out[0, len(p):].tolist()
+        return dt, out[0, len(p) :].tolist()
 
     ours(2), peer(prompts[0][:8])  # warm-up
     hf_times, hf_tokens = [float("inf")] * c_max, [None] * c_max
@@ -91,8 +111,10 @@ def main(argv=None):
         for i in range(c_max):
             dt, hf_tokens[i] = peer(prompts[i])
             hf_times[i] = min(hf_times[i], dt)
-        progress(f"HF generate, repeat {r + 1}/{args.hf_repeats}: {c_max} prompts x {n_out} tokens in "
-                 f"{sum(hf_times):.1f} s ({c_max * n_out / sum(hf_times):.1f} tok/s)")
+        progress(
+            f"HF generate, repeat {r + 1}/{args.hf_repeats}: {c_max} prompts x {n_out} tokens in "
+            f"{sum(hf_times):.1f} s ({c_max * n_out / sum(hf_times):.1f} tok/s)"
+        )
 
     rows, ours_tokens = [], [None] * c_max
     for c in args.concurrency:
@@ -102,44 +124,69 @@ def main(argv=None):
             o.append(tps)
             ours_tokens[:c] = toks
         hf_tps = c * n_out / sum(hf_times[:c])
-        row = {"concurrency": c, "ours_tok_s": statistics.median(o), "hf_sequential_tok_s": hf_tps,
-               "ours_runs": o, "hf_prompt_s": hf_times[:c]}
+        row = {
+            "concurrency": c,
+            "ours_tok_s": statistics.median(o),
+            "hf_sequential_tok_s": hf_tps,
+            "ours_runs": o,
+            "hf_prompt_s": hf_times[:c],
+        }
         row["ratio"] = row["ours_tok_s"] / row["hf_sequential_tok_s"]
         rows.append(row)
-        progress(f"c={c:3d}  ours {row['ours_tok_s']:8.1f} tok/s   HF generate (sequential) "
-                 f"{row['hf_sequential_tok_s']:7.1f} tok/s   ratio {row['ratio']:.2f}x")
+        progress(
+            f"c={c:3d}  ours {row['ours_tok_s']:8.1f} tok/s   HF generate (sequential) "
+            f"{row['hf_sequential_tok_s']:7.1f} tok/s   ratio {row['ratio']:.2f}x"
+        )
     # HF's min_new_tokens bans EOS, ours (ignore_eos) may pick it and go on: compare up to our first EOS
     eos = llm.engine.eos_token_ids
 
     def until_eos(ids):
-        return ids[:next((j for j, t in enumerate(ids) if t in eos), len(ids))]
+        return ids[: next((j for j, t in enumerate(ids) if t in eos), len(ids))]
 
-    match = sum(until_eos(a) == b[:len(until_eos(a))] for a, b in zip(ours_tokens, hf_tokens) if a is not None)
+    match = sum(until_eos(a) == b[: len(until_eos(a))] for a, b in zip(ours_tokens, hf_tokens) if a is not None)
     progress(f"greedy tokens equal to HF's (up to EOS): {match}/{c_max} prompts")
 
-    meta = {"benchmark": "cpu_throughput", "model": llm.stats()["model"], "dtype": "float32",
-            "max_tokens": n_out, "repeats": args.repeats, "hf_repeats": args.hf_repeats, "commit": commit(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "cpu_count": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)),
-                        "python": platform.python_version()},
-            "threads": torch.get_num_threads(), "greedy_match": f"{match}/{c_max}",
-            "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
-            "command": "python benchmarks/cpu_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {
+        "benchmark": "cpu_throughput",
+        "model": llm.stats()["model"],
+        "dtype": "float32",
+        "max_tokens": n_out,
+        "repeats": args.repeats,
+        "hf_repeats": args.hf_repeats,
+        "commit": commit(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": torch.get_num_threads(),
+            "cores": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+        },
+        "threads": torch.get_num_threads(),
+        "greedy_match": f"{match}/{c_max}",
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "command": "python benchmarks/cpu_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"cpu_throughput-{meta['date'][:16].replace(':', '')}-{meta['commit']}"
     stem.with_suffix(".json").write_text(json.dumps({**meta, "results": rows}, indent=1))
-    lines = [f"# CPU throughput — {meta['model']} fp32, {n_out} output tokens per request",
-             "", f"commit {meta['commit']}, {meta['date']}, {meta['machine']['processor']}, "
-             f"{meta['machine']['cores']} cores, {meta['threads']} torch threads (both engines), "
-             f"torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}; "
-             f"ours: median of {args.repeats}; HF: per-prompt minimum of {args.hf_repeats}, summed over "
-             f"the first c prompts; greedy tokens equal to HF's (up to EOS) on {match}/{c_max} prompts",
-             "", "| concurrent requests | chatengine tok/s | HF generate, sequential, tok/s | ratio |",
-             "|---:|---:|---:|---:|"]
-    lines += [f"| {r['concurrency']} | {r['ours_tok_s']:.1f} | {r['hf_sequential_tok_s']:.1f} | {r['ratio']:.2f}x |"
-              for r in rows]
+    lines = [
+        f"# CPU throughput — {meta['model']} fp32, {n_out} output tokens per request",
+        "",
+        f"commit {meta['commit']}, {meta['date']}, {meta['machine']['processor']}, "
+        f"{meta['machine']['cores']} cores, {meta['threads']} torch threads (both engines), "
+        f"torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}; "
+        f"ours: median of {args.repeats}; HF: per-prompt minimum of {args.hf_repeats}, summed over "
+        f"the first c prompts; greedy tokens equal to HF's (up to EOS) on {match}/{c_max} prompts",
+        "",
+        "| concurrent requests | chatengine tok/s | HF generate, sequential, tok/s | ratio |",
+        "|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['concurrency']} | {r['ours_tok_s']:.1f} | {r['hf_sequential_tok_s']:.1f} | {r['ratio']:.2f}x |"
+        for r in rows
+    ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     progress(f"saved {stem}.json and .md")
 

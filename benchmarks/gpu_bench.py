@@ -19,6 +19,7 @@ Saves JSON + a markdown table (device, commit, versions) under --out and prints 
     python benchmarks/gpu_bench.py [--quick] [--part throughput decode ...] [--out DIR]
     CHATENGINE_COMMIT=$(git rev-parse --short HEAD) python benchmarks/gpu_bench.py   # .git may not travel
 """
+
 import argparse
 import functools
 import gc
@@ -31,7 +32,7 @@ import sys
 import time
 import traceback
 import types
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -69,7 +70,7 @@ def graph_time(fn, iters: int = 20) -> float:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()                                     # compile / warm up outside the capture
+        fn()  # compile / warm up outside the capture
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -98,9 +99,15 @@ def model_bytes(shape: str) -> dict:
     H, I, L, D = c["hidden_size"], c["intermediate_size"], c["num_layers"], c["head_dim"]
     per_layer = H * (c["num_heads"] + 2 * c["num_kv_heads"]) * D + c["num_heads"] * D * H + 3 * H * I + 2 * H
     embed = c["vocab_size"] * H * (1 if c["tie_word_embeddings"] else 2)
-    return {"weight_bytes": 2 * (L * per_layer + embed + H), "kv_bytes_per_token": 2 * L * c["num_kv_heads"] * D * 2,
-            "matmul_params": L * per_layer, "vocab": c["vocab_size"], "layers": L, "q_heads": c["num_heads"],
-            "head_dim": D}
+    return {
+        "weight_bytes": 2 * (L * per_layer + embed + H),
+        "kv_bytes_per_token": 2 * L * c["num_kv_heads"] * D * 2,
+        "matmul_params": L * per_layer,
+        "vocab": c["vocab_size"],
+        "layers": L,
+        "q_heads": c["num_heads"],
+        "head_dim": D,
+    }
 
 
 def log(msg: str) -> None:
@@ -116,7 +123,7 @@ def model_modes(args):
 
 # ---------------------------------------------------------------------------- parts
 def part_bandwidth(args, res):
-    n = (1 << 30) if not args.quick else (1 << 29)               # bf16 elements: 2 GiB (1 GiB quick)
+    n = (1 << 30) if not args.quick else (1 << 29)  # bf16 elements: 2 GiB (1 GiB quick)
     x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     ms = statistics.median(event_times(functools.partial(y.copy_, x), 10))
@@ -128,13 +135,22 @@ def part_bandwidth(args, res):
     a = b = None
     free_memory()
     res["bandwidth"] = {"copy_bytes_per_s": bw, "copy_ms": ms, "bf16_matmul_flops_per_s": 2 * 8192**3 / (mm / 1e3)}
-    log(f"[bandwidth] D2D copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul "
-        f"{res['bandwidth']['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    log(
+        f"[bandwidth] D2D copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul "
+        f"{res['bandwidth']['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+    )
 
 
 def engine(shape: str, args, **kw) -> LLM:
-    cfg = dict(device="cuda", dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=4096, register_personas=False, gpu_memory_utilization=0.85)
+    cfg = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=256,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=4096,
+        register_personas=False,
+        gpu_memory_utilization=0.85,
+    )
     return LLM(f"dummy:{shape}", **{**cfg, **kw})
 
 
@@ -142,7 +158,7 @@ def workload_floor(shape: str, prompts, outs, bw: float, flops: float) -> dict:
     """Roofline floor of the offline workload (perf.md 3.3): every decode step reads the weights
     once and each sequence's KV once; prefill at the measured matmul rate; fp32 logits written + read."""
     m = model_bytes(shape)
-    kv_reads = sum(len(p) * o + o * (o - 1) // 2 for p, o in zip(prompts, outs))     # token-reads
+    kv_reads = sum(len(p) * o + o * (o - 1) // 2 for p, o in zip(prompts, outs))  # token-reads
     steps = max(outs)
     prompt_tokens = sum(map(len, prompts))
     t_kv = kv_reads * m["kv_bytes_per_token"] / bw
@@ -150,8 +166,14 @@ def workload_floor(shape: str, prompts, outs, bw: float, flops: float) -> dict:
     t_logits = sum(outs) * m["vocab"] * 4 * 2 / bw
     t_prefill = 2 * m["matmul_params"] * prompt_tokens / flops
     floor = t_kv + t_w + t_logits + t_prefill
-    return {"floor_s": floor, "kv_s": t_kv, "weights_s": t_w, "logits_s": t_logits, "prefill_s": t_prefill,
-            "ceiling_tok_s": sum(outs) / floor}
+    return {
+        "floor_s": floor,
+        "kv_s": t_kv,
+        "weights_s": t_w,
+        "logits_s": t_logits,
+        "prefill_s": t_prefill,
+        "ceiling_tok_s": sum(outs) / floor,
+    }
 
 
 class StepTimer:
@@ -172,15 +194,20 @@ class StepTimer:
                 self.runner_s += time.perf_counter() - t
                 self.steps += name == "launch"
                 return out
+
             return call
+
         for name in self.real:
             setattr(self.runner, name, timed(name))
 
     def close(self):
         for name, real in self.real.items():
             setattr(self.runner, name, real)
-        return {"runner_s": self.runner_s, "steps": self.steps,
-                "graph_steps": self.runner.num_graph_steps - self.graph_steps0}
+        return {
+            "runner_s": self.runner_s,
+            "steps": self.steps,
+            "graph_steps": self.runner.num_graph_steps - self.graph_steps0,
+        }
 
 
 def run_ours(llm, prompts, outs, temperature=0.6):
@@ -192,8 +219,13 @@ def run_ours(llm, prompts, outs, temperature=0.6):
     info = timer.close()
     n_out = sum(len(r.outputs[0].token_ids) for r in results)
     assert n_out == sum(outs), (n_out, sum(outs))
-    return {"seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt, **info,
-            "host_outside_runner_s": dt - info["runner_s"]}
+    return {
+        "seconds": dt,
+        "output_tokens": n_out,
+        "tok_s": n_out / dt,
+        **info,
+        "host_outside_runner_s": dt - info["runner_s"],
+    }
 
 
 def part_throughput(args, res):
@@ -204,51 +236,76 @@ def part_throughput(args, res):
         llm = engine(shape, args)
         llm.generate([list(range(1, 200))] * 8, SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True))
         row = run_ours(llm, prompts, outs)
-        row.update(requests=len(prompts), prompt_tokens=sum(map(len, prompts)), stats=llm.stats(),
-                   kv_blocks=llm.stats()["kv_blocks_total"], graphs=len(llm.engine.runner.graphs))
+        row.update(
+            requests=len(prompts),
+            prompt_tokens=sum(map(len, prompts)),
+            stats=llm.stats(),
+            kv_blocks=llm.stats()["kv_blocks_total"],
+            graphs=len(llm.engine.runner.graphs),
+        )
         if bwd:
-            row["roofline"] = workload_floor(shape, prompts, outs, bwd["copy_bytes_per_s"],
-                                             bwd["bf16_matmul_flops_per_s"])
+            row["roofline"] = workload_floor(
+                shape, prompts, outs, bwd["copy_bytes_per_s"], bwd["bf16_matmul_flops_per_s"]
+            )
             row["fraction_of_ceiling"] = row["tok_s"] / row["roofline"]["ceiling_tok_s"]
-        if "peer" in args.part:                  # the same subset the peer runs, for a like-for-like ratio
+        if "peer" in args.part:  # the same subset the peer runs, for a like-for-like ratio
             k = args.peer_requests
             row["subset"] = run_ours(llm, prompts[:k], outs[:k]) | {"requests": k}
         out[shape + suffix] = row
-        log(f"[throughput] {shape}{suffix}: {row['tok_s']:.0f} tok/s ({row['output_tokens']} tokens in "
+        log(
+            f"[throughput] {shape}{suffix}: {row['tok_s']:.0f} tok/s ({row['output_tokens']} tokens in "
             f"{row['seconds']:.2f} s; runner {row['runner_s']:.2f} s over {row['steps']} steps, "
-            f"{row['graph_steps']} graph replays)" + (f", {100 * row['fraction_of_ceiling']:.0f}% of the "
-                                                      f"{row['roofline']['ceiling_tok_s']:.0f} tok/s ceiling"
-                                                      if bwd else ""))
+            f"{row['graph_steps']} graph replays)"
+            + (
+                f", {100 * row['fraction_of_ceiling']:.0f}% of the {row['roofline']['ceiling_tok_s']:.0f} tok/s ceiling"
+                if bwd
+                else ""
+            )
+        )
         del llm
         free_memory()
-        for variant in args.variant:             # the same workload under other engine settings
+        for variant in args.variant:  # the same workload under other engine settings
             llm = engine(shape, args, **json.loads(variant))
             llm.generate([list(range(1, 200))] * 8, SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True))
             v = run_ours(llm, prompts, outs)
             row.setdefault("variants", {})[variant] = v
-            log(f"[throughput] {shape}{suffix} {variant}: {v['tok_s']:.0f} tok/s (runner {v['runner_s']:.2f} s of "
-                f"{v['seconds']:.2f} s)")
+            log(
+                f"[throughput] {shape}{suffix} {variant}: {v['tok_s']:.0f} tok/s (runner {v['runner_s']:.2f} s of "
+                f"{v['seconds']:.2f} s)"
+            )
             del llm
             free_memory()
 
 
 def hf_model(shape: str):
     import transformers
+
     c = DUMMY_SHAPES[shape]
     cls = transformers.LlamaConfig if shape.startswith("llama") else transformers.Qwen2Config
-    cfg = cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-              num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"],
-              num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"], rms_norm_eps=c["rms_norm_eps"],
-              max_position_embeddings=c["max_position_embeddings"], tie_word_embeddings=c["tie_word_embeddings"],
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = cls(
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_layers"],
+        num_attention_heads=c["num_heads"],
+        num_key_value_heads=c["num_kv_heads"],
+        head_dim=c["head_dim"],
+        rms_norm_eps=c["rms_norm_eps"],
+        max_position_embeddings=c["max_position_embeddings"],
+        tie_word_embeddings=c["tie_word_embeddings"],
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     errors = []
     for attn in ("paged|sdpa", "sdpa"):
         try:
             with torch.device("cuda"):
-                model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
-                                                                      attn_implementation=attn)
+                model = transformers.AutoModelForCausalLM.from_config(
+                    cfg, dtype=torch.bfloat16, attn_implementation=attn
+                )
             return model.eval(), attn
-        except Exception as e:                   # the name changed inside 5.x
+        except Exception as e:  # the name changed inside 5.x
             errors.append(f"{attn}: {e}")
     raise RuntimeError("; ".join(errors))
 
@@ -256,6 +313,7 @@ def hf_model(shape: str):
 def cb_manager(model, generation_config, kw):
     """transformers' continuous-batching manager as a context (5.x has had both spellings)."""
     import contextlib
+
     if hasattr(model, "continuous_batching_context_manager"):
         return model.continuous_batching_context_manager(generation_config=generation_config, **kw)
 
@@ -267,32 +325,43 @@ def cb_manager(model, generation_config, kw):
             yield mgr
         finally:
             mgr.stop(block=True)
+
     return manager()
 
 
 def part_peer(args, res):
     import inspect
+
     import transformers
     from transformers import GenerationConfig
+
     prompts, outs = nano_workload(args.num_requests)
     k = args.peer_requests
     prompts, outs = prompts[:k], outs[:k]
     out = res.setdefault("peer", {})
     for shape in args.models:
         model, attn = hf_model(shape)
-        gc_ = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, max_new_tokens=max(outs),
-                               eos_token_id=None, pad_token_id=0)
+        gc_ = GenerationConfig(
+            do_sample=True,
+            temperature=0.6,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max(outs),
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         kw = {}
         if hasattr(transformers.generation, "ContinuousBatchingConfig"):
             cbc = transformers.generation.ContinuousBatchingConfig
             fields = inspect.signature(cbc).parameters
             want = dict(max_memory_percent=0.8)
-            if args.peer_graphs:                 # perf.md: CUDA graphs and async batching on, if present
+            if args.peer_graphs:  # perf.md: CUDA graphs and async batching on, if present
                 want.update(use_cuda_graph=True, use_async_batching=True)
             kw["continuous_batching_config"] = cbc(**{k_: v for k_, v in want.items() if k_ in fields})
         done, tokens = {}, 0
-        out.setdefault("api", {})["add_request"] = str(inspect.signature(
-            transformers.generation.continuous_batching.ContinuousBatchingManager.add_request))
+        out.setdefault("api", {})["add_request"] = str(
+            inspect.signature(transformers.generation.continuous_batching.ContinuousBatchingManager.add_request)
+        )
         with cb_manager(model, gc_, kw) as mgr:
             t = time.perf_counter()
             for i, (ids, n) in enumerate(zip(prompts, outs)):
@@ -306,12 +375,21 @@ def part_peer(args, res):
             impl = getattr(model.config, "_attn_implementation", attn)
             cb = getattr(mgr, "continuous_batching_config", None)
         expected = sum(outs[int(rid[1:])] for rid in done)
-        out[shape] = {"requests": len(prompts), "finished": len(done), "output_tokens": tokens,
-                      "expected_tokens": expected, "seconds": dt, "tok_s": tokens / dt,
-                      "attn_implementation": impl, "transformers": transformers.__version__,
-                      "cb_config": repr(cb)[:600] if cb is not None else None}
-        log(f"[peer] {shape}: HF CB {tokens / dt:.0f} tok/s ({len(done)}/{len(prompts)} requests, {tokens} tokens "
-            f"(expected {expected}) in {dt:.1f} s, attention {impl})")
+        out[shape] = {
+            "requests": len(prompts),
+            "finished": len(done),
+            "output_tokens": tokens,
+            "expected_tokens": expected,
+            "seconds": dt,
+            "tok_s": tokens / dt,
+            "attn_implementation": impl,
+            "transformers": transformers.__version__,
+            "cb_config": repr(cb)[:600] if cb is not None else None,
+        }
+        log(
+            f"[peer] {shape}: HF CB {tokens / dt:.0f} tok/s ({len(done)}/{len(prompts)} requests, {tokens} tokens "
+            f"(expected {expected}) in {dt:.1f} s, attention {impl})"
+        )
         del model
         free_memory()
 
@@ -333,8 +411,8 @@ def part_decode(args, res):
             while any(not eng.requests[r].seqs[0].num_output_tokens for r in ids):
                 eng.step()
             seqs = list(eng.scheduler.running)
-            by_mode = {}                          # the engine's step, async scheduling on and off
-            for mode in (not eng.async_scheduling, eng.async_scheduling):    # the engine's own last
+            by_mode = {}  # the engine's step, async scheduling on and off
+            for mode in (not eng.async_scheduling, eng.async_scheduling):  # the engine's own last
                 eng.async_scheduling = mode
                 eng.step()
                 by_mode[mode] = []
@@ -344,25 +422,39 @@ def part_decode(args, res):
                     by_mode[mode].append(1e3 * (time.perf_counter() - t))
             steps = by_mode[eng.async_scheduling]
             host_profile = None
-            if B == max(args.decode_batches):     # where the engine's host time goes
+            if B == max(args.decode_batches):  # where the engine's host time goes
                 import cProfile
                 import pstats
+
                 pr = cProfile.Profile()
                 pr.enable()
                 for _ in range(10):
                     eng.step()
                 pr.disable()
                 st = pstats.Stats(pr)
-                host_profile = sorted(([f"{Path(k[0]).name}:{k[1]}({k[2]})", v[2] / 10 * 1e3, v[3] / 10 * 1e3]
-                                       for k, v in st.stats.items()), key=lambda x: -x[1])[:20]
+                host_profile = sorted(
+                    (
+                        [f"{Path(k[0]).name}:{k[1]}({k[2]})", v[2] / 10 * 1e3, v[3] / 10 * 1e3]
+                        for k, v in st.stats.items()
+                    ),
+                    key=lambda x: -x[1],
+                )[:20]
                 for name, tot, cum in host_profile[:12]:
                     log(f"    host {tot:7.3f} ms self {cum:7.3f} ms cumulative per step  {name}")
             # the runner alone: recompute each sequence's newest cached token (its slot is allocated;
             # the engine allocates the next one only at the next schedule), rewriting the same values
-            again = [types.SimpleNamespace(seq_id=s.seq_id, num_computed_tokens=s.num_computed_tokens - 1,
-                                           token_ids=s.token_ids,
-                                           num_tokens=s.num_computed_tokens, block_table=s.block_table,
-                                           params=s.params, generator=None) for s in seqs]
+            again = [
+                types.SimpleNamespace(
+                    seq_id=s.seq_id,
+                    num_computed_tokens=s.num_computed_tokens - 1,
+                    token_ids=s.token_ids,
+                    num_tokens=s.num_computed_tokens,
+                    block_table=s.block_table,
+                    params=s.params,
+                    generator=None,
+                )
+                for s in seqs
+            ]
             ones = [1] * len(seqs)
             run_ms = []
             for _ in range(args.decode_steps):
@@ -375,28 +467,38 @@ def part_decode(args, res):
             if bs is not None:
                 replay = statistics.median(event_times(runner.graphs[bs][0].replay, args.decode_steps))
                 t = time.perf_counter()
-                for _ in range(args.decode_steps):      # host: staging the decode batch
+                for _ in range(args.decode_steps):  # host: staging the decode batch
                     runner._stage(seqs, ones, pad_to=bs)
                 stage = 1e3 * (time.perf_counter() - t) / args.decode_steps
             mean_ctx = statistics.mean(s.num_tokens for s in seqs)
             floor_bytes = m["weight_bytes"] + B * mean_ctx * m["kv_bytes_per_token"] + B * m["vocab"] * 4 * 2
-            row = {"batch": B, "context": mean_ctx, "engine_step_ms": statistics.median(steps),
-                   "async_scheduling": eng.async_scheduling,
-                   "engine_step_async_ms": statistics.median(by_mode[True]),
-                   "engine_step_sync_ms": statistics.median(by_mode[False]),
-                   "runner_ms": statistics.median(run_ms), "graph_replay_ms": replay, "graph_bs": bs,
-                   "stage_ms": stage, "host_profile_ms_per_step": host_profile,
-                   "floor_bytes": floor_bytes}
+            row = {
+                "batch": B,
+                "context": mean_ctx,
+                "engine_step_ms": statistics.median(steps),
+                "async_scheduling": eng.async_scheduling,
+                "engine_step_async_ms": statistics.median(by_mode[True]),
+                "engine_step_sync_ms": statistics.median(by_mode[False]),
+                "runner_ms": statistics.median(run_ms),
+                "graph_replay_ms": replay,
+                "graph_bs": bs,
+                "stage_ms": stage,
+                "host_profile_ms_per_step": host_profile,
+                "floor_bytes": floor_bytes,
+            }
             if bw:
                 row["floor_ms"] = 1e3 * floor_bytes / bw
                 row["step_over_floor"] = row["engine_step_ms"] / row["floor_ms"]
                 if replay:
                     row["replay_over_floor"] = replay / row["floor_ms"]
             rows.append(row)
-            log(f"[decode] {shape}{suffix} B={B}: step {row['engine_step_ms']:.3f} ms (async {row['engine_step_async_ms']:.3f}, "
+            log(
+                f"[decode] {shape}{suffix} B={B}: step {row['engine_step_ms']:.3f} ms "
+                f"(async {row['engine_step_async_ms']:.3f}, "
                 f"sync {row['engine_step_sync_ms']:.3f}), runner {row['runner_ms']:.3f}, "
                 f"graph {replay if replay is None else round(replay, 3)} ms, floor "
-                f"{row.get('floor_ms', float('nan')):.3f} ms")
+                f"{row.get('floor_ms', float('nan')):.3f} ms"
+            )
             for r in ids:
                 eng.abort(r)
         del llm, eng, runner
@@ -421,22 +523,23 @@ def contiguous_kv(cache, tables, layer, B, ctx):
     pages = tables[:, :-1].long().reshape(-1)
     k = cache[:, layer, 0].index_select(0, pages).reshape(B, -1, *cache.shape[-2:])[:, :ctx]
     v = cache[:, layer, 1].index_select(0, pages).reshape(B, -1, *cache.shape[-2:])[:, :ctx]
-    return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()      # (B, H_kv, ctx, D)
+    return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # (B, H_kv, ctx, D)
 
 
-def attention_bench(B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(None,), splits=(None,),
-                    variants=None, floors=False):
+def attention_bench(
+    B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(None,), splits=(None,), variants=None, floors=False
+):
     """The decode kernel on B sequences of ctx tokens, per variant: a dict of `paged_attention_triton`
     overrides (num_splits, launch, pdl; {} = the defaults), or configs x splits. Each variant is timed
     as a CUDA graph over `copies` layers (> 4x L2), then its output after those replays (the last
     layer's) is checked against SDPA on the same keys (PDL's waits included). `floors`: also time
     kernels that only read the same bytes (benchmarks/read_floor.py)."""
     kv_bytes = B * ctx * H_kv * D * 2 * 2
-    copies = max(2, min(16, math.ceil(4 * 100e6 / kv_bytes)))         # > 4x L2 over the copies
+    copies = max(2, min(16, math.ceil(4 * 100e6 / kv_bytes)))  # > 4x L2 over the copies
     cache, tables, q, cu, lens = kv_setup(B, ctx, H_q, H_kv, D, page, copies)
     out = torch.empty_like(q)
-    scale = D ** -0.5
-    q4 = q[:, :, None, :]                                              # (B, H_q, 1, D)
+    scale = D**-0.5
+    q4 = q[:, :, None, :]  # (B, H_q, 1, D)
     k_last, v_last = contiguous_kv(cache, tables, copies - 1, B, ctx)
     ref = torch.nn.functional.scaled_dot_product_attention(q4, k_last, v_last, scale=scale, enable_gqa=True)[:, :, 0]
     k_last = v_last = None
@@ -446,20 +549,36 @@ def attention_bench(B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(N
     rows = []
     for var in variants:
         var = {k: v for k, v in var.items() if v is not None}
+
         def paged():
             for layer in range(copies):
-                pa.paged_attention_triton(q, cache[:, layer, 0], cache[:, layer, 1], cu, lens, tables, scale,
-                                          max_seqlen_q=1, max_seqlen_k=ctx, out=out, **var)
+                pa.paged_attention_triton(
+                    q,
+                    cache[:, layer, 0],
+                    cache[:, layer, 1],
+                    cu,
+                    lens,
+                    tables,
+                    scale,
+                    max_seqlen_q=1,
+                    max_seqlen_k=ctx,
+                    out=out,
+                    **var,
+                )
+
         used = var.get("num_splits") or pa._decode_splits(B * H_kv, ctx, sms, D)
-        rule_launch, rule_pdl = pa._decode_launch(B * H_kv, used, ctx, D, sms)       # D: a power of two here
+        rule_launch, rule_pdl = pa._decode_launch(B * H_kv, used, ctx, D, sms)  # D: a power of two here
         launch, pdl = var.get("launch") or rule_launch, var["pdl"] if "pdl" in var else rule_pdl
         row = {"launch": launch, "num_splits": used, "pdl": pdl, "default": not var}
         try:
             out.fill_(float("nan"))
             ms = graph_time(paged) / copies
-            row.update(paged_ms=ms, paged_bytes_per_s=kv_bytes / (ms / 1e3),
-                       max_abs_diff_vs_sdpa=(out.float() - ref.float()).abs().max().item())
-        except Exception as e:               # e.g. out of shared memory for a sweep point
+            row.update(
+                paged_ms=ms,
+                paged_bytes_per_s=kv_bytes / (ms / 1e3),
+                max_abs_diff_vs_sdpa=(out.float() - ref.float()).abs().max().item(),
+            )
+        except Exception as e:  # e.g. out of shared memory for a sweep point
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
     result = {"batch": B, "context": ctx, "kv_bytes": kv_bytes, "copies": copies, "rows": rows}
@@ -471,6 +590,7 @@ def attention_bench(B, ctx, H_q=32, H_kv=8, D=64, page=16, sdpa=True, configs=(N
         def dense():
             for k, v in kvs:
                 torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+
         ms = graph_time(dense) / copies
         result["sdpa_ms"], result["sdpa_bytes_per_s"] = ms, kv_bytes / (ms / 1e3)
         result["max_abs_diff_vs_sdpa"] = rows[0].get("max_abs_diff_vs_sdpa", float("nan"))
@@ -501,10 +621,12 @@ def part_kernel(args, res):
         r["paged_read_fraction_of_bw"] = r["kv_bytes"] / (paged_read_ms(r) / 1e3) / bw if bw else None
         r["contiguous_read_fraction_of_bw"] = r["kv_bytes"] / (floors["contiguous_read_ms"] / 1e3) / bw if bw else None
         out.append(r)
-        log(f"[kernel] {B}x{ctx}: paged {best['paged_ms'] * 1e3:.1f} us = {best['paged_bytes_per_s'] / 1e12:.2f} TB/s "
+        log(
+            f"[kernel] {B}x{ctx}: paged {best['paged_ms'] * 1e3:.1f} us = {best['paged_bytes_per_s'] / 1e12:.2f} TB/s "
             f"({variant_name(best)}), SDPA contiguous {r['sdpa_ms'] * 1e3:.1f} us = "
             f"{r['sdpa_bytes_per_s'] / 1e12:.2f} TB/s, max |diff| {r['max_abs_diff_vs_sdpa']:.2e}; reading the same "
-            f"bytes only: paged {paged_read_ms(r) * 1e3:.1f} us, contiguous {floors['contiguous_read_ms'] * 1e3:.1f} us")
+            f"bytes only: paged {paged_read_ms(r) * 1e3:.1f} us, contiguous {floors['contiguous_read_ms'] * 1e3:.1f} us"
+        )
 
 
 def paged_read_ms(r) -> float:
@@ -519,54 +641,100 @@ def part_sweep(args, res):
     out = res.setdefault("sweep", {"launch": [], "splits": []})
     if args.sweep in ("launch", "both", "all"):
         pairs = [(2, 2), (4, 2), (4, 3)] if args.quick else [(2, 2), (4, 2), (4, 3), (4, 4), (8, 3)]
-        configs = [None] + [(bn, w, st) for bn in ((16, 32, 64) if args.quick else (16, 32, 64, 128))
-                            for w, st in pairs]
+        configs = [None] + [
+            (bn, w, st) for bn in ((16, 32, 64) if args.quick else (16, 32, 64, 128)) for w, st in pairs
+        ]
         for B, ctx in [(1, 8192), (16, 4096), (256, 1024), (256, 4096)]:
             r = attention_bench(B, ctx, sdpa=False, configs=configs)
             ok = [x for x in r["rows"] if "paged_ms" in x]
             best = min(ok, key=lambda x: x["paged_ms"])
             out["launch"].append(r)
-            log(f"[sweep] {B}x{ctx}: best {best['launch']}: {best['paged_ms'] * 1e3:.1f} us "
+            log(
+                f"[sweep] {B}x{ctx}: best {best['launch']}: {best['paged_ms'] * 1e3:.1f} us "
                 f"({best['paged_bytes_per_s'] / 1e12:.2f} TB/s); default {ok[0]['paged_ms'] * 1e3:.1f} us; "
-                f"{len(r['rows']) - len(ok)} configs failed")
+                f"{len(r['rows']) - len(ok)} configs failed"
+            )
     if args.sweep in ("prefill", "both", "all"):
-        for B, q_len, ctx in [(1, 128, 2176), (1, 32, 8192), (1, 512, 4096), (4, 128, 2048), (1, 2048, 2048),
-                              (8, 256, 1024), (1, 128, 512), (2, 1024, 1024)]:
-            r = prefill_split_bench(B, q_len, ctx, [None, 1, 2, 4, 8, 16, 32],
-                                    configs=[None, (64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 8, 2), (16, 4, 2)])
+        for B, q_len, ctx in [
+            (1, 128, 2176),
+            (1, 32, 8192),
+            (1, 512, 4096),
+            (4, 128, 2048),
+            (1, 2048, 2048),
+            (8, 256, 1024),
+            (1, 128, 512),
+            (2, 1024, 1024),
+        ]:
+            r = prefill_split_bench(
+                B,
+                q_len,
+                ctx,
+                [None, 1, 2, 4, 8, 16, 32],
+                configs=[None, (64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 8, 2), (16, 4, 2)],
+            )
             out.setdefault("prefill", []).append(r)
             best = min(r["rows"], key=lambda x: x["ms"])
             for cfg in dict.fromkeys(x["launch"] for x in r["rows"]):
-                log(f"[sweep] prefill B={B} q={q_len} ctx={ctx} {cfg}: " + ", ".join(
-                    f"{x['num_splits']}{'*' if x['default'] else ''}: {x['ms'] * 1e3:.1f}"
-                    for x in r["rows"] if x["launch"] == cfg) + " us")
+                log(
+                    f"[sweep] prefill B={B} q={q_len} ctx={ctx} {cfg}: "
+                    + ", ".join(
+                        f"{x['num_splits']}{'*' if x['default'] else ''}: {x['ms'] * 1e3:.1f}"
+                        for x in r["rows"]
+                        if x["launch"] == cfg
+                    )
+                    + " us"
+                )
             log(f"[sweep] prefill B={B} q={q_len} ctx={ctx}: best {best['launch']} x {best['num_splits']} splits")
     if args.sweep in ("decode", "all"):
         part_sweep_decode(args, res, out)
     if args.sweep in ("splits", "both", "all"):
-        for B, ctx in [(1, 8192), (1, 32768), (8, 8192), (16, 4096), (32, 4096), (64, 1024), (64, 4096),
-                       (128, 2048), (256, 1024)]:
+        for B, ctx in [
+            (1, 8192),
+            (1, 32768),
+            (8, 8192),
+            (16, 4096),
+            (32, 4096),
+            (64, 1024),
+            (64, 4096),
+            (128, 2048),
+            (256, 1024),
+        ]:
             splits = [x for x in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if ctx // x >= 128]
             r = attention_bench(B, ctx, sdpa=False, splits=splits)
             ok = sorted((x for x in r["rows"] if "paged_ms" in x), key=lambda x: x["paged_ms"])
             r["heuristic"] = pa._decode_splits(B * 8, ctx, pa.num_sms(torch.device("cuda")))
             out["splits"].append(r)
-            log(f"[sweep] {B}x{ctx} splits: " + ", ".join(f"{x['num_splits']}: {x['paged_ms'] * 1e3:.1f}"
-                                                          for x in sorted(ok, key=lambda x: x["num_splits"]))
-                + f" us; best {ok[0]['num_splits']}, heuristic {r['heuristic']}")
+            log(
+                f"[sweep] {B}x{ctx} splits: "
+                + ", ".join(
+                    f"{x['num_splits']}: {x['paged_ms'] * 1e3:.1f}" for x in sorted(ok, key=lambda x: x["num_splits"])
+                )
+                + f" us; best {ok[0]['num_splits']}, heuristic {r['heuristic']}"
+            )
 
 
 # decode variants (benchmarks/NOTES.md v8): launch configs x programmatic dependent launch x splits
 _PDL = (False, "merge", True)
 DECODE_SWEEP = {
-    (1, 8192): [dict(num_splits=64, launch=cfg, pdl=pdl) for cfg in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 2))
-                for pdl in _PDL]
-               + [dict(num_splits=ns, launch=cfg, pdl=pdl) for ns, cfg in ((32, (128, 4, 2)), (32, (64, 4, 2)),
-                                                                            (128, (64, 4, 2))) for pdl in ("merge", True)],
-    (1, 32768): [dict(num_splits=64, launch=cfg, pdl=pdl) for cfg in ((64, 4, 2), (128, 4, 2), (128, 4, 3), (64, 4, 3))
-                 for pdl in _PDL],
-    **{shape: [dict(launch=cfg, pdl=pdl) for cfg in ((64, 4, 2), (128, 4, 2)) for pdl in _PDL]
-       for shape in ((8, 8192), (16, 4096), (64, 1024), (64, 4096))},
+    (1, 8192): [
+        dict(num_splits=64, launch=cfg, pdl=pdl)
+        for cfg in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 2))
+        for pdl in _PDL
+    ]
+    + [
+        dict(num_splits=ns, launch=cfg, pdl=pdl)
+        for ns, cfg in ((32, (128, 4, 2)), (32, (64, 4, 2)), (128, (64, 4, 2)))
+        for pdl in ("merge", True)
+    ],
+    (1, 32768): [
+        dict(num_splits=64, launch=cfg, pdl=pdl)
+        for cfg in ((64, 4, 2), (128, 4, 2), (128, 4, 3), (64, 4, 3))
+        for pdl in _PDL
+    ],
+    **{
+        shape: [dict(launch=cfg, pdl=pdl) for cfg in ((64, 4, 2), (128, 4, 2)) for pdl in _PDL]
+        for shape in ((8, 8192), (16, 4096), (64, 1024), (64, 4096))
+    },
     (256, 1024): [dict(pdl=True)],
     (256, 4096): [dict(pdl=True)],
 }
@@ -574,7 +742,7 @@ DECODE_SWEEP[(16, 4096)] += [dict(num_splits=6, launch=(128, 4, 2), pdl=pdl) for
 
 
 @pa.jit
-def _touch_kernel(X):                           # one store per program: the launch floor in a graph
+def _touch_kernel(X):  # one store per program: the launch floor in a graph
     pa.tl.store(X + pa.tl.program_id(0), 1.0)
 
 
@@ -588,29 +756,42 @@ def part_sweep_decode(args, res, out):
         out.setdefault("decode", []).append(r)
         ok = sorted((x for x in r["rows"] if "paged_ms" in x), key=lambda x: x["paged_ms"])
         for x in r["rows"]:
-            log(f"[sweep] {B}x{ctx} {variant_name(x):40s} " + (
-                f"{x['paged_ms'] * 1e3:6.1f} us {x['paged_bytes_per_s'] / 1e12:5.2f} TB/s |diff| "
-                f"{x['max_abs_diff_vs_sdpa']:.1e}" if "paged_ms" in x else x["error"]))
+            log(
+                f"[sweep] {B}x{ctx} {variant_name(x):40s} "
+                + (
+                    f"{x['paged_ms'] * 1e3:6.1f} us {x['paged_bytes_per_s'] / 1e12:5.2f} TB/s |diff| "
+                    f"{x['max_abs_diff_vs_sdpa']:.1e}"
+                    if "paged_ms" in x
+                    else x["error"]
+                )
+            )
         log(f"[sweep] {B}x{ctx}: best {variant_name(ok[0])} {ok[0]['paged_ms'] * 1e3:.1f} us")
     out["diagnostics"] = diag = {}
     try:
         x = torch.zeros(1024, device="cuda")
         for n in (1, 132):
-            diag[f"empty_kernel_{n}_programs_us"] = 1e3 * graph_time(
-                lambda: [_touch_kernel[(n,)](x) for _ in range(16)]) / 16
+            diag[f"empty_kernel_{n}_programs_us"] = (
+                1e3 * graph_time(lambda: [_touch_kernel[(n,)](x) for _ in range(16)]) / 16
+            )
     except Exception as e:
         diag["empty_kernel_error"] = f"{type(e).__name__}: {e}"[:300]
     real = pa._merge_splits_kernel
 
-    class NoMerge:                              # the launcher's merge launch, skipped
+    class NoMerge:  # the launcher's merge launch, skipped
         def __getitem__(self, grid):
             return lambda *a, **k: None
+
     try:
         pa._merge_splits_kernel = NoMerge()
-        r = attention_bench(1, 8192, sdpa=False, variants=[dict(num_splits=64, launch=(64, 4, 2)),
-                                                           dict(num_splits=64, launch=(128, 4, 2))])
-        diag["decode_only_1x8k_us"] = [(x["num_splits"], x["launch"], 1e3 * x.get("paged_ms", float("nan")))
-                                       for x in r["rows"]]
+        r = attention_bench(
+            1,
+            8192,
+            sdpa=False,
+            variants=[dict(num_splits=64, launch=(64, 4, 2)), dict(num_splits=64, launch=(128, 4, 2))],
+        )
+        diag["decode_only_1x8k_us"] = [
+            (x["num_splits"], x["launch"], 1e3 * x.get("paged_ms", float("nan"))) for x in r["rows"]
+        ]
     except Exception as e:
         diag["decode_only_error"] = f"{type(e).__name__}: {e}"[:300]
     finally:
@@ -619,9 +800,29 @@ def part_sweep_decode(args, res, out):
         part = torch.zeros(32, 64, 64, device="cuda")
         lse = torch.zeros(32, 64, device="cuda")
         o = torch.empty(1, 32, 64, device="cuda", dtype=torch.bfloat16)
-        diag["merge_only_1x8k_us"] = 1e3 * graph_time(lambda: [real[(1, 32)](
-            o, part, lse, 32, o.stride(0), o.stride(1), NUM_SPLITS=64, BLOCK_S=64, HEAD_DIM=64, BLOCK_D=64,
-            PDL=False, num_warps=4) for _ in range(16)]) / 16
+        diag["merge_only_1x8k_us"] = (
+            1e3
+            * graph_time(
+                lambda: [
+                    real[(1, 32)](
+                        o,
+                        part,
+                        lse,
+                        32,
+                        o.stride(0),
+                        o.stride(1),
+                        NUM_SPLITS=64,
+                        BLOCK_S=64,
+                        HEAD_DIM=64,
+                        BLOCK_D=64,
+                        PDL=False,
+                        num_warps=4,
+                    )
+                    for _ in range(16)
+                ]
+            )
+            / 16
+        )
     except Exception as e:
         diag["merge_only_error"] = f"{type(e).__name__}: {e}"[:300]
     log(f"[sweep] diagnostics: {diag}")
@@ -637,13 +838,31 @@ def prefill_split_bench(B, q_len, ctx, splits, H_q=32, H_kv=8, D=64, page=16, co
     rows = []
     for cfg in configs:
         for ns in splits:
+
             def run():
-                pa.paged_attention_triton(q, cache[:, 0, 0], cache[:, 0, 1], cu, lens, tables, D ** -0.5,
-                                          max_seqlen_q=q_len, max_seqlen_k=ctx, num_splits=ns, out=out, launch=cfg)
-            rows.append({"num_splits": ns or pa._prefill_splits(B, q_len, H_q // H_kv, H_kv, ctx,
-                                                                pa.num_sms(q.device)),
-                         "launch": cfg, "default": ns is None and cfg is None,
-                         "ms": graph_time(run)})           # device time: no host launch gaps
+                pa.paged_attention_triton(
+                    q,
+                    cache[:, 0, 0],
+                    cache[:, 0, 1],
+                    cu,
+                    lens,
+                    tables,
+                    D**-0.5,
+                    max_seqlen_q=q_len,
+                    max_seqlen_k=ctx,
+                    num_splits=ns,
+                    out=out,
+                    launch=cfg,
+                )
+
+            rows.append(
+                {
+                    "num_splits": ns or pa._prefill_splits(B, q_len, H_q // H_kv, H_kv, ctx, pa.num_sms(q.device)),
+                    "launch": cfg,
+                    "default": ns is None and cfg is None,
+                    "ms": graph_time(run),
+                }
+            )  # device time: no host launch gaps
     cache = None
     free_memory()
     return {"batch": B, "q_len": q_len, "context": ctx, "rows": rows}
@@ -656,6 +875,7 @@ def part_profile(args, res):
 
 def profile_eager_decode(args, res, suffix, B=256):
     from torch.profiler import ProfilerActivity, profile
+
     shape = args.models[0]
     llm = engine(shape, args, enforce_eager=True)
     eng = llm.engine
@@ -679,11 +899,17 @@ def profile_eager_decode(args, res, suffix, B=256):
             kernels[e.key] = {"us_per_step": t / 3, "calls_per_step": e.count / 3}
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_step"])
     total = sum(v["us_per_step"] for v in kernels.values())
-    res.setdefault("profile", {})[shape + suffix] = {"batch": B, "context": ctx, "kernel_us_per_step": total,
-                      "top": [{"kernel": k[:120], **v} for k, v in top[:25]],
-                      "num_kernel_launches_per_step": sum(v["calls_per_step"] for v in kernels.values())}
-    log(f"[profile] {shape}{suffix} eager decode B={B}: {total:.0f} us of kernels per step, "
-        f"{res['profile'][shape + suffix]['num_kernel_launches_per_step']:.0f} launches")
+    res.setdefault("profile", {})[shape + suffix] = {
+        "batch": B,
+        "context": ctx,
+        "kernel_us_per_step": total,
+        "top": [{"kernel": k[:120], **v} for k, v in top[:25]],
+        "num_kernel_launches_per_step": sum(v["calls_per_step"] for v in kernels.values()),
+    }
+    log(
+        f"[profile] {shape}{suffix} eager decode B={B}: {total:.0f} us of kernels per step, "
+        f"{res['profile'][shape + suffix]['num_kernel_launches_per_step']:.0f} launches"
+    )
     for k, v in top[:15]:
         log(f"    {v['us_per_step']:8.1f} us  x{v['calls_per_step']:5.0f}  {k[:100]}")
     for r in ids:
@@ -694,59 +920,90 @@ def profile_eager_decode(args, res, suffix, B=256):
 
 # ---------------------------------------------------------------------------- report
 def markdown(meta, res) -> str:
-    L = [f"# GPU benchmark — {meta['device']}", "",
-         f"commit `{meta['commit']}`, {meta['date']}, torch {meta['versions']['torch']}, triton "
-         f"{meta['versions']['triton']}, transformers {meta['versions']['transformers']}, CUDA "
-         f"{meta['versions']['cuda']}{', QUICK' if meta['quick'] else ''}", ""]
+    L = [
+        f"# GPU benchmark — {meta['device']}",
+        "",
+        f"commit `{meta['commit']}`, {meta['date']}, torch {meta['versions']['torch']}, triton "
+        f"{meta['versions']['triton']}, transformers {meta['versions']['transformers']}, CUDA "
+        f"{meta['versions']['cuda']}{', QUICK' if meta['quick'] else ''}",
+        "",
+    ]
     bwd = res.get("bandwidth")
     if bwd:
-        L += [f"Measured: D2D copy {bwd['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), bf16 matmul "
-              f"{bwd['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s.", ""]
+        L += [
+            f"Measured: D2D copy {bwd['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), bf16 matmul "
+            f"{bwd['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s.",
+            "",
+        ]
     if res.get("throughput"):
-        L += ["## Offline throughput (nano-vllm workload, bf16, temperature 0.6, output tokens/s)", "",
-              "| model | requests | ours tok/s | roofline ceiling | % of ceiling | ours on peer subset | "
-              "HF CB on subset | ours / HF |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        L += [
+            "## Offline throughput (nano-vllm workload, bf16, temperature 0.6, output tokens/s)",
+            "",
+            "| model | requests | ours tok/s | roofline ceiling | % of ceiling | ours on peer subset | "
+            "HF CB on subset | ours / HF |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for shape, r in res["throughput"].items():
             p = res.get("peer", {}).get(shape.split("+")[0])
             sub = r.get("subset")
             ceil = r.get("roofline", {}).get("ceiling_tok_s")
-            L.append(f"| {shape} | {r['requests']} | {r['tok_s']:.0f} | {ceil or float('nan'):.0f} | "
-                     f"{100 * r.get('fraction_of_ceiling', float('nan')):.0f}% | "
-                     + (f"{sub['tok_s']:.0f} ({sub['requests']} req)" if sub else "-") + " | "
-                     + (f"{p['tok_s']:.0f} ({p['finished']}/{p['requests']} req, {p['attn_implementation']})"
-                        if p else "-") + " | "
-                     + (f"{sub['tok_s'] / p['tok_s']:.1f}x" if p and sub and p["tok_s"] else "-") + " |")
+            L.append(
+                f"| {shape} | {r['requests']} | {r['tok_s']:.0f} | {ceil or float('nan'):.0f} | "
+                f"{100 * r.get('fraction_of_ceiling', float('nan')):.0f}% | "
+                + (f"{sub['tok_s']:.0f} ({sub['requests']} req)" if sub else "-")
+                + " | "
+                + (f"{p['tok_s']:.0f} ({p['finished']}/{p['requests']} req, {p['attn_implementation']})" if p else "-")
+                + " | "
+                + (f"{sub['tok_s'] / p['tok_s']:.1f}x" if p and sub and p["tok_s"] else "-")
+                + " |"
+            )
         L.append("")
     if res.get("decode"):
-        L += ["## Decode step, 1k context (ms)", "",
-              "| model | batch | engine step | step, sync scheduling | runner | graph replay | floor | step / floor | "
-              "graph / floor |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        L += [
+            "## Decode step, 1k context (ms)",
+            "",
+            "| model | batch | engine step | step, sync scheduling | runner | graph replay | floor | step / floor | "
+            "graph / floor |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for shape, rows in res["decode"].items():
             for r in rows:
-                L.append(f"| {shape} | {r['batch']} | {r['engine_step_ms']:.3f} | "
-                         f"{r.get('engine_step_sync_ms', float('nan')):.3f} | {r['runner_ms']:.3f} | "
-                         f"{r['graph_replay_ms'] or float('nan'):.3f} | {r.get('floor_ms', float('nan')):.3f} | "
-                         f"{r.get('step_over_floor', float('nan')):.2f} | "
-                         f"{r.get('replay_over_floor', float('nan')):.2f} |")
+                L.append(
+                    f"| {shape} | {r['batch']} | {r['engine_step_ms']:.3f} | "
+                    f"{r.get('engine_step_sync_ms', float('nan')):.3f} | {r['runner_ms']:.3f} | "
+                    f"{r['graph_replay_ms'] or float('nan'):.3f} | {r.get('floor_ms', float('nan')):.3f} | "
+                    f"{r.get('step_over_floor', float('nan')):.2f} | "
+                    f"{r.get('replay_over_floor', float('nan')):.2f} |"
+                )
         L.append("")
     if res.get("kernel"):
-        L += ["## Decode attention kernel (Llama-3.2-1B layer, bf16, page 16)", "",
-              "| batch x context | KV MB | paged us | paged TB/s | % of copy BW | splits | SDPA contiguous us | "
-              "SDPA TB/s | read only, paged us (%) | read only, contiguous us (%) |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        L += [
+            "## Decode attention kernel (Llama-3.2-1B layer, bf16, page 16)",
+            "",
+            "| batch x context | KV MB | paged us | paged TB/s | % of copy BW | splits | SDPA contiguous us | "
+            "SDPA TB/s | read only, paged us (%) | read only, contiguous us (%) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in res["kernel"]:
             b = r["rows"][0]
             floors = "| - | - |"
             if r.get("read_floors"):
-                floors = (f"| {paged_read_ms(r) * 1e3:.1f} ({100 * (r['paged_read_fraction_of_bw'] or float('nan')):.0f}%) "
-                          f"| {r['read_floors']['contiguous_read_ms'] * 1e3:.1f} "
-                          f"({100 * (r['contiguous_read_fraction_of_bw'] or float('nan')):.0f}%) |")
-            L.append(f"| {r['batch']}x{r['context']} | {r['kv_bytes'] / 1e6:.0f} | {b['paged_ms'] * 1e3:.1f} | "
-                     f"{b['paged_bytes_per_s'] / 1e12:.2f} | {100 * (r['paged_fraction_of_bw'] or float('nan')):.0f}% | "
-                     f"{b['num_splits']} | {r['sdpa_ms'] * 1e3:.1f} | {r['sdpa_bytes_per_s'] / 1e12:.2f} {floors}")
-        L += ["", "Read only: memory-only kernels over the same bytes (benchmarks/read_floor.py): what an attention "
-              "kernel could at best approach at that size.", ""]
+                floors = (
+                    f"| {paged_read_ms(r) * 1e3:.1f} ({100 * (r['paged_read_fraction_of_bw'] or float('nan')):.0f}%) "
+                    f"| {r['read_floors']['contiguous_read_ms'] * 1e3:.1f} "
+                    f"({100 * (r['contiguous_read_fraction_of_bw'] or float('nan')):.0f}%) |"
+                )
+            L.append(
+                f"| {r['batch']}x{r['context']} | {r['kv_bytes'] / 1e6:.0f} | {b['paged_ms'] * 1e3:.1f} | "
+                f"{b['paged_bytes_per_s'] / 1e12:.2f} | {100 * (r['paged_fraction_of_bw'] or float('nan')):.0f}% | "
+                f"{b['num_splits']} | {r['sdpa_ms'] * 1e3:.1f} | {r['sdpa_bytes_per_s'] / 1e12:.2f} {floors}"
+            )
+        L += [
+            "",
+            "Read only: memory-only kernels over the same bytes (benchmarks/read_floor.py): what an attention "
+            "kernel could at best approach at that size.",
+            "",
+        ]
     if res.get("errors"):
         L += ["## Errors", ""] + [f"- {k}: {v.splitlines()[-1][:300]}" for k, v in res["errors"].items()] + [""]
     return "\n".join(L)
@@ -763,13 +1020,21 @@ def main(argv=None):
     ap.add_argument("--peer-timeout", type=float, default=150.0, help="seconds before the peer is cut off")
     ap.add_argument("--peer-graphs", action="store_true", help="HF CB with use_cuda_graph and async batching")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--variant", action="append", default=[],
-                    help="extra engine settings as JSON, e.g. '{\"cpu_offload_gib\": 0}' (throughput part)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="extra engine settings as JSON, e.g. '{\"cpu_offload_gib\": 0}' (throughput part)",
+    )
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--profile-batches", type=int, nargs="+", default=[256], help="batch sizes of --part profile")
     ap.add_argument("--decode-steps", type=int, default=20)
-    ap.add_argument("--sweep", choices=["launch", "splits", "prefill", "decode", "both", "all"], default="both",
-                    help="what --part sweep varies (decode: launch x PDL x splits on the kernel shapes; all: all)")
+    ap.add_argument(
+        "--sweep",
+        choices=["launch", "splits", "prefill", "decode", "both", "all"],
+        default="both",
+        help="what --part sweep varies (decode: launch x PDL x splits on the kernel shapes; all: all)",
+    )
     ap.add_argument("--commit", default=None, help="commit to record (default: $CHATENGINE_COMMIT, else git)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
@@ -789,12 +1054,22 @@ def main(argv=None):
         args.decode_steps = min(args.decode_steps, 10)
     import transformers
     import triton
-    meta = {"benchmark": "gpu_bench", "device": torch.cuda.get_device_name(), "commit": commit(args.commit),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": args.quick,
-            "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                         "transformers": transformers.__version__, "cuda": torch.version.cuda,
-                         "python": platform.python_version()},
-            "command": "python benchmarks/gpu_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+
+    meta = {
+        "benchmark": "gpu_bench",
+        "device": torch.cuda.get_device_name(),
+        "commit": commit(args.commit),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "transformers": transformers.__version__,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+        },
+        "command": "python benchmarks/gpu_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
     res = {"errors": {}}
     parts = ["bandwidth"] + [p for p in args.part if p != "bandwidth"]
     for part in parts:
@@ -809,8 +1084,9 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"gpu_bench-{meta['date'][:10]}-{meta['commit']}{'-quick' if args.quick else ''}"
-    stem.with_suffix(".json").write_text(json.dumps({**meta, "args": vars(args), "results": res}, indent=1,
-                                                    default=str))
+    stem.with_suffix(".json").write_text(
+        json.dumps({**meta, "args": vars(args), "results": res}, indent=1, default=str)
+    )
     try:
         md = markdown(meta, res)
     except Exception:

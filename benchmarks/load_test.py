@@ -31,6 +31,7 @@ script run long, with the invariant checker on after every step:
 
     python benchmarks/load_test.py --users 16 --duration 7200 --rate 0.5 --max-requests 2000 --debug-checks
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -53,16 +54,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import commit  # noqa: E402
 
 QUESTIONS = [
-    "What is the capital of France?", "Give me a tip for learning faster.", "Explain what a KV cache is.",
-    "Suggest a name for a bakery.", "How do I reverse a list in Python?", "Why is the sky blue?",
-    "What should I pack for a weekend hike?", "Summarise the plot of Hamlet in two sentences.",
-    "How do I make a simple tomato sauce?", "What is a good way to practise Spanish verbs?",
-    "Can you explain recursion with an example?", "What is 17 times 23?", "Describe a sunset in one line.",
-    "Tell me one fun fact about octopuses.", "How can I make this sentence shorter: 'In order to'?",
-    "What is photosynthesis?", "Recommend a city to visit in autumn.", "Why do we need sleep?",
+    "What is the capital of France?",
+    "Give me a tip for learning faster.",
+    "Explain what a KV cache is.",
+    "Suggest a name for a bakery.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "What should I pack for a weekend hike?",
+    "Summarise the plot of Hamlet in two sentences.",
+    "How do I make a simple tomato sauce?",
+    "What is a good way to practise Spanish verbs?",
+    "Can you explain recursion with an example?",
+    "What is 17 times 23?",
+    "Describe a sunset in one line.",
+    "Tell me one fun fact about octopuses.",
+    "How can I make this sentence shorter: 'In order to'?",
+    "What is photosynthesis?",
+    "Recommend a city to visit in autumn.",
+    "Why do we need sleep?",
 ]
-FOLLOW_UPS = ["Tell me more.", "Can you give an example?", "Why is that?", "Say it in fewer words.",
-              "And what else?", "Thanks! One more tip?"]
+FOLLOW_UPS = [
+    "Tell me more.",
+    "Can you give an example?",
+    "Why is that?",
+    "Say it in fewer words.",
+    "And what else?",
+    "Thanks! One more tip?",
+]
 STATUSES = ("streaming", "done", "aborted", "error", "interrupted")
 
 
@@ -70,10 +88,10 @@ STATUSES = ("streaming", "done", "aborted", "error", "interrupted")
 class Settings:
     users: int = 8
     duration: float = 60.0
-    rate: float = 1.0                 # turns per second, all users together (Poisson)
+    rate: float = 1.0  # turns per second, all users together (Poisson)
     max_requests: int = 400
-    n_share: float = 0.15             # share of turns asking for n=2 alternatives
-    hangup_share: float = 0.1         # share of turns the client abandons mid-stream
+    n_share: float = 0.15  # share of turns asking for n=2 alternatives
+    hangup_share: float = 0.1  # share of turns the client abandons mid-stream
     min_tokens: int = 16
     max_tokens: int = 64
     max_turns: int = 5
@@ -89,12 +107,12 @@ class Turn:
     turn: int
     n: int
     max_tokens: int
-    hangup_after: int | None          # content chunks before hanging up (None: read to the end)
+    hangup_after: int | None  # content chunks before hanging up (None: read to the end)
     start: float = 0.0
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     e2e: float | None = None
-    status: str = "pending"           # ok | hangup | error
+    status: str = "pending"  # ok | hangup | error
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -121,6 +139,7 @@ class InProcessServer:
         from chatengine import AsyncLLM
         from chatengine.app.api.routes import build_api
         from chatengine.app.server import ServerThread
+
         self.kv_dir = tempfile.TemporaryDirectory(prefix="load-test-kv-") if engine_options.pop("disk_kv") else None
         if self.kv_dir is not None:
             engine_options["kv_store_dir"] = self.kv_dir.name
@@ -158,8 +177,9 @@ def check_store(path: Path) -> dict:
     try:
         quick = conn.execute("PRAGMA quick_check").fetchone()[0]
         statuses = dict(conn.execute("SELECT status, COUNT(*) FROM messages GROUP BY status").fetchall())
-        orphans = conn.execute("SELECT COUNT(*) FROM messages m LEFT JOIN conversations c ON c.id = m.conversation_id"
-                               " WHERE c.id IS NULL").fetchone()[0]
+        orphans = conn.execute(
+            "SELECT COUNT(*) FROM messages m LEFT JOIN conversations c ON c.id = m.conversation_id WHERE c.id IS NULL"
+        ).fetchone()[0]
     finally:
         conn.close()
     ok = quick == "ok" and set(statuses) <= set(STATUSES) and orphans == 0
@@ -172,6 +192,7 @@ class LoadTest:
         self.url, self.keys, self.s, self.model = url, keys, settings, model
         self.rng = random.Random(settings.seed)
         from chatengine.personas import load_personas
+
         personas = list(load_personas().values())
         if not personas:
             raise SystemExit("no personas found (prompts/*.md)")
@@ -195,6 +216,7 @@ class LoadTest:
 
     async def run(self) -> float:
         import httpx
+
         s, rng = self.s, self.rng
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         async with httpx.AsyncClient(timeout=httpx.Timeout(s.request_timeout, connect=30), limits=limits) as client:
@@ -213,23 +235,36 @@ class LoadTest:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             for t in done:
-                if t.exception() is not None:       # a bug in this script: report it, never hide it
+                if t.exception() is not None:  # a bug in this script: report it, never hide it
                     raise t.exception()
             return time.monotonic() - start
 
     async def _turn(self, client, user: int, index: int) -> None:
         s = self.s
-        rng = random.Random(s.seed * 1_000_003 + index)       # this turn's draws: the same in every run
+        rng = random.Random(s.seed * 1_000_003 + index)  # this turn's draws: the same in every run
         ci, messages = self._conversation_for(user)
         n_turn = sum(1 for m in messages if m["role"] == "user")
         text = rng.choice(QUESTIONS) if n_turn == 0 else rng.choice(FOLLOW_UPS + QUESTIONS)
-        turn = Turn(user, ci, n_turn, n=2 if _every(index, s.n_share, 0.0) else 1,
-                    max_tokens=rng.randint(s.min_tokens, s.max_tokens),
-                    hangup_after=rng.randint(1, 4) if _every(index, s.hangup_share, 0.5) else None)
+        turn = Turn(
+            user,
+            ci,
+            n_turn,
+            n=2 if _every(index, s.n_share, 0.0) else 1,
+            max_tokens=rng.randint(s.min_tokens, s.max_tokens),
+            hangup_after=rng.randint(1, 4) if _every(index, s.hangup_share, 0.5) else None,
+        )
         self.turns.append(turn)
-        body = {"model": self.model, "messages": messages + [{"role": "user", "content": text}],
-                "max_tokens": turn.max_tokens, "n": turn.n, "temperature": 0.7, "top_p": 0.95,
-                "seed": rng.randrange(2**31), "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "messages": messages + [{"role": "user", "content": text}],
+            "max_tokens": turn.max_tokens,
+            "n": turn.n,
+            "temperature": 0.7,
+            "top_p": 0.95,
+            "seed": rng.randrange(2**31),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         headers = {"Authorization": f"Bearer {self.keys[user % len(self.keys)]}"} if self.keys else {}
         self.busy[user].add(ci)
         texts = [""] * turn.n
@@ -272,15 +307,16 @@ class LoadTest:
                         if choice.get("finish_reason"):
                             turn.finish_reasons.append(choice["finish_reason"])
                     if turn.hangup_after is not None and chunks >= turn.hangup_after:
-                        turn.status = "hangup"          # leave: the connection closes with this block
+                        turn.status = "hangup"  # leave: the connection closes with this block
                         return
                 turn.e2e = time.monotonic() - turn.start
                 if turn.hangup_after is not None and turn.status != "hangup":
-                    turn.status = "hangup"              # it finished before we hung up: no error either
+                    turn.status = "hangup"  # it finished before we hung up: no error either
                 if not done:
                     turn.status, turn.error = "error", "the stream ended without [DONE]"
-                elif len(turn.finish_reasons) != turn.n or \
-                        any(r not in ("stop", "length") for r in turn.finish_reasons):
+                elif len(turn.finish_reasons) != turn.n or any(
+                    r not in ("stop", "length") for r in turn.finish_reasons
+                ):
                     turn.status, turn.error = "error", f"finish reasons {turn.finish_reasons} for n={turn.n}"
                 elif turn.completion_tokens < 1 or turn.completion_tokens > turn.n * turn.max_tokens:
                     turn.status, turn.error = "error", f"{turn.completion_tokens} completion tokens"
@@ -292,12 +328,12 @@ class LoadTest:
         except asyncio.CancelledError:
             turn.status, turn.error = "error", "not finished within the drain timeout"
             raise
-        except Exception as e:                          # noqa: BLE001 - any failure is counted
+        except Exception as e:  # noqa: BLE001 - any failure is counted
             turn.status, turn.error = "error", f"{type(e).__name__}: {e}"
         finally:
             self.busy[user].discard(ci)
             if turn.status != "ok" or sum(1 for m in messages if m["role"] == "user") >= s.max_turns:
-                self.conversations[user][ci] = None     # closed: this user's next turn opens a new chat
+                self.conversations[user][ci] = None  # closed: this user's next turn opens a new chat
 
 
 def _every(i: int, share: float, phase: float) -> bool:
@@ -316,6 +352,7 @@ def pct(values: list[float], p: float) -> float | None:
 
 def machine(device: str | None) -> dict:
     import torch
+
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -324,10 +361,16 @@ def machine(device: str | None) -> dict:
                 break
     except OSError:
         pass
-    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "device": device,
-            "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
+    info = {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+        "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
     if device and device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -344,7 +387,10 @@ def summarize(turns: list[Turn], wall: float, before: dict | None, after: dict |
     prompt = sum(t.prompt_tokens for t in ok)
     cached = sum(t.cached_tokens for t in ok)
     out = {
-        "requests": len(turns), "ok": len(ok), "hangups": len(hang), "errors": len(err),
+        "requests": len(turns),
+        "ok": len(ok),
+        "hangups": len(hang),
+        "errors": len(err),
         "n2_requests": sum(1 for t in turns if t.n > 1),
         "error_samples": sorted({t.error for t in err})[:10],
         "wall_s": round(wall, 2),
@@ -354,7 +400,8 @@ def summarize(turns: list[Turn], wall: float, before: dict | None, after: dict |
         "output_tokens": tokens,
         "output_tok_s": round(tokens / wall, 2) if wall > 0 else None,
         "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None,
-        "prompt_tokens": prompt, "cached_tokens": cached,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
         "hit_rate_usage": round(cached / prompt, 4) if prompt else 0.0,
     }
     if before is not None and after is not None:
@@ -390,23 +437,34 @@ def markdown(report: dict) -> str:
     ]
     if "hit_rate_engine" in r:
         rows.append(("prefix-cache hit rate (engine stats)", r["hit_rate_engine"]))
-        rows.append(("preemptions / evictions / restored blocks / forks",
-                     f"{r.get('num_preemptions')} / {r.get('evictions')} / {r.get('blocks_restored')} / "
-                     f"{r.get('num_forks')}"))
+        rows.append(
+            (
+                "preemptions / evictions / restored blocks / forks",
+                f"{r.get('num_preemptions')} / {r.get('evictions')} / {r.get('blocks_restored')} / "
+                f"{r.get('num_forks')}",
+            )
+        )
     c = report["checks"]
     rows.append(("KV blocks in use after drain", c.get("kv_blocks_used_after", "n/a (remote)")))
     rows.append(("chat store", c.get("store", "not checked")))
     rows.append(("checks", "PASS" if c["passed"] else f"FAIL: {c['failures']}"))
-    lines = [f"# Load test — {report['model']} on {m['device']}", "",
-             f"{report['date']}, commit {report['commit']}, {m['cpu']} ({m['cpu_count']} cores, "
-             f"{m['torch_threads']} torch threads, load average {m.get('load_average_1m')} at the end), "
-             f"torch {m['torch']}", "",
-             f"`{report['command']}`", "",
-             f"{s['users']} users, Poisson arrivals at {s['rate']}/s for {s['duration']} s (at most "
-             f"{s['max_requests']} turns), replies of {s['min_tokens']}-{s['max_tokens']} tokens, "
-             f"{int(s['n_share'] * 100)} % n=2, {int(s['hangup_share'] * 100)} % hang-ups, "
-             f"up to {s['max_turns']} turns per conversation", "",
-             "| metric | value |", "|---|---|"]
+    lines = [
+        f"# Load test — {report['model']} on {m['device']}",
+        "",
+        f"{report['date']}, commit {report['commit']}, {m['cpu']} ({m['cpu_count']} cores, "
+        f"{m['torch_threads']} torch threads, load average {m.get('load_average_1m')} at the end), "
+        f"torch {m['torch']}",
+        "",
+        f"`{report['command']}`",
+        "",
+        f"{s['users']} users, Poisson arrivals at {s['rate']}/s for {s['duration']} s (at most "
+        f"{s['max_requests']} turns), replies of {s['min_tokens']}-{s['max_tokens']} tokens, "
+        f"{int(s['n_share'] * 100)} % n=2, {int(s['hangup_share'] * 100)} % hang-ups, "
+        f"up to {s['max_turns']} turns per conversation",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"
 
@@ -424,8 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=int, default=d.min_tokens)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--max-turns", type=int, default=d.max_turns, help="turns before a user starts a new chat")
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
-                   help="seconds for in-flight turns at the end")
+    p.add_argument(
+        "--drain-timeout", type=float, default=d.drain_timeout, help="seconds for in-flight turns at the end"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--quick", action="store_true", help="a short run for CI (overrides the sizes above)")
     p.add_argument("--url", help="a running server (loopback only), e.g. http://127.0.0.1:7860")
@@ -444,16 +503,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    s = Settings(users=args.users, duration=args.duration, rate=args.rate, max_requests=args.max_requests,
-                 n_share=args.n_share, hangup_share=args.hangup_share, min_tokens=args.min_tokens,
-                 max_tokens=args.max_tokens, max_turns=args.max_turns, drain_timeout=args.drain_timeout,
-                 seed=args.seed)
+    s = Settings(
+        users=args.users,
+        duration=args.duration,
+        rate=args.rate,
+        max_requests=args.max_requests,
+        n_share=args.n_share,
+        hangup_share=args.hangup_share,
+        min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens,
+        max_turns=args.max_turns,
+        drain_timeout=args.drain_timeout,
+        seed=args.seed,
+    )
     if args.quick:
-        s = Settings(users=4, duration=12, rate=1.5, max_requests=30, n_share=0.2, hangup_share=0.2, min_tokens=4,
-                     max_tokens=12, max_turns=3, drain_timeout=40, request_timeout=60, seed=args.seed)
+        s = Settings(
+            users=4,
+            duration=12,
+            rate=1.5,
+            max_requests=30,
+            n_share=0.2,
+            hangup_share=0.2,
+            min_tokens=4,
+            max_tokens=12,
+            max_turns=3,
+            drain_timeout=40,
+            request_timeout=60,
+            seed=args.seed,
+        )
     if min(s.users, s.max_requests, s.min_tokens) < 1 or s.rate <= 0 or s.duration <= 0 or s.max_tokens < s.min_tokens:
         raise SystemExit("--users, --max-requests, --min-tokens must be >= 1; --rate, --duration > 0")
     import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
     server = None
@@ -465,23 +546,35 @@ def run(argv=None) -> dict:
             keys = []
             if args.users_file:
                 from chatengine.app.auth import load_users
+
                 keys = [u["api_key"] for u in load_users(args.users_file).values() if u.get("api_key")]
             import httpx
-            model = httpx.get(url + "/v1/models", timeout=30,
-                              headers={"Authorization": f"Bearer {keys[0]}"} if keys else {}).json()["data"][0]["id"]
+
+            model = httpx.get(
+                url + "/v1/models", timeout=30, headers={"Authorization": f"Bearer {keys[0]}"} if keys else {}
+            ).json()["data"][0]["id"]
             before = after = None
             device = "remote server"
         else:
-            server = InProcessServer(s.users, args.model, dict(
-                kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
-                debug_checks=args.debug_checks or args.quick, disk_kv=not args.no_disk_kv))
+            server = InProcessServer(
+                s.users,
+                args.model,
+                dict(
+                    kv_cache_gib=args.kv_cache_gib,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    debug_checks=args.debug_checks or args.quick,
+                    disk_kv=not args.no_disk_kv,
+                ),
+            )
             url, keys = server.url, server.keys
             model = str(server.engine.model_id)
             before = server.stats()
             device = before["device"]
         test = LoadTest(url, keys, s, model)
-        print(f"load test: {s.users} users, {s.rate}/s for {s.duration} s (<= {s.max_requests} turns) against {url}",
-              flush=True)
+        print(
+            f"load test: {s.users} users, {s.rate}/s for {s.duration} s (<= {s.max_requests} turns) against {url}",
+            flush=True,
+        )
         wall = asyncio.run(test.run())
         if server is not None:
             idle, after = server.wait_idle(timeout=15)
@@ -505,12 +598,20 @@ def run(argv=None) -> dict:
             server.close()
     checks["passed"], checks["failures"] = not failures, failures
     argv_used = argv if argv is not None else sys.argv[1:]
-    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    report = {"benchmark": "load_test", "model": model, "date": date,
-              "commit": commit(), "command": "python benchmarks/load_test.py " + " ".join(argv_used),
-              "machine": machine(device), "url": "in-process" if server is not None else url,
-              "settings": asdict(s), "results": results, "checks": checks,
-              "turns": [asdict(t) | {"itl": [round(x, 4) for x in t.itl]} for t in test.turns]}
+    date = datetime.now(UTC).isoformat(timespec="seconds")
+    report = {
+        "benchmark": "load_test",
+        "model": model,
+        "date": date,
+        "commit": commit(),
+        "command": "python benchmarks/load_test.py " + " ".join(argv_used),
+        "machine": machine(device),
+        "url": "in-process" if server is not None else url,
+        "settings": asdict(s),
+        "results": results,
+        "checks": checks,
+        "turns": [asdict(t) | {"itl": [round(x, 4) for x in t.itl]} for t in test.turns],
+    }
     md = markdown(report)
     print(md, flush=True)
     if not args.no_save:

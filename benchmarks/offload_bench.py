@@ -9,6 +9,7 @@ Saves JSON + markdown under benchmarks/results/ and prints the table last.
     python benchmarks/offload_bench.py [--model dummy:llama-3.2-1b] [--contexts 1024 4096] [--repeats 5]
                                        [--disk-return 2048]
 """
+
 import argparse
 import json
 import platform
@@ -17,7 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ def disk_return_gaps(model, ctx: int, trials: int, engine_kw: dict) -> dict:
     vocab, bs = min(first.engine.model_config.vocab_size, 10000), first.engine.config.block_size
     returning = [rng.randrange(vocab) for _ in range(ctx)]
     first.generate([returning], one)
-    first.shutdown()                                                    # flushes its pages to disk
+    first.shutdown()  # flushes its pages to disk
     longest, before, cached = [], [], []
     for _ in range(trials):
         llm = LLM(model, kv_store_dir=kv, **engine_kw)
@@ -66,9 +67,14 @@ def disk_return_gaps(model, ctx: int, trials: int, engine_kw: dict) -> dict:
         longest.append(1e3 * max(gaps[10:]))
         before.append(1e3 * statistics.median(gaps[2:10]))
         llm.shutdown()
-    assert all(c == ctx // bs * bs for c in cached), cached             # the prefix came back from disk
-    return {"context": ctx, "longest_gap_ms": statistics.median(longest), "median_gap_before_ms":
-            statistics.median(before), "longest_gap_trials_ms": longest, "trials": trials}
+    assert all(c == ctx // bs * bs for c in cached), cached  # the prefix came back from disk
+    return {
+        "context": ctx,
+        "longest_gap_ms": statistics.median(longest),
+        "median_gap_before_ms": statistics.median(before),
+        "longest_gap_trials_ms": longest,
+        "trials": trials,
+    }
 
 
 def main(argv=None):
@@ -79,45 +85,61 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one restore")
-    ap.add_argument("--disk-return", type=int, default=2048, metavar="TOKENS",
-                    help="context of the conversation returning from disk while another user streams (0: skip)")
+    ap.add_argument(
+        "--disk-return",
+        type=int,
+        default=2048,
+        metavar="TOKENS",
+        help="context of the conversation returning from disk while another user streams (0: skip)",
+    )
     ap.add_argument("--only-disk-return", action="store_true", help="skip the restore-vs-recompute table")
     args = ap.parse_args(argv)
 
-    engine_kw = dict(cpu_offload_gib=4.0 if cuda else 1.0, max_num_batched_tokens=8192 if cuda else 2048,
-                     max_model_len=8192, **({} if cuda else {"kv_cache_gib": 1.0}))
+    engine_kw = dict(
+        cpu_offload_gib=4.0 if cuda else 1.0,
+        max_num_batched_tokens=8192 if cuda else 2048,
+        max_model_len=8192,
+        **({} if cuda else {"kv_cache_gib": 1.0}),
+    )
     llm = LLM(args.model, **engine_kw)
     engine, runner = llm.engine, llm.engine.runner
     vocab = min(engine.model_config.vocab_size, 10000)
     rng = random.Random(0)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate([[rng.randrange(vocab) for _ in range(64)]], one)     # warm-up
+    llm.generate([[rng.randrange(vocab) for _ in range(64)]], one)  # warm-up
     rows = []
-    for ctx in ([] if args.only_disk_return else args.contexts):
+    for ctx in [] if args.only_disk_return else args.contexts:
         recompute, restore, copy_s = [], [], []
         for _ in range(args.repeats):
             prompt = [rng.randrange(vocab) for _ in range(ctx + 1)]
-            sync(); t = time.perf_counter()
-            first = llm.generate([prompt], one)[0]                      # cold: a full prefill
-            sync(); recompute.append(time.perf_counter() - t)
+            sync()
+            t = time.perf_counter()
+            first = llm.generate([prompt], one)[0]  # cold: a full prefill
+            sync()
+            recompute.append(time.perf_counter() - t)
             assert first.num_cached_tokens == 0
-            moved = engine.offload_cached_blocks()                      # the conversation goes idle
+            moved = engine.offload_cached_blocks()  # the conversation goes idle
             assert moved >= ctx // engine.config.block_size
-            sync(); t = time.perf_counter()
-            back = llm.generate([prompt], one)[0]                       # restored from host memory
-            sync(); restore.append(time.perf_counter() - t)
+            sync()
+            t = time.perf_counter()
+            back = llm.generate([prompt], one)[0]  # restored from host memory
+            sync()
+            restore.append(time.perf_counter() - t)
             assert back.num_cached_tokens == ctx and back.outputs[0].token_ids == first.outputs[0].token_ids
             # the copy alone: the same pages host -> device
             n = ctx // engine.config.block_size
             pages = torch.empty((n, *runner.kv_cache.shape[1:]), dtype=runner.dtype, pin_memory=cuda)
             ids = list(range(n))
             runner.restore_blocks(ids, pages, ids)
-            sync(); t = time.perf_counter()
+            sync()
+            t = time.perf_counter()
             runner.restore_blocks(ids, pages, ids)
-            sync(); copy_s.append(time.perf_counter() - t)
+            sync()
+            copy_s.append(time.perf_counter() - t)
             engine.offload_cached_blocks()
-        if args.profile:                                               # where a restore's time goes
+        if args.profile:  # where a restore's time goes
             from torch.profiler import ProfilerActivity, profile
+
             prompt = [rng.randrange(vocab) for _ in range(ctx + 1)]
             llm.generate([prompt], one)
             engine.offload_cached_blocks()
@@ -129,7 +151,9 @@ def main(argv=None):
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
             if cuda:
                 print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
-            import cProfile, pstats
+            import cProfile
+            import pstats
+
             prompt = [rng.randrange(vocab) for _ in range(ctx + 1)]
             llm.generate([prompt], one)
             engine.offload_cached_blocks()
@@ -141,9 +165,13 @@ def main(argv=None):
             pstats.Stats(pr).sort_stats("cumulative").print_stats(25)
             engine.offload_cached_blocks()
         nbytes = (ctx // engine.config.block_size) * runner.block_bytes
-        row = {"context": ctx, "recompute_ms": 1e3 * statistics.median(recompute),
-               "restore_ms": 1e3 * statistics.median(restore), "copy_ms": 1e3 * statistics.median(copy_s),
-               "kv_bytes": nbytes}
+        row = {
+            "context": ctx,
+            "recompute_ms": 1e3 * statistics.median(recompute),
+            "restore_ms": 1e3 * statistics.median(restore),
+            "copy_ms": 1e3 * statistics.median(copy_s),
+            "kv_bytes": nbytes,
+        }
         row["speedup"] = row["recompute_ms"] / row["restore_ms"]
         row["copy_gb_s"] = nbytes / (row["copy_ms"] / 1e3) / 1e9
         rows.append(row)
@@ -151,24 +179,41 @@ def main(argv=None):
     llm.shutdown()
     disk = disk_return_gaps(args.model, args.disk_return, min(args.repeats, 3), engine_kw) if args.disk_return else None
     device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
-    meta = {"benchmark": "offload", "model": model_id, "dtype": dtype, "device": device,
-            "commit": commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "repeats": args.repeats,
-            "command": "python benchmarks/offload_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {
+        "benchmark": "offload",
+        "model": model_id,
+        "dtype": dtype,
+        "device": device,
+        "commit": commit(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "repeats": args.repeats,
+        "command": "python benchmarks/offload_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"offload-{'cuda' if cuda else 'cpu'}-{meta['date'][:10]}-{meta['commit']}"
     stem.with_suffix(".json").write_text(json.dumps({**meta, "results": rows, "disk_return": disk}, indent=1))
-    lines = [f"# Restore from host memory vs recompute — {meta['model']} {meta['dtype']} on {device}", "",
-             f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, median of {args.repeats}", "",
-             "| context | recompute (prefill) ms | restore + 1 token ms | speedup | H2D copy ms | copy GB/s |",
-             "|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['context']} | {r['recompute_ms']:.1f} | {r['restore_ms']:.1f} | {r['speedup']:.1f}x | "
-              f"{r['copy_ms']:.2f} | {r['copy_gb_s']:.1f} |" for r in rows]
+    lines = [
+        f"# Restore from host memory vs recompute — {meta['model']} {meta['dtype']} on {device}",
+        "",
+        f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, median of {args.repeats}",
+        "",
+        "| context | recompute (prefill) ms | restore + 1 token ms | speedup | H2D copy ms | copy GB/s |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['context']} | {r['recompute_ms']:.1f} | {r['restore_ms']:.1f} | {r['speedup']:.1f}x | "
+        f"{r['copy_ms']:.2f} | {r['copy_gb_s']:.1f} |"
+        for r in rows
+    ]
     if disk:
-        lines += ["", f"A {disk['context']}-token conversation returns from the disk store while another user streams: "
-                  f"that user's longest gap between tokens {disk['longest_gap_ms']:.1f} ms (median of {disk['trials']} "
-                  f"trials), its median gap before {disk['median_gap_before_ms']:.1f} ms."]
+        lines += [
+            "",
+            f"A {disk['context']}-token conversation returns from the disk store while another user streams: "
+            f"that user's longest gap between tokens {disk['longest_gap_ms']:.1f} ms (median of {disk['trials']} "
+            f"trials), its median gap before {disk['median_gap_before_ms']:.1f} ms.",
+        ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -18,6 +18,7 @@ Saves JSON + markdown under benchmarks/results/ and prints the tables last.
     python benchmarks/prefix_bench.py                      # default model, CPU fp32
     python benchmarks/prefix_bench.py --model dummy:llama-3.2-1b --device cuda --dtype bfloat16
 """
+
 import argparse
 import json
 import os
@@ -26,7 +27,7 @@ import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -35,16 +36,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import commit  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
 
-WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from "
-         "or had by word but what some we can out other were all there when up use your how said an each "
-         "she which do their time if will way about many then them write would like so these her long make "
-         "thing see him two has look more day could go come did number sound no most people my over know "
-         "water than call first who may down side been now find any new work part take get place made live "
-         "where after back little only round man year came show every good me give our under name very "
-         "through just form sentence great think say help low line differ turn cause much mean before move "
-         "right boy old too same tell does set three want air well also play small end put home read hand "
-         "port large spell add even land here must big high such follow act why ask men change went light "
-         "kind off need house picture try us again animal point mother world near build self earth father").split()
+WORDS = (
+    "the a of to and in is it you that he was for on are with as his they be at one have this from "
+    "or had by word but what some we can out other were all there when up use your how said an each "
+    "she which do their time if will way about many then them write would like so these her long make "
+    "thing see him two has look more day could go come did number sound no most people my over know "
+    "water than call first who may down side been now find any new work part take get place made live "
+    "where after back little only round man year came show every good me give our under name very "
+    "through just form sentence great think say help low line differ turn cause much mean before move "
+    "right boy old too same tell does set three want air well also play small end put home read hand "
+    "port large spell add even land here must big high such follow act why ask men change went light "
+    "kind off need house picture try us again animal point mother world near build self earth father"
+).split()
 
 
 def filler(rng: random.Random, tok, num_tokens: int, head: str = "") -> str:
@@ -60,8 +63,9 @@ def filler(rng: random.Random, tok, num_tokens: int, head: str = "") -> str:
 
 
 # ---- phase 1: TTFT cold vs cached ---------------------------------------------------------------
-def ttft_phase(llm: LLM, trials: int, persona_tokens: int, question_tokens: int, rng: random.Random,
-               profile: bool = False) -> dict:
+def ttft_phase(
+    llm: LLM, trials: int, persona_tokens: int, question_tokens: int, rng: random.Random, profile: bool = False
+) -> dict:
     engine = llm.engine
     bs = engine.config.block_size
     tok = llm.get_tokenizer()
@@ -72,15 +76,18 @@ def ttft_phase(llm: LLM, trials: int, persona_tokens: int, question_tokens: int,
         mode = "chat: register_persona + chat(user=...), cached by another user"
 
         def make_persona(i):
-            text = filler(rng, tok, persona_tokens - 16,
-                          head=f"You are persona {i} of a benchmark. Stay in character and answer briefly.")
+            text = filler(
+                rng,
+                tok,
+                persona_tokens - 16,
+                head=f"You are persona {i} of a benchmark. Stay in character and answer briefly.",
+            )
             llm.register_persona(f"prefix-bench-{i}-{rng.randrange(1 << 30)}", text)
             return text, len(engine.persona_prefix_ids(text))
 
         def ask(persona, user):
             q = filler(rng, tok, question_tokens - 8, head="Here is my question, please read it all.") + " Why?"
-            return llm.chat([{"role": "system", "content": persona}, {"role": "user", "content": q}], one,
-                            user=user)[0]
+            return llm.chat([{"role": "system", "content": persona}, {"role": "user", "content": q}], one, user=user)[0]
     else:
         mode = "token ids: generate(persona + question ids, user=None) (no tokenizer)"
 
@@ -106,27 +113,44 @@ def ttft_phase(llm: LLM, trials: int, persona_tokens: int, question_tokens: int,
         persona, prefix_len = make_persona(i)
         cold, cold_s, cold_wall, cold_cpu = timed(persona, f"cold-user-{i}")
         hot, hot_s, hot_wall, hot_cpu = timed(persona, f"other-user-{i}")
-        expected = prefix_len // bs * bs      # the persona's full blocks
-        rows.append({"trial": i, "persona_tokens": prefix_len, "prompt_tokens_cold": len(cold.prompt_token_ids),
-                     "prompt_tokens_cached": len(hot.prompt_token_ids),
-                     "cold_ttft_ms": 1e3 * cold_s, "cached_ttft_ms": 1e3 * hot_s,
-                     "cold_wall_ms": 1e3 * cold_wall, "cached_wall_ms": 1e3 * hot_wall,
-                     "cold_cpu_ms": 1e3 * cold_cpu, "cached_cpu_ms": 1e3 * hot_cpu,
-                     "cold_cached_tokens": cold.num_cached_tokens, "cached_cached_tokens": hot.num_cached_tokens,
-                     "expected_cached_tokens": expected})
-        print(f"ttft trial {i}: cold {1e3 * cold_s:8.1f} ms ({cold.num_cached_tokens} cached) | "
-              f"cached {1e3 * hot_s:8.1f} ms ({hot.num_cached_tokens}/{expected} cached)", flush=True)
+        expected = prefix_len // bs * bs  # the persona's full blocks
+        rows.append(
+            {
+                "trial": i,
+                "persona_tokens": prefix_len,
+                "prompt_tokens_cold": len(cold.prompt_token_ids),
+                "prompt_tokens_cached": len(hot.prompt_token_ids),
+                "cold_ttft_ms": 1e3 * cold_s,
+                "cached_ttft_ms": 1e3 * hot_s,
+                "cold_wall_ms": 1e3 * cold_wall,
+                "cached_wall_ms": 1e3 * hot_wall,
+                "cold_cpu_ms": 1e3 * cold_cpu,
+                "cached_cpu_ms": 1e3 * hot_cpu,
+                "cold_cached_tokens": cold.num_cached_tokens,
+                "cached_cached_tokens": hot.num_cached_tokens,
+                "expected_cached_tokens": expected,
+            }
+        )
+        print(
+            f"ttft trial {i}: cold {1e3 * cold_s:8.1f} ms ({cold.num_cached_tokens} cached) | "
+            f"cached {1e3 * hot_s:8.1f} ms ({hot.num_cached_tokens}/{expected} cached)",
+            flush=True,
+        )
         if cold.num_cached_tokens > bs:
             print(f"  WARNING: the cold request hit {cold.num_cached_tokens} cached tokens", flush=True)
         if hot.num_cached_tokens < expected:
-            print(f"  WARNING: the cached request hit only {hot.num_cached_tokens} of the persona's {expected}",
-                  flush=True)
+            print(
+                f"  WARNING: the cached request hit only {hot.num_cached_tokens} of the persona's {expected}",
+                flush=True,
+            )
 
-    if profile:                               # where a cached request's TTFT goes
+    if profile:  # where a cached request's TTFT goes
         import cProfile
         import pstats
+
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
+
         persona, _ = make_persona("profile")
         timed(persona, "profile-a")
         pr = cProfile.Profile()
@@ -143,16 +167,23 @@ def ttft_phase(llm: LLM, trials: int, persona_tokens: int, question_tokens: int,
     def med(key):
         return statistics.median(r[key] for r in rows)
 
-    summary = {"mode": mode, "trials": trials, "persona_tokens": med("persona_tokens"),
-               "question_tokens": med("prompt_tokens_cached") - med("persona_tokens"),
-               "prompt_tokens": med("prompt_tokens_cold"),
-               "cold_ttft_ms": med("cold_ttft_ms"), "cached_ttft_ms": med("cached_ttft_ms"),
-               "cold_wall_ms": med("cold_wall_ms"), "cached_wall_ms": med("cached_wall_ms"),
-               "cold_cpu_ms": med("cold_cpu_ms"), "cached_cpu_ms": med("cached_cpu_ms"),
-               "cold_cached_tokens_max": max(r["cold_cached_tokens"] for r in rows),
-               "cached_cached_tokens_min": min(r["cached_cached_tokens"] for r in rows),
-               "expected_cached_tokens_min": min(r["expected_cached_tokens"] for r in rows),
-               "max_num_batched_tokens": engine.config.max_num_batched_tokens}
+    summary = {
+        "mode": mode,
+        "trials": trials,
+        "persona_tokens": med("persona_tokens"),
+        "question_tokens": med("prompt_tokens_cached") - med("persona_tokens"),
+        "prompt_tokens": med("prompt_tokens_cold"),
+        "cold_ttft_ms": med("cold_ttft_ms"),
+        "cached_ttft_ms": med("cached_ttft_ms"),
+        "cold_wall_ms": med("cold_wall_ms"),
+        "cached_wall_ms": med("cached_wall_ms"),
+        "cold_cpu_ms": med("cold_cpu_ms"),
+        "cached_cpu_ms": med("cached_cpu_ms"),
+        "cold_cached_tokens_max": max(r["cold_cached_tokens"] for r in rows),
+        "cached_cached_tokens_min": min(r["cached_cached_tokens"] for r in rows),
+        "expected_cached_tokens_min": min(r["expected_cached_tokens"] for r in rows),
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+    }
     summary["ratio"] = summary["cold_ttft_ms"] / summary["cached_ttft_ms"]
     summary["cpu_ratio"] = summary["cold_cpu_ms"] / summary["cached_cpu_ms"]
     return {"summary": summary, "trials": rows}
@@ -175,27 +206,34 @@ def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
             if out.finished:
                 final[out.request_id] = out
         steps += 1
-        used = bm.num_blocks - bm.num_free_blocks                  # ref_count > 0
-        live = {b for req in engine.requests.values() for s in req.seqs if not s.is_finished
-                for b in s.block_table}                            # cross-check: blocks in live tables
+        used = bm.num_blocks - bm.num_free_blocks  # ref_count > 0
+        live = {
+            b for req in engine.requests.values() for s in req.seqs if not s.is_finished for b in s.block_table
+        }  # cross-check: blocks in live tables
         peak, peak_live = max(peak, used), max(peak_live, len(live))
     seconds = time.perf_counter() - t
     outs = [final[i] for i in ids]
     for o in outs:
-        assert len(o.outputs) == params.n and all(len(c.token_ids) == params.max_tokens for c in o.outputs), \
+        assert len(o.outputs) == params.n and all(len(c.token_ids) == params.max_tokens for c in o.outputs), (
             "a sample stopped early"
-    return {"peak_blocks": peak, "peak_blocks_in_live_tables": peak_live, "steps": steps, "seconds": seconds,
-            "cached_tokens": sum(o.num_cached_tokens for o in outs),
-            "preemptions": engine.scheduler.num_preemptions - preempted0}
+        )
+    return {
+        "peak_blocks": peak,
+        "peak_blocks_in_live_tables": peak_live,
+        "steps": steps,
+        "seconds": seconds,
+        "cached_tokens": sum(o.num_cached_tokens for o in outs),
+        "preemptions": engine.scheduler.num_preemptions - preempted0,
+    }
 
 
 def kv_phase(llm: LLM, ns: list[int], prompt_tokens: int, new_tokens: int, seed: int) -> list[dict]:
     engine = llm.engine
     bs = engine.config.block_size
     vocab = min(engine.model_config.vocab_size, 10000)
-    rng = random.Random(1_000_003 + seed)           # not phase 1's stream: no prompt repeats
+    rng = random.Random(1_000_003 + seed)  # not phase 1's stream: no prompt repeats
     fresh = lambda: [rng.randrange(vocab) for _ in range(prompt_tokens)]  # noqa: E731
-    held = prompt_tokens + new_tokens - 1           # tokens of one sample in KV at its last step
+    held = prompt_tokens + new_tokens - 1  # tokens of one sample in KV at its last step
     per_sample = -(-held // bs) - prompt_tokens // bs
     rows = []
     for n in ns:
@@ -204,18 +242,28 @@ def kv_phase(llm: LLM, ns: list[int], prompt_tokens: int, new_tokens: int, seed:
         one = SamplingParams(n=1, temperature=0.8, max_tokens=new_tokens, ignore_eos=True, seed=seed + n)
         indep = shared if n == 1 else drive(llm, [fresh() for _ in range(n)], one)
         minimum = prompt_tokens // bs + n * per_sample
-        row = {"n": n, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "block_size": bs,
-               "peak_blocks": shared["peak_blocks"], "min_blocks": minimum,
-               "over_min_pct": 100 * (shared["peak_blocks"] - minimum) / minimum,
-               "independent_peak_blocks": indep["peak_blocks"],
-               "independent_theory_blocks": n * -(-held // bs),
-               "saved_pct": 100 * (1 - shared["peak_blocks"] / indep["peak_blocks"]),
-               "min_saved_pct": 100 * (1 - minimum / (n * -(-held // bs))),
-               "shared_run": shared, "independent_run": indep}
+        row = {
+            "n": n,
+            "prompt_tokens": prompt_tokens,
+            "new_tokens": new_tokens,
+            "block_size": bs,
+            "peak_blocks": shared["peak_blocks"],
+            "min_blocks": minimum,
+            "over_min_pct": 100 * (shared["peak_blocks"] - minimum) / minimum,
+            "independent_peak_blocks": indep["peak_blocks"],
+            "independent_theory_blocks": n * -(-held // bs),
+            "saved_pct": 100 * (1 - shared["peak_blocks"] / indep["peak_blocks"]),
+            "min_saved_pct": 100 * (1 - minimum / (n * -(-held // bs))),
+            "shared_run": shared,
+            "independent_run": indep,
+        }
         rows.append(row)
-        print(f"kv n={n}: peak {row['peak_blocks']} blocks (min {minimum}, +{row['over_min_pct']:.1f}%), "
-              f"independent {row['independent_peak_blocks']} -> saved {row['saved_pct']:.1f}% "
-              f"[{shared['seconds']:.1f}s + {indep['seconds']:.1f}s]", flush=True)
+        print(
+            f"kv n={n}: peak {row['peak_blocks']} blocks (min {minimum}, +{row['over_min_pct']:.1f}%), "
+            f"independent {row['independent_peak_blocks']} -> saved {row['saved_pct']:.1f}% "
+            f"[{shared['seconds']:.1f}s + {indep['seconds']:.1f}s]",
+            flush=True,
+        )
         if shared["cached_tokens"] or indep["cached_tokens"] or shared["preemptions"] or indep["preemptions"]:
             print("  WARNING: prefix hits or preemptions confound this row", flush=True)
     return rows
@@ -223,34 +271,51 @@ def kv_phase(llm: LLM, ns: list[int], prompt_tokens: int, new_tokens: int, seed:
 
 def render(meta: dict, ttft: dict, kv: list[dict]) -> list[str]:
     s = ttft["summary"]
-    lines = [f"# Prefix sharing (issue #3) — {meta['model']} {meta['dtype']} on {meta['device']}", "",
-             f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
-             f"{meta['threads']} torch threads, load average {meta['loadavg_start']} at start, "
-             f"{meta['loadavg_end']} at the end; {meta['seconds']:.0f} s in all", "", f"`{meta['command']}`", "",
-             f"## TTFT, cold vs cached persona (median of {s['trials']}, one request alone, 1 output token)", "",
-             f"Prompts: {s['mode']}; step token budget {s['max_num_batched_tokens']}. "
-             "TTFT = first_token_time - arrival_time (engine); wall = the whole call; process CPU time of "
-             "the whole call (host side only on CUDA; on a shared CPU box it is less sensitive to other load).", "",
-             "| persona tokens | question tokens | cold TTFT ms | cached TTFT ms | cold / cached | "
-             "cold / cached wall ms | cold / cached CPU-time ms (ratio) | "
-             "cached tokens: cold / cached (persona full blocks) |",
-             "|---:|---:|---:|---:|---:|---|---|---|",
-             f"| {s['persona_tokens']:.0f} | {s['question_tokens']:.0f} | {s['cold_ttft_ms']:.1f} | "
-             f"{s['cached_ttft_ms']:.1f} | **{s['ratio']:.1f}x** | {s['cold_wall_ms']:.1f} / {s['cached_wall_ms']:.1f} | "
-             f"{s['cold_cpu_ms']:.0f} / {s['cached_cpu_ms']:.0f} ({s['cpu_ratio']:.1f}x) | "
-             f"max {s['cold_cached_tokens_max']} / min {s['cached_cached_tokens_min']} "
-             f"({s['expected_cached_tokens_min']}) |", ""]
+    lines = [
+        f"# Prefix sharing (issue #3) — {meta['model']} {meta['dtype']} on {meta['device']}",
+        "",
+        f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
+        f"{meta['threads']} torch threads, load average {meta['loadavg_start']} at start, "
+        f"{meta['loadavg_end']} at the end; {meta['seconds']:.0f} s in all",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"## TTFT, cold vs cached persona (median of {s['trials']}, one request alone, 1 output token)",
+        "",
+        f"Prompts: {s['mode']}; step token budget {s['max_num_batched_tokens']}. "
+        "TTFT = first_token_time - arrival_time (engine); wall = the whole call; process CPU time of "
+        "the whole call (host side only on CUDA; on a shared CPU box it is less sensitive to other load).",
+        "",
+        "| persona tokens | question tokens | cold TTFT ms | cached TTFT ms | cold / cached | "
+        "cold / cached wall ms | cold / cached CPU-time ms (ratio) | "
+        "cached tokens: cold / cached (persona full blocks) |",
+        "|---:|---:|---:|---:|---:|---|---|---|",
+        f"| {s['persona_tokens']:.0f} | {s['question_tokens']:.0f} | {s['cold_ttft_ms']:.1f} | "
+        f"{s['cached_ttft_ms']:.1f} | **{s['ratio']:.1f}x** | {s['cold_wall_ms']:.1f} / {s['cached_wall_ms']:.1f} | "
+        f"{s['cold_cpu_ms']:.0f} / {s['cached_cpu_ms']:.0f} ({s['cpu_ratio']:.1f}x) | "
+        f"max {s['cold_cached_tokens_max']} / min {s['cached_cached_tokens_min']} "
+        f"({s['expected_cached_tokens_min']}) |",
+        "",
+    ]
     k0 = kv[0]
-    lines += [f"## Peak KV blocks, n parallel samples vs n independent requests "
-              f"({k0['prompt_tokens']}-token prompt, {k0['new_tokens']} new tokens, block {k0['block_size']})", "",
-              "Measured after every engine step: blocks with ref_count > 0. Minimum = the prompt's full blocks "
-              "once + per sample the blocks for its remaining tokens in KV (prompt + new - 1). Independent = "
-              "n requests with different prompts, measured.", "",
-              "| n | peak blocks | minimum | over minimum | independent peak (theory) | saved vs independent "
-              "| saved at the minimum |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['n']} | {r['peak_blocks']} | {r['min_blocks']} | {r['over_min_pct']:+.1f}% | "
-              f"{r['independent_peak_blocks']} ({r['independent_theory_blocks']}) | {r['saved_pct']:.1f}% | "
-              f"{r['min_saved_pct']:.1f}% |" for r in kv]
+    lines += [
+        f"## Peak KV blocks, n parallel samples vs n independent requests "
+        f"({k0['prompt_tokens']}-token prompt, {k0['new_tokens']} new tokens, block {k0['block_size']})",
+        "",
+        "Measured after every engine step: blocks with ref_count > 0. Minimum = the prompt's full blocks "
+        "once + per sample the blocks for its remaining tokens in KV (prompt + new - 1). Independent = "
+        "n requests with different prompts, measured.",
+        "",
+        "| n | peak blocks | minimum | over minimum | independent peak (theory) | saved vs independent "
+        "| saved at the minimum |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['n']} | {r['peak_blocks']} | {r['min_blocks']} | {r['over_min_pct']:+.1f}% | "
+        f"{r['independent_peak_blocks']} ({r['independent_theory_blocks']}) | {r['saved_pct']:.1f}% | "
+        f"{r['min_saved_pct']:.1f}% |"
+        for r in kv
+    ]
     return lines
 
 
@@ -266,9 +331,13 @@ def main(argv=None):
     ap.add_argument("--kv-prompt-tokens", type=int, default=1024)
     ap.add_argument("--kv-new-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's). On a CPU shared with other jobs, 1 avoids "
-                         "OpenMP threads spinning at barriers while the other core is taken")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's). On a CPU shared with other jobs, 1 avoids "
+        "OpenMP threads spinning at barriers while the other core is taken",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for results")
     ap.add_argument("--profile", action="store_true", help="print cProfile + torch.profiler of one cached request")
     args = ap.parse_args(argv)
@@ -276,26 +345,43 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     loadavg_start = [round(x, 2) for x in os.getloadavg()]
-    sha = commit()                        # at the start: the tree may change while this runs
+    sha = commit()  # at the start: the tree may change while this runs
     t0 = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     st = llm.stats()
-    print(f"loaded {st['model']} on {st['device']} {st['dtype']} ({st['attention_backend']}), "
-          f"{st['kv_blocks_total']} KV blocks, {time.perf_counter() - t0:.1f}s", flush=True)
+    print(
+        f"loaded {st['model']} on {st['device']} {st['dtype']} ({st['attention_backend']}), "
+        f"{st['kv_blocks_total']} KV blocks, {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     rng = random.Random(args.seed)
     ttft = ttft_phase(llm, args.trials, args.persona_tokens, args.question_tokens, rng, args.profile)
     kv = kv_phase(llm, args.kv_n, args.kv_prompt_tokens, args.kv_new_tokens, args.seed)
 
     cuda = st["device"].startswith("cuda")
     device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
-    meta = {"benchmark": "prefix", "issue": 3, "model": st["model"], "dtype": st["dtype"], "device": device,
-            "attention_backend": st["attention_backend"], "kv_blocks_total": st["kv_blocks_total"],
-            "commit": sha, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "loadavg_start": loadavg_start,
-            "loadavg_end": [round(x, 2) for x in os.getloadavg()], "seconds": time.perf_counter() - t0, "args": vars(args),
-            "command": "python benchmarks/prefix_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {
+        "benchmark": "prefix",
+        "issue": 3,
+        "model": st["model"],
+        "dtype": st["dtype"],
+        "device": device,
+        "attention_backend": st["attention_backend"],
+        "kv_blocks_total": st["kv_blocks_total"],
+        "commit": sha,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": loadavg_start,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "seconds": time.perf_counter() - t0,
+        "args": vars(args),
+        "command": "python benchmarks/prefix_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     meta["command"] = meta["command"].strip()
     lines = render(meta, ttft, kv)
     out = Path(args.out)

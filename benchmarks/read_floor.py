@@ -7,20 +7,34 @@ number of bytes laid out flat, 32 KiB per program. No math beyond a sum, no spli
 attention kernel over these pages could at best approach on this device at this size (for 1 x 8k
 the launch and the first bytes' latency are a third of the time).
 """
+
 import torch
 import triton
 import triton.language as tl
 
 from chatengine.kernels.paged_attention import gdc_launch_dependents, gdc_wait, pdl_supported
 
-TILE = 128              # keys per paged-read program, as the 1 x 8k decode launch
-ROWS = 256              # contiguous read: 256 x 64 bf16 = 32 KiB per program (best of 8-64 KiB, H200)
+TILE = 128  # keys per paged-read program, as the 1 x 8k decode launch
+ROWS = 256  # contiguous read: 256 x 64 bf16 = 32 KiB per program (best of 8-64 KiB, H200)
 
 
 @triton.jit
-def _paged_read_kernel(K, V, Sink, seq_lens, block_tables, num_kv_heads,
-                       stride_kb, stride_ks, stride_kh, stride_bt,
-                       HEAD_DIM: tl.constexpr, TILE: tl.constexpr, PAGE_SIZE: tl.constexpr, PDL: tl.constexpr):
+def _paged_read_kernel(
+    K,
+    V,
+    Sink,
+    seq_lens,
+    block_tables,
+    num_kv_heads,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -29,8 +43,9 @@ def _paged_read_kernel(K, V, Sink, seq_lens, block_tables, num_kv_heads,
     offs_n = tl.program_id(1) * TILE + tl.arange(0, TILE)
     n_ok = offs_n < tl.load(seq_lens + seq)
     page = tl.load(block_tables + seq * stride_bt + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-    offs = (page * stride_kb + (offs_n % PAGE_SIZE) * stride_ks + head * stride_kh)[:, None] \
-        + tl.arange(0, HEAD_DIM)[None, :]
+    offs = (page * stride_kb + (offs_n % PAGE_SIZE) * stride_ks + head * stride_kh)[:, None] + tl.arange(0, HEAD_DIM)[
+        None, :
+    ]
     k = tl.load(K + offs, mask=n_ok[:, None], other=0.0)
     v = tl.load(V + offs, mask=n_ok[:, None], other=0.0)
     total = tl.sum(tl.sum(k.to(tl.float32) + v.to(tl.float32), 1), 0)
@@ -53,14 +68,30 @@ def read_floors(cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, c
     tiles = -(-ctx // TILE)
     sink = torch.empty(max(B * H_kv * tiles, kv_bytes // (ROWS * 64 * 2)), device=cache.device, dtype=torch.float32)
     res = {}
-    for pdl in ((False, True) if pdl_supported(cache.device) else (False,)):
+    for pdl in (False, True) if pdl_supported(cache.device) else (False,):
+
         def paged(pdl=pdl):
             for layer in range(copies):
                 k, v = cache[:, layer, 0], cache[:, layer, 1]
                 _paged_read_kernel[(B * H_kv, tiles)](
-                    k, v, sink, lens, tables, H_kv, k.stride(0), k.stride(1), k.stride(2), tables.stride(0),
-                    HEAD_DIM=D, TILE=TILE, PAGE_SIZE=page_size, PDL=pdl, num_warps=4,
-                    **({"launch_pdl": True} if pdl else {}))
+                    k,
+                    v,
+                    sink,
+                    lens,
+                    tables,
+                    H_kv,
+                    k.stride(0),
+                    k.stride(1),
+                    k.stride(2),
+                    tables.stride(0),
+                    HEAD_DIM=D,
+                    TILE=TILE,
+                    PAGE_SIZE=page_size,
+                    PDL=pdl,
+                    num_warps=4,
+                    **({"launch_pdl": True} if pdl else {}),
+                )
+
         res["paged_read_pdl_ms" if pdl else "paged_read_ms"] = graph_time(paged) / copies
     assert D == 64 and kv_bytes % (ROWS * 64 * 2) == 0, "the contiguous read tiles 64-wide rows of 32 KiB"
     flat = torch.randn(copies, kv_bytes // cache.element_size(), device=cache.device, dtype=cache.dtype)
@@ -68,5 +99,6 @@ def read_floors(cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, c
     def contiguous():
         for layer in range(copies):
             _contiguous_read_kernel[(kv_bytes // (ROWS * 64 * 2),)](flat[layer], sink, ROWS=ROWS, num_warps=8)
+
     res["contiguous_read_ms"] = graph_time(contiguous) / copies
     return res

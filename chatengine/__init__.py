@@ -1,4 +1,5 @@
 """chatengine: a paged-KV LLM serving engine for multi-user chat. These names are the public API."""
+
 from chatengine.config import EngineConfig
 from chatengine.engine.async_llm import AsyncLLM
 from chatengine.engine.llm import LLM

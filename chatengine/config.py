@@ -1,37 +1,41 @@
 """EngineConfig: the one dataclass of engine settings."""
+
 from dataclasses import dataclass, fields
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None              # None: the embedded SmolLM2-135M-Instruct; a .gguf, an HF dir, "dummy:<shape>"
-    device: str | None = None             # None: "cuda" when available, else "cpu"
-    dtype: str | None = None              # None: bfloat16 on CUDA, float32 on CPU
-    block_size: int = 16                  # tokens per KV page
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; a .gguf, an HF dir, "dummy:<shape>"
+    device: str | None = None  # None: "cuda" when available, else "cpu"
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    block_size: int = 16  # tokens per KV page
     enable_prefix_caching: bool = True
-    kv_store_dir: str | None = None       # disk tier of the KV cache (persistent prefix cache)
-    kv_store_gib: float = 8.0             # disk tier budget
-    cpu_offload_gib: float = 0.5          # host tier: evicted device blocks are written back here
-    idle_offload_s: float | None = None   # AsyncLLM: move pages idle this long to host memory (None: on demand)
-    data_dir: str | None = None           # keeps the server secret (per-user cache salts); None: ephemeral
-    register_personas: bool = True        # register prompts/*.md as public shared prefixes at start
-    max_num_seqs: int = 256               # sequences in one step
-    max_num_batched_tokens: int = 2048    # token budget of one step (prefill chunks + decodes)
-    max_model_len: int | None = None      # None: the model's context, capped at 8192
-    max_n: int = 16                       # limit on SamplingParams.n
-    max_tokens_limit: int | None = None   # limit on SamplingParams.max_tokens (None: max_model_len)
-    num_kv_blocks: int | None = None      # fixes the pool size; None: sized from the memory budget
-    kv_cache_gib: float = 1.0             # CPU: KV pool size in GiB
+    kv_store_dir: str | None = None  # disk tier of the KV cache (persistent prefix cache)
+    kv_store_gib: float = 8.0  # disk tier budget
+    cpu_offload_gib: float = 0.5  # host tier: evicted device blocks are written back here
+    idle_offload_s: float | None = None  # AsyncLLM: move pages idle this long to host memory (None: on demand)
+    data_dir: str | None = None  # keeps the server secret (per-user cache salts); None: ephemeral
+    register_personas: bool = True  # register prompts/*.md as public shared prefixes at start
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's context, capped at 8192
+    max_n: int = 16  # limit on SamplingParams.n
+    max_tokens_limit: int | None = None  # limit on SamplingParams.max_tokens (None: max_model_len)
+    num_kv_blocks: int | None = None  # fixes the pool size; None: sized from the memory budget
+    kv_cache_gib: float = 1.0  # CPU: KV pool size in GiB
     gpu_memory_utilization: float = 0.85  # CUDA: share of total memory the process may use
-    attention_backend: str = "auto"       # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
-    enforce_eager: bool = False           # CUDA: no CUDA graphs
+    attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step N+1 before step N's tokens are back; None: on CUDA
-    seed: int = 0                         # seed of dummy weights and of unseeded sampling
-    debug_checks: bool = False            # check block-manager invariants after every step
+    seed: int = 0  # seed of dummy weights and of unseeded sampling
+    debug_checks: bool = False  # check block-manager invariants after every step
 
     def __post_init__(self):
-        if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 256
-                and self.block_size & (self.block_size - 1) == 0):
+        if not (
+            isinstance(self.block_size, int)
+            and 1 <= self.block_size <= 256
+            and self.block_size & (self.block_size - 1) == 0
+        ):
             raise ValueError(f"block_size must be a power of two in [1, 256] (16 is usual), got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")

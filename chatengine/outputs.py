@@ -1,4 +1,5 @@
 """RequestOutput and CompletionOutput: what generate / chat / AsyncLLM return."""
+
 from dataclasses import dataclass, field
 
 
@@ -7,7 +8,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or token that ended it, if any
 
 
@@ -19,6 +20,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
-    error: str | None = None              # set when the engine failed this request (finish_reason "error")
-    arrival_time: float = 0.0             # time.monotonic() when the engine accepted the request
-    first_token_time: float | None = None # time.monotonic() of its first generated token
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    arrival_time: float = 0.0  # time.monotonic() when the engine accepted the request
+    first_token_time: float | None = None  # time.monotonic() of its first generated token

@@ -4,6 +4,7 @@ A persona file is front matter between two `---` lines (`name`, `title`, `descri
 simple `key: value` lines), then the system prompt text. Persona prompts are public and their KV
 blocks are shared by all users (docs/ARCHITECTURE.md, isolation), so nothing secret belongs in them.
 """
+
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,7 @@ def parse_persona(text: str, source: str = "") -> Persona:
         raise fail(f"name {fields['name']!r} must use only a-z, 0-9 and '-'")
     # Stripped, so the prompt's token ids (and so its shared KV blocks) do not depend on
     # trailing newlines an editor may add.
-    system_prompt = "\n".join(lines[end + 1:]).strip()
+    system_prompt = "\n".join(lines[end + 1 :]).strip()
     if not system_prompt:
         raise fail("the system prompt after the front matter is empty")
     return Persona(fields["name"], fields["title"], fields["description"], system_prompt)
@@ -78,8 +79,7 @@ def load_personas(directory=None) -> dict[str, Persona]:
     for path in sorted(directory.glob("*.md")):
         persona = parse_persona(path.read_text(encoding="utf-8"), source=str(path))
         if persona.name != path.stem:  # also rules out two files claiming one name
-            raise ValueError(f"{path}: name {persona.name!r} does not match the file name "
-                             f"{path.stem!r}")
+            raise ValueError(f"{path}: name {persona.name!r} does not match the file name {path.stem!r}")
         personas[persona.name] = persona
     order = sorted(personas, key=lambda n: (n != DEFAULT_PERSONA, n))
     return {n: personas[n] for n in order}

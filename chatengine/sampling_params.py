@@ -1,4 +1,5 @@
 """SamplingParams: the per-request knobs. temperature=0 means greedy."""
+
 import math
 from dataclasses import dataclass
 
@@ -8,7 +9,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0                       # 0: no top-k
+    top_k: int = 0  # 0: no top-k
     max_tokens: int = 16
     seed: int | None = None
     stop: list[str] | str | None = None
@@ -23,14 +24,18 @@ class SamplingParams:
 
     def validate(self, max_n: int, max_tokens_limit: int) -> None:
         """Raise ValueError with an actionable message for values the engine cannot serve."""
+
         def number(name, value):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
 
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= max_n:
             raise ValueError(f"n must be an integer in [1, {max_n}], got {self.n!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                or not 1 <= self.max_tokens <= max_tokens_limit:
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or not 1 <= self.max_tokens <= max_tokens_limit
+        ):
             raise ValueError(f"max_tokens must be an integer in [1, {max_tokens_limit}], got {self.max_tokens!r}")
         number("temperature", self.temperature)
         if not 0 <= self.temperature <= 100:
@@ -40,8 +45,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 256 for s in self.stop):
             raise ValueError("stop must be at most 16 non-empty strings of at most 256 characters")

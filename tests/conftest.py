@@ -1,5 +1,6 @@
 """Shared fixtures: the default model loaded once per session, tiny random models, a check that
 every test leaves all KV blocks free, and real servers on loopback."""
+
 import os
 
 import pytest
@@ -59,6 +60,7 @@ def serve():
     They stop when the module's tests are done."""
     pytest.importorskip("uvicorn")
     from chatengine.app.server import ServerThread
+
     servers = []
 
     def start(app) -> ServerThread:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible API, driven by the real `openai` client (and httpx for raw bodies) against
 uvicorn servers on loopback. One engine for the module; three apps on it: multi-user (API keys),
 local single-user mode, and a rate-limited one."""
+
 import json
 import time
 import uuid
@@ -23,14 +24,17 @@ from chatengine.app.api.protocol import (  # noqa: E402
 from chatengine.app.api.routes import build_api  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-USERS = {"alice": {"password": "pw-a", "api_key": "sk-alice"},
-         "bob": {"password": "pw-b", "api_key": "sk-bob"},
-         "carol": {"api_key": "sk-carol"}}
+USERS = {
+    "alice": {"password": "pw-a", "api_key": "sk-alice"},
+    "bob": {"password": "pw-b", "api_key": "sk-bob"},
+    "carol": {"api_key": "sk-carol"},
+}
 
 
 @dataclass
 class API:
     """A served app (see the `serve` fixture) and openai clients for it."""
+
     url: str
 
     def client(self, key="sk-none", **kw):
@@ -46,9 +50,11 @@ def engine():
 
 @pytest.fixture(scope="module")
 def servers(engine, serve):
-    return {"multi": API(serve(build_api(engine, USERS, model_name=MODEL)).url),
-            "local": API(serve(build_api(engine, None, model_name=MODEL)).url),
-            "limited": API(serve(build_api(engine, USERS, model_name=MODEL, rate_limit_per_minute=2)).url)}
+    return {
+        "multi": API(serve(build_api(engine, USERS, model_name=MODEL)).url),
+        "local": API(serve(build_api(engine, None, model_name=MODEL)).url),
+        "limited": API(serve(build_api(engine, USERS, model_name=MODEL, rate_limit_per_minute=2)).url),
+    }
 
 
 @pytest.fixture
@@ -70,7 +76,8 @@ def wait_idle(engine, timeout=5.0) -> float:
     start = time.monotonic()
     while engine.engine.requests or used_blocks(engine):
         assert time.monotonic() - start < timeout, (
-            f"still {used_blocks(engine)} blocks used, requests {list(engine.engine.requests)}")
+            f"still {used_blocks(engine)} blocks used, requests {list(engine.engine.requests)}"
+        )
         time.sleep(0.05)
     return time.monotonic() - start
 
@@ -90,10 +97,11 @@ def test_health_and_models(local, multi):
 
 
 def test_chat_completion(local, engine):
-    resp = local.client().chat.completions.create(model="any-name-is-tolerated", messages=hello(),
-                                                  max_tokens=8, temperature=0)
+    resp = local.client().chat.completions.create(
+        model="any-name-is-tolerated", messages=hello(), max_tokens=8, temperature=0
+    )
     assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
-    assert resp.model == MODEL                      # the model actually served is named
+    assert resp.model == MODEL  # the model actually served is named
     [choice] = resp.choices
     assert choice.index == 0 and choice.message.role == "assistant"
     assert isinstance(choice.message.content, str) and choice.message.content
@@ -106,30 +114,43 @@ def test_chat_completion(local, engine):
 
 
 def test_content_parts_and_developer_role(local):
-    messages = [{"role": "developer", "content": "Answer briefly."},
-                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    messages = [
+        {"role": "developer", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+    ]
     r = local.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     assert r.choices[0].message.content is not None and r.usage.prompt_tokens > 0
 
 
 def test_n2_and_stop_and_length(local):
     client = local.client()
-    resp = client.chat.completions.create(model=MODEL, messages=hello("Count: one, two,"), n=2, max_tokens=5,
-                                          temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=hello("Count: one, two,"),
+        n=2,
+        max_tokens=5,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in resp.choices) == [0, 1]
     assert all(c.finish_reason == "length" for c in resp.choices)
-    assert resp.usage.completion_tokens == 10          # summed over both choices
+    assert resp.usage.completion_tokens == 10  # summed over both choices
     # max_completion_tokens wins over max_tokens; a stop string ends with "stop" and is cut off
-    resp = client.chat.completions.create(model=MODEL, messages=hello("Write the letter a ten times."),
-                                          max_tokens=40, max_completion_tokens=3, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=hello("Write the letter a ten times."),
+        max_tokens=40,
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
     full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0)
     text = full.choices[0].text
     assert len(text) > 3
     stop = text[2:4]
-    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0,
-                                    stop=[stop])
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
     assert text.startswith(cut.choices[0].text)
 
@@ -152,11 +173,15 @@ def test_completions_text_and_token_ids(local, engine):
     r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
     assert r2.choices[0].text == r.choices[0].text
     assert r2.usage.prompt_tokens == len(ids)
-    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
-        [r.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        r.choices[0].finish_reason
+    ]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
@@ -166,14 +191,23 @@ def sse_events(resp: httpx.Response) -> list:
         if not line:
             continue
         assert line.startswith("data: "), line
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
 
 def test_stream_chunk_structure_n2_with_usage(local):
-    body = {"model": MODEL, "messages": hello("Tell me a fact."), "n": 2, "max_tokens": 6, "temperature": 0.8,
-            "seed": 3, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": hello("Tell me a fact."),
+        "n": 2,
+        "max_tokens": 6,
+        "temperature": 0.8,
+        "seed": 3,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", local.url + "/v1/chat/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -187,10 +221,13 @@ def test_stream_chunk_structure_n2_with_usage(local):
     # then chunks of one choice each, exactly one finish_reason per choice
     body_chunks, usage_chunk = chunks[2:-1], chunks[-1]
     assert all(len(c["choices"]) == 1 for c in body_chunks)
-    finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in body_chunks
-                if c["choices"][0]["finish_reason"] is not None]
+    finishes = [
+        (c["choices"][0]["index"], c["choices"][0]["finish_reason"])
+        for c in body_chunks
+        if c["choices"][0]["finish_reason"] is not None
+    ]
     assert sorted(finishes) == [(0, "length"), (1, "length")]
-    for i in (0, 1):   # nothing after a choice's finish chunk
+    for i in (0, 1):  # nothing after a choice's finish chunk
         mine = [c for c in body_chunks if c["choices"][0]["index"] == i]
         assert mine[-1]["choices"][0]["finish_reason"] == "length"
     assert usage_chunk["choices"] == []
@@ -207,7 +244,7 @@ def test_stream_with_openai_client_reassembles(local):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0     # the same prompt just ran
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt just ran
 
 
 # ---- the protocol without HTTP ------------------------------------------------------------------
@@ -216,9 +253,19 @@ LIMITS = Limits(max_n=4, max_tokens=100, max_model_len=128, kv_capacity_tokens=9
 
 def test_parse_request_builds_the_request_model():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    req = parse_request("chat", {"messages": [{"role": "developer", "content": parts}], "max_tokens": 5,
-                                 "max_completion_tokens": 3, "top_k": -1, "stream": True,
-                                 "stream_options": {"include_usage": True}, "unknown": 1}, LIMITS)
+    req = parse_request(
+        "chat",
+        {
+            "messages": [{"role": "developer", "content": parts}],
+            "max_tokens": 5,
+            "max_completion_tokens": 3,
+            "top_k": -1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "unknown": 1,
+        },
+        LIMITS,
+    )
     assert req.messages == [ChatMessage(role="system", content="a\nb")] and req.prompt is None
     assert req.stream == StreamOptions(stream=True, include_usage=True)
     params = sampling_params(req.sampling, 10, LIMITS)
@@ -230,14 +277,17 @@ def test_parse_request_builds_the_request_model():
     assert sampling_params(req.sampling, 40, Limits(4, 100, 128, 96, default_max_tokens=8)).max_tokens == 8
 
 
-@pytest.mark.parametrize("kind,body,param", [
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 101}, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}, "frequency_penalty"),
-    ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
-    ("completion", {"prompt": [1, True]}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "kind,body,param",
+    [
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 101}, "max_tokens"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}, "frequency_penalty"),
+        ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("completion", {"prompt": [1, True]}, "prompt"),
+    ],
+)
 def test_parse_request_names_the_bad_field(kind, body, param):
     with pytest.raises(APIError) as e:
         parse_request(kind, body, LIMITS)
@@ -268,17 +318,18 @@ def test_rate_limit_per_user(servers):
     r = httpx.post(url, content=b"{}", headers=alice)
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
-    assert httpx.post(url, content=b"{}", headers=bob).status_code == 400      # bob has his own bucket
+    assert httpx.post(url, content=b"{}", headers=bob).status_code == 400  # bob has his own bucket
     with pytest.raises(openai.RateLimitError):
         servers["limited"].client("sk-alice").chat.completions.create(model=MODEL, messages=hello(), max_tokens=1)
     # guessing keys is limited too (per client address)
-    codes = [httpx.post(url, content=b"{}", headers={"Authorization": f"Bearer guess-{i}"}).status_code
-             for i in range(3)]
+    codes = [
+        httpx.post(url, content=b"{}", headers={"Authorization": f"Bearer guess-{i}"}).status_code for i in range(3)
+    ]
     assert codes == [401, 401, 429]
 
 
 # ---- bad inputs ---------------------------------------------------------------------------------
-LONG = "hello " * 9000      # > 8192 tokens: over the context
+LONG = "hello " * 9000  # > 8192 tokens: over the context
 
 
 def chat_body(**kw):
@@ -313,7 +364,7 @@ BAD = [
     ("chat", chat_body(max_tokens="10"), 400, "max_tokens"),
     ("chat", chat_body(max_tokens=10**9), 400, "max_tokens"),
     ("chat", chat_body(max_completion_tokens=True), 400, "max_completion_tokens"),
-    ("chat", chat_body(max_tokens=4000), 400, "KV blocks"),     # fits the context, not the KV pool
+    ("chat", chat_body(max_tokens=4000), 400, "KV blocks"),  # fits the context, not the KV pool
     ("chat", chat_body(n=0), 400, "'n'"),
     ("chat", chat_body(n=1000), 400, "'n'"),
     ("chat", chat_body(n=1.5), 400, "'n'"),
@@ -383,7 +434,7 @@ def test_engine_failure_is_reported_not_hung(local, engine):
     try:
         r = httpx.post(local.url + "/v1/chat/completions", content=chat_body(), timeout=30)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-        assert "injected" not in r.text                       # no internals leak to the client
+        assert "injected" not in r.text  # no internals leak to the client
         with pytest.raises(openai.APIError):
             list(local.client().chat.completions.create(model=MODEL, messages=hello(), max_tokens=3, stream=True))
     finally:
@@ -396,8 +447,14 @@ def test_engine_failure_is_reported_not_hung(local, engine):
 def test_disconnected_stream_frees_blocks(local, engine):
     wait_idle(engine)
     generated = engine.stats()["num_generated_tokens"]
-    body = {"model": MODEL, "messages": hello("Write a long story."), "max_tokens": 500, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": hello("Write a long story."),
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", local.url + "/v1/chat/completions", json=body, timeout=60) as resp:
         got = 0
         for line in resp.iter_lines():
@@ -405,7 +462,7 @@ def test_disconnected_stream_frees_blocks(local, engine):
                 got += 1
                 if got >= 4:
                     break
-        assert used_blocks(engine) > 0 and engine.engine.requests      # it is running
+        assert used_blocks(engine) > 0 and engine.engine.requests  # it is running
     # the connection is closed: the request is aborted and its blocks are freed within a step or two
     wait_idle(engine, timeout=5)
     assert engine.stats()["num_generated_tokens"] - generated < 450
@@ -427,8 +484,15 @@ def test_abort_storm_leaves_nothing_behind(local, engine):
     import asyncio
 
     async def one(client, i):
-        body = {"model": MODEL, "messages": hello(f"story {i}"), "max_tokens": 6, "n": 1 + i % 3,
-                "ignore_eos": True, "temperature": 1.0, "seed": i}
+        body = {
+            "model": MODEL,
+            "messages": hello(f"story {i}"),
+            "max_tokens": 6,
+            "n": 1 + i % 3,
+            "ignore_eos": True,
+            "temperature": 1.0,
+            "seed": i,
+        }
         if i % 4 == 0:
             async with client.stream("POST", local.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
                 async for line in r.aiter_lines():
@@ -456,9 +520,14 @@ def test_abort_storm_leaves_nothing_behind(local, engine):
 # ---- isolation between users --------------------------------------------------------------------
 def private_prompt():
     secret = uuid.uuid4().hex
-    return [{"role": "system", "content": f"Private notebook {secret} of one user. Never share it."},
-            {"role": "user", "content": f"My account number is {secret}; my doctor said my test came back. "
-                                        "Summarise my situation in one short sentence."}]
+    return [
+        {"role": "system", "content": f"Private notebook {secret} of one user. Never share it."},
+        {
+            "role": "user",
+            "content": f"My account number is {secret}; my doctor said my test came back. "
+            "Summarise my situation in one short sentence.",
+        },
+    ]
 
 
 def test_user_repeat_reports_cached_tokens(multi):
@@ -475,7 +544,7 @@ def test_users_are_isolated_in_the_prefix_cache(multi):
     messages = private_prompt()
     for _ in range(2):
         a = alice.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
-    assert a.usage.prompt_tokens_details.cached_tokens >= 32          # alice's blocks are in the cache
+    assert a.usage.prompt_tokens_details.cached_tokens >= 32  # alice's blocks are in the cache
     # carol sends alice's exact private prompt (and claims to be alice in the body's `user` field)
     c = carol.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0, user="alice")
     assert c.usage.prompt_tokens == a.usage.prompt_tokens
@@ -487,11 +556,15 @@ def test_public_persona_prefix_is_shared_across_users(multi, engine):
     if not personas:
         pytest.skip("the engine registered no public personas")
     from chatengine.personas import load_personas
+
     persona = next(iter(load_personas().values()))
     bob, carol = multi.client("sk-bob"), multi.client("sk-carol")
-    ask = lambda client, q: client.chat.completions.create(   # noqa: E731
-        model=MODEL, max_tokens=1, temperature=0,
-        messages=[{"role": "system", "content": persona.system_prompt}, {"role": "user", "content": q}])
+    ask = lambda client, q: client.chat.completions.create(  # noqa: E731
+        model=MODEL,
+        max_tokens=1,
+        temperature=0,
+        messages=[{"role": "system", "content": persona.system_prompt}, {"role": "user", "content": q}],
+    )
     ask(bob, f"bob asks {uuid.uuid4().hex}")
     c = ask(carol, f"carol asks {uuid.uuid4().hex}")
     public = len(personas[persona.name]) // 16 * 16

@@ -1,4 +1,5 @@
 """chatengine.app.auth: the users file, password checks (plain and pbkdf2), API key lookup."""
+
 import json
 import sys
 
@@ -6,7 +7,7 @@ import pytest
 
 from chatengine.app.auth import hash_password, load_users, user_for_api_key, validate_users, verify_password
 
-FAST = 1000      # PBKDF2 iterations for tests (the default, 600k, is slow on purpose)
+FAST = 1000  # PBKDF2 iterations for tests (the default, 600k, is slow on purpose)
 
 
 def write(tmp_path, data, name="users.json"):
@@ -17,42 +18,52 @@ def write(tmp_path, data, name="users.json"):
 
 @pytest.fixture(scope="module")
 def users():
-    return validate_users({
-        "alice": {"password": "plain-secret", "api_key": "sk-alice-1234"},
-        "bob": {"password": hash_password("bob's pw", iterations=FAST), "api_key": "sk-bob-5678"},
-        "carol": {"api_key": "sk-carol"},
-        "dave": {"password": "only-ui"},
-    })
+    return validate_users(
+        {
+            "alice": {"password": "plain-secret", "api_key": "sk-alice-1234"},
+            "bob": {"password": hash_password("bob's pw", iterations=FAST), "api_key": "sk-bob-5678"},
+            "carol": {"api_key": "sk-carol"},
+            "dave": {"password": "only-ui"},
+        }
+    )
 
 
 def test_load_users_plain_and_hashed(tmp_path):
     hashed = hash_password("s3cret", iterations=FAST)
-    path = write(tmp_path, {"alice": {"password": "pw", "api_key": "k1"},
-                            "bob": {"password": hashed, "api_key": "k2", "display_name": "Bob"}})
+    path = write(
+        tmp_path,
+        {
+            "alice": {"password": "pw", "api_key": "k1"},
+            "bob": {"password": hashed, "api_key": "k2", "display_name": "Bob"},
+        },
+    )
     users = load_users(path)
     assert set(users) == {"alice", "bob"} and users["bob"]["display_name"] == "Bob"
     assert verify_password(users, "alice", "pw") and verify_password(users, "bob", "s3cret")
     assert user_for_api_key(users, "k2") == "bob"
 
 
-@pytest.mark.parametrize("content,needle", [
-    ("{not json", "not valid JSON"),
-    ("[]", "top level"),
-    (json.dumps({"alice": "pw"}), "must map to an object"),
-    (json.dumps({"": {"password": "x"}}), "non-empty string"),
-    (json.dumps({" alice": {"password": "x"}}), "spaces"),
-    (json.dumps({"alice": {}}), "neither"),
-    (json.dumps({"alice": {"password": ""}}), "password"),
-    (json.dumps({"alice": {"password": 5}}), "password"),
-    (json.dumps({"alice": {"api_key": ""}}), "api_key"),
-    (json.dumps({"alice": {"api_key": 123}}), "api_key"),
-    (json.dumps({"alice": {"api_key": "same"}, "bob": {"api_key": "same"}}), "same api_key"),
-    ('{"alice": {"password": "a"}, "alice": {"password": "b"}}', "duplicate"),
-    (json.dumps({"alice": {"password": "pbkdf2_sha256$abc$c2FsdA==$aGFzaA=="}}), "iteration"),
-    (json.dumps({"alice": {"password": "pbkdf2_sha256$0$c2FsdA==$" + "A" * 44}}), "iteration"),
-    (json.dumps({"alice": {"password": "pbkdf2_sha256$1000$!!!$" + "A" * 44}}), "base64"),
-    (json.dumps({"alice": {"password": "pbkdf2_sha256$1000$c2FsdA=="}}), "pbkdf2_sha256$"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "top level"),
+        (json.dumps({"alice": "pw"}), "must map to an object"),
+        (json.dumps({"": {"password": "x"}}), "non-empty string"),
+        (json.dumps({" alice": {"password": "x"}}), "spaces"),
+        (json.dumps({"alice": {}}), "neither"),
+        (json.dumps({"alice": {"password": ""}}), "password"),
+        (json.dumps({"alice": {"password": 5}}), "password"),
+        (json.dumps({"alice": {"api_key": ""}}), "api_key"),
+        (json.dumps({"alice": {"api_key": 123}}), "api_key"),
+        (json.dumps({"alice": {"api_key": "same"}, "bob": {"api_key": "same"}}), "same api_key"),
+        ('{"alice": {"password": "a"}, "alice": {"password": "b"}}', "duplicate"),
+        (json.dumps({"alice": {"password": "pbkdf2_sha256$abc$c2FsdA==$aGFzaA=="}}), "iteration"),
+        (json.dumps({"alice": {"password": "pbkdf2_sha256$0$c2FsdA==$" + "A" * 44}}), "iteration"),
+        (json.dumps({"alice": {"password": "pbkdf2_sha256$1000$!!!$" + "A" * 44}}), "base64"),
+        (json.dumps({"alice": {"password": "pbkdf2_sha256$1000$c2FsdA=="}}), "pbkdf2_sha256$"),
+    ],
+)
 def test_load_users_rejects_bad_files(tmp_path, content, needle):
     with pytest.raises(ValueError) as e:
         load_users(write(tmp_path, content))
@@ -75,8 +86,8 @@ def test_verify_password(users):
     assert not verify_password(users, "alice", "")
     assert verify_password(users, "bob", "bob's pw")
     assert not verify_password(users, "bob", "bob's pw!")
-    assert not verify_password(users, "bob", users["bob"]["password"])   # the hash is not the password
-    assert not verify_password(users, "carol", "")                        # API-only user: no UI login
+    assert not verify_password(users, "bob", users["bob"]["password"])  # the hash is not the password
+    assert not verify_password(users, "carol", "")  # API-only user: no UI login
     assert not verify_password(users, "mallory", "plain-secret")
     for bad in (None, 5, b"plain-secret", "\ud800"):
         assert not verify_password(users, "alice", bad)
@@ -106,6 +117,7 @@ def test_auth_command_line(tmp_path, monkeypatch, capsys):
     import io
 
     from chatengine.app.auth import _main
+
     monkeypatch.setattr(sys, "stdin", io.StringIO("hunter2\n"))
     assert _main(["hash", "--iterations", str(FAST)]) == 0
     hashed = capsys.readouterr().out.strip()

@@ -1,14 +1,15 @@
 """Hypothesis drives random add / step / abort / fork / finish sequences through the scheduler and
 block manager (no model) and checks the invariants after every step."""
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.config import EngineConfig
-from chatengine.sampling_params import SamplingParams
+from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.engine.scheduler import Scheduler
 from chatengine.engine.sequence import Sequence, SequenceStatus
+from chatengine.sampling_params import SamplingParams
 
 BS = 4
 NUM_BLOCKS = 12
@@ -20,12 +21,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True, root=b"root")
         self.sched = Scheduler(EngineConfig(block_size=BS, max_num_batched_tokens=10, max_num_seqs=4), self.bm)
         self.live: list[Sequence] = []
-        self.in_flight = None       # (step, sampled sequences): launched, values not back yet
+        self.in_flight = None  # (step, sampled sequences): launched, values not back yet
 
     # prompts from a tiny alphabet with shared beginnings, so prefixes hit often
-    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
-          tail=st.lists(st.integers(0, 3), min_size=1, max_size=9),
-          user=st.sampled_from([b"", b"u1", b"u2"]))
+    @rule(
+        prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+        tail=st.lists(st.integers(0, 3), min_size=1, max_size=9),
+        user=st.sampled_from([b"", b"u1", b"u2"]),
+    )
     def add(self, prefix, tail, user):
         seq = Sequence(prefix + tail, SamplingParams(), block_size=BS)
         seq.salt, seq.public_prefix_len = user, len(prefix)
@@ -59,14 +62,13 @@ class EngineMachine(RuleBasedStateMachine):
     def abort(self, i):
         self._finish(self.live[i % len(self.live)])
 
-    @precondition(lambda self: any(s.status == SequenceStatus.RUNNING and s.num_computed_tokens > 1
-                                   for s in self.live))
+    @precondition(lambda self: any(s.status == SequenceStatus.RUNNING and s.num_computed_tokens > 1 for s in self.live))
     @rule(i=st.integers(0, 100), back=st.integers(0, 5))
     def fork(self, i, back):
         parents = [s for s in self.live if s.status == SequenceStatus.RUNNING and s.num_computed_tokens > 1]
         parent = parents[i % len(parents)]
         num_tokens = max(1, min(parent.num_computed_tokens, parent.num_known_tokens - 1) - back)
-        child = Sequence(parent.token_ids[:num_tokens + 1], SamplingParams(), block_size=BS)
+        child = Sequence(parent.token_ids[: num_tokens + 1], SamplingParams(), block_size=BS)
         child.salt, child.public_prefix_len = parent.salt, parent.public_prefix_len
         free_before = self.bm.num_free_blocks
         try:
@@ -74,7 +76,7 @@ class EngineMachine(RuleBasedStateMachine):
         except MemoryError:
             assert self.bm.num_free_blocks == free_before == 0 and child.block_table == []
             return
-        assert child.block_table[:num_tokens // BS] == parent.block_table[:num_tokens // BS]
+        assert child.block_table[: num_tokens // BS] == parent.block_table[: num_tokens // BS]
         if num_tokens % BS:
             assert copy == (parent.block_table[num_tokens // BS], child.block_table[-1])
             assert self.bm.blocks[child.block_table[-1]].ref_count == 1
@@ -91,8 +93,8 @@ class EngineMachine(RuleBasedStateMachine):
     def consistent(self):
         self.bm.check_invariants(self.live)
         used = sum(1 for b in self.bm.blocks if b.ref_count > 0)
-        assert used + self.bm.num_free_blocks == NUM_BLOCKS                     # conservation
-        for seq in self.live:                                                   # tables cover the computed KV
+        assert used + self.bm.num_free_blocks == NUM_BLOCKS  # conservation
+        for seq in self.live:  # tables cover the computed KV
             assert len(seq.block_table) * BS >= seq.num_computed_tokens
 
     def teardown(self):
@@ -100,7 +102,7 @@ class EngineMachine(RuleBasedStateMachine):
             self._complete(*self.in_flight, 0, 1 << 30)
         for seq in list(self.live):
             self._finish(seq)
-        assert self.bm.num_free_blocks == NUM_BLOCKS                            # drains to zero used
+        assert self.bm.num_free_blocks == NUM_BLOCKS  # drains to zero used
         self.bm.check_invariants([])
 
 

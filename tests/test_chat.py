@@ -1,5 +1,6 @@
 """ChatService on the real default model (tiny max_tokens): token-id continuity, alternatives,
 forks, stop, user isolation."""
+
 import asyncio
 import time
 
@@ -7,8 +8,8 @@ import pytest
 
 from chatengine import AsyncLLM
 from chatengine.app.chat import ChatService, TurnTemplate
-from chatengine.personas import load_personas
 from chatengine.app.store import ChatStore, NotFound
+from chatengine.personas import load_personas
 
 GREEDY = dict(temperature=0, max_tokens=6)
 
@@ -19,7 +20,7 @@ class SpyEngine:
     def __init__(self, engine):
         self.inner, self.calls = engine, []
 
-    def __getattr__(self, name):      # the rest of the public API: as the engine has it
+    def __getattr__(self, name):  # the rest of the public API: as the engine has it
         return getattr(self.inner, name)
 
     def generate(self, prompt, params, *, request_id=None, user=None):
@@ -28,7 +29,6 @@ class SpyEngine:
 
     async def abort(self, request_id):
         await self.inner.abort(request_id)
-
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,9 @@ def svc(async_engine, tmp_path):
     # every request of the test has left the engine and holds no KV block
     inner = async_engine.engine
     deadline = time.monotonic() + 5
-    while (inner.requests or inner.block_manager.num_free_blocks != inner.block_manager.num_blocks) \
-            and time.monotonic() < deadline:
+    while (
+        inner.requests or inner.block_manager.num_free_blocks != inner.block_manager.num_blocks
+    ) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not inner.requests
     assert inner.block_manager.num_free_blocks == inner.block_manager.num_blocks
@@ -56,21 +57,31 @@ def svc(async_engine, tmp_path):
 
 def run(agen_factory):
     """Drain an async generator of ReplyUpdates; return the last one."""
+
     async def go():
         last = None
         async for up in agen_factory():
             last = up
         return last
+
     return asyncio.run(go())
 
 
 def test_turn_template_matches_full_rendering(svc):
     tpl = svc.template
     assert tpl.incremental, "SmolLM2's ChatML template must concatenate turn by turn"
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <there> & `x`"},
-            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again?"}]
-    ids = tpl.system_ids("Be brief.") + tpl.user_ids(msgs[1]["content"]) + \
-        tpl.assistant_ids_from_text("Hello!") + tpl.user_ids("Again?")
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi <there> & `x`"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Again?"},
+    ]
+    ids = (
+        tpl.system_ids("Be brief.")
+        + tpl.user_ids(msgs[1]["content"])
+        + tpl.assistant_ids_from_text("Hello!")
+        + tpl.user_ids("Again?")
+    )
     assert ids == svc.engine.apply_chat_template(msgs)
     # generated ids that end with the end-of-turn token get only the newline after it
     end = tpl.close_ids[0]
@@ -93,7 +104,7 @@ def test_token_ids_continuity_across_turns(svc):
     assert p1 == store.prompt_token_ids(user, path[1]["id"])
     assert p2 == store.prompt_token_ids(user, path[3]["id"])
     # the second prompt extends the first with the reply and the new turn (no re-tokenisation)
-    assert p2[:len(p1)] == p1
+    assert p2[: len(p1)] == p1
     assert p2 == p1 + path[2]["token_ids"] + path[3]["token_ids"]
     # the first prompt is the model's own template rendering; the second is a faithful
     # continuation of it (same text; the reply's ids are the sampled ones)
@@ -104,7 +115,7 @@ def test_token_ids_continuity_across_turns(svc):
     rendered = svc.tokenizer.apply_chat_template(texts, tokenize=False, add_generation_prompt=True)
     assert svc.tokenizer.decode(p2) == rendered
     # the stored reply ids are the generated ids (closed like the template closes a turn)
-    assert path[2]["token_ids"][-len(svc.template.close_ids):] == svc.template.close_ids
+    assert path[2]["token_ids"][-len(svc.template.close_ids) :] == svc.template.close_ids
     # stats of a reply
     st = path[4]["stats"]
     assert st["tokens"] >= 1 and st["prompt_tokens"] == len(p2) and "ttft_ms" in st
@@ -216,7 +227,7 @@ def test_stop_keeps_partial_reply(svc):
     assert up.status == "aborted"
     msg = svc.store.get_message(user, up.message_ids[0])
     assert msg["status"] == "aborted" and msg["content"] == up.texts[0] and msg["content"]
-    assert msg["token_ids"][-len(svc.template.close_ids):] == svc.template.close_ids
+    assert msg["token_ids"][-len(svc.template.close_ids) :] == svc.template.close_ids
     assert not svc.is_generating(user, cid)
     # the conversation goes on after a stop
     assert run(lambda: svc.send(user, cid, "ok", GREEDY)).status == "done"
@@ -248,11 +259,17 @@ def test_users_are_isolated(svc):
     bob = "bob"
     assert svc.list_conversations(bob) == []
     assert svc.list_conversations(bob, "secret") == []
-    for call in (lambda: svc.view(bob, cid), lambda: svc.get_conversation(bob, cid),
-                 lambda: svc.send(bob, cid, "hi", GREEDY), lambda: svc.regenerate(bob, cid, mid, GREEDY),
-                 lambda: svc.edit(bob, cid, user_mid, "x", GREEDY), lambda: svc.switch(bob, cid, mid, 1),
-                 lambda: svc.rename_conversation(bob, cid, "mine"), lambda: svc.delete_conversation(bob, cid),
-                 lambda: asyncio.run(svc.stop(bob, cid))):
+    for call in (
+        lambda: svc.view(bob, cid),
+        lambda: svc.get_conversation(bob, cid),
+        lambda: svc.send(bob, cid, "hi", GREEDY),
+        lambda: svc.regenerate(bob, cid, mid, GREEDY),
+        lambda: svc.edit(bob, cid, user_mid, "x", GREEDY),
+        lambda: svc.switch(bob, cid, mid, 1),
+        lambda: svc.rename_conversation(bob, cid, "mine"),
+        lambda: svc.delete_conversation(bob, cid),
+        lambda: asyncio.run(svc.stop(bob, cid)),
+    ):
         with pytest.raises(NotFound):
             call()
     # bob's own conversation cannot reach alice's messages either
@@ -286,6 +303,7 @@ def test_bad_input_writes_nothing(svc):
 
 def test_template_fallback_renders_full_text():
     """A template whose turns do not concatenate is rendered whole (no stored ids)."""
+
     class Odd:
         eos_token_id = 0
 

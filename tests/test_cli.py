@@ -1,4 +1,5 @@
 """The `chatengine` command, run as a subprocess (the installed console script when there is one)."""
+
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ def test_console_script_is_declared():
 
 
 def test_help():
-    out = run("--help")      # the real command, in a subprocess
+    out = run("--help")  # the real command, in a subprocess
     assert out.returncode == 0
     for word in ("serve", "chat", "bench"):
         assert word in out.stdout
@@ -69,11 +70,22 @@ def test_chat_personas_and_bad_persona(capsys):
 
 def test_chat_through_stdin():
     script = "Hello!\n/help\nSay hi.\n/reset\n/quit\nnever read\n"
-    out = run("chat", "--max-tokens", "3", "--temperature", "0", "--kv-cache-gib", "0.05",
-              "--persona", "assistant", stdin=script, timeout=120)
+    out = run(
+        "chat",
+        "--max-tokens",
+        "3",
+        "--temperature",
+        "0",
+        "--kv-cache-gib",
+        "0.05",
+        "--persona",
+        "assistant",
+        stdin=script,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     answers = out.stdout.splitlines()
-    assert len(answers) == 2 and all(a.strip() for a in answers), out.stdout   # one streamed line per turn
+    assert len(answers) == 2 and all(a.strip() for a in answers), out.stdout  # one streamed line per turn
     assert "(conversation cleared)" in out.stderr and "/reset" in out.stderr
 
 
@@ -87,9 +99,12 @@ def test_chat_history_drops_oldest_turns_to_fit():
 
     engine = SimpleNamespace(apply_chat_template=one_token_per_character, max_model_len=100)
     base = [{"role": "system", "content": "s" * 10}]
-    history = [{"role": "user", "content": "a" * 30}, {"role": "assistant", "content": "b" * 30},
-               {"role": "user", "content": "c" * 20}]
+    history = [
+        {"role": "user", "content": "a" * 30},
+        {"role": "assistant", "content": "b" * 30},
+        {"role": "user", "content": "c" * 20},
+    ]
     ids = _fit(engine, base, history, max_tokens=16)
-    assert len(ids) == 30 and [m["content"][0] for m in history] == ["c"]     # the oldest turn went
+    assert len(ids) == 30 and [m["content"][0] for m in history] == ["c"]  # the oldest turn went
     with pytest.raises(ValueError, match="too long"):
         _fit(engine, base, [{"role": "user", "content": "x" * 95}], max_tokens=16)

@@ -1,5 +1,6 @@
 """The engine on the default model: equal to Hugging Face greedy, invariant to chunking, preemption
 and batch composition; sampling knobs; bad input; streaming and abort."""
+
 import asyncio
 import time
 
@@ -32,13 +33,19 @@ def prompt_ids(llm):
 def hf_reference(llm, prompt_ids):
     """Hugging Face transformers generate, one prompt at a time, same weights, fp32 CPU."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(llm.engine.hf_dir, dtype=torch.float32).eval()
     eos = sorted(llm.engine.eos_token_ids)
     refs = []
     for ids in prompt_ids:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=eos[0])
-        refs.append(out[0, len(ids):].tolist())
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=GREEDY.max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+        refs.append(out[0, len(ids) :].tolist())
     return refs
 
 
@@ -71,8 +78,13 @@ def test_batch_composition_does_not_change_greedy(either, prompt_ids, hf_referen
 def test_chunked_prefill_and_preemption_do_not_change_greedy(prompt_ids, hf_reference, async_scheduling):
     # 16-token budget: every prompt is prefilled in chunks, mixed with other sequences' decodes;
     # 14 blocks of 16: the five sequences cannot all fit, so the newest are preempted and recomputed
-    small = LLM(max_num_batched_tokens=16, num_kv_blocks=14, enable_prefix_caching=False, debug_checks=True,
-                async_scheduling=async_scheduling)
+    small = LLM(
+        max_num_batched_tokens=16,
+        num_kv_blocks=14,
+        enable_prefix_caching=False,
+        debug_checks=True,
+        async_scheduling=async_scheduling,
+    )
     outs = small.generate(prompt_ids, GREEDY)
     stats = small.stats()
     assert stats["num_preemptions"] > 0
@@ -95,8 +107,14 @@ def test_seeds_reproduce_and_differ(either):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].token_ids != c.outputs[0].token_ids
     # the same seeded request gives the same tokens beside other traffic
-    mixed = either.generate(["Hi", p, "Bye"], [SamplingParams(max_tokens=5), SamplingParams(
-        temperature=1.0, max_tokens=20, seed=1, ignore_eos=True), SamplingParams(max_tokens=7)])
+    mixed = either.generate(
+        ["Hi", p, "Bye"],
+        [
+            SamplingParams(max_tokens=5),
+            SamplingParams(temperature=1.0, max_tokens=20, seed=1, ignore_eos=True),
+            SamplingParams(max_tokens=7),
+        ],
+    )
     assert mixed[1].outputs[0].token_ids == a.outputs[0].token_ids
 
 
@@ -110,8 +128,10 @@ def test_n_samples_are_distinct_and_reproducible(either):
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(either, prompt_ids, hf_reference):
-    for sp in (SamplingParams(temperature=0.8, top_k=1, max_tokens=24, seed=3),
-               SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=24)):
+    for sp in (
+        SamplingParams(temperature=0.8, top_k=1, max_tokens=24, seed=3),
+        SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=24),
+    ):
         assert token_ids(either.generate(prompt_ids[:2], sp)) == hf_reference[:2]
 
 
@@ -120,7 +140,7 @@ def test_max_tokens_ignore_eos_and_stops(either, prompt_ids, hf_reference):
     assert out.token_ids == hf_reference[0][:3] and out.finish_reason == "length"
     full = either.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert full.finish_reason == "stop" and full.token_ids[-1] in either.engine.eos_token_ids
-    assert full.text == "The capital of France is Paris."              # EOS is not in the text
+    assert full.text == "The capital of France is Paris."  # EOS is not in the text
     long = either.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     assert len(long.outputs[0].token_ids) == 30 and long.outputs[0].finish_reason == "length"
     stop = either.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24, stop=["France"]))[0]
@@ -130,22 +150,25 @@ def test_max_tokens_ignore_eos_and_stops(either, prompt_ids, hf_reference):
     assert stop_id.outputs[0].token_ids == hf_reference[0][:3] and stop_id.outputs[0].stop_reason == tok
 
 
-@pytest.mark.parametrize("prompt, params, match", [
-    ("", None, "empty"),
-    ([], None, "empty"),
-    ("hi", SamplingParams(max_tokens=0), "max_tokens"),
-    ("hi", SamplingParams(n=0), "n must"),
-    ("hi", SamplingParams(n=1000), "n must"),
-    ("hi", SamplingParams(temperature=-1), "temperature"),
-    ("hi", SamplingParams(temperature=float("nan")), "temperature"),
-    ("hi", SamplingParams(top_p=0), "top_p"),
-    ("hi", SamplingParams(top_p=1.5), "top_p"),
-    ("hi", SamplingParams(top_k=-2), "top_k"),
-    ("hi", SamplingParams(max_tokens=10**9), "max_tokens"),
-    ([1, 2, 10**9], None, "token ids"),
-    ("bad \ud800 surrogate", None, "Unicode"),
-    (3.5, None, "prompt"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", None, "empty"),
+        ([], None, "empty"),
+        ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+        ("hi", SamplingParams(n=0), "n must"),
+        ("hi", SamplingParams(n=1000), "n must"),
+        ("hi", SamplingParams(temperature=-1), "temperature"),
+        ("hi", SamplingParams(temperature=float("nan")), "temperature"),
+        ("hi", SamplingParams(top_p=0), "top_p"),
+        ("hi", SamplingParams(top_p=1.5), "top_p"),
+        ("hi", SamplingParams(top_k=-2), "top_k"),
+        ("hi", SamplingParams(max_tokens=10**9), "max_tokens"),
+        ([1, 2, 10**9], None, "token ids"),
+        ("bad \ud800 surrogate", None, "Unicode"),
+        (3.5, None, "prompt"),
+    ],
+)
 def test_bad_input_is_a_clear_error_and_nothing_leaks(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([prompt] if not isinstance(prompt, list) else [prompt], params)
@@ -156,15 +179,18 @@ def test_over_long_prompt_and_half_bad_batch(llm):
     too_long = [1] * llm.engine.max_model_len
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([too_long])
-    with pytest.raises(ValueError, match="max_tokens"):          # the good prompt is not run either
+    with pytest.raises(ValueError, match="max_tokens"):  # the good prompt is not run either
         llm.generate(["fine", "also fine"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=-1)])
     assert llm.stats()["num_generated_tokens"] >= 0 and not llm.engine.requests
 
 
 def test_bad_chat_messages(llm):
-    for messages, match in (([], "non-empty"), ([{"role": "wizard", "content": "x"}], "unknown role"),
-                            ([{"role": "user"}], "role' and 'content'"),
-                            ([{"role": "user", "content": 5}], "string")):
+    for messages, match in (
+        ([], "non-empty"),
+        ([{"role": "wizard", "content": "x"}], "unknown role"),
+        ([{"role": "user"}], "role' and 'content'"),
+        ([{"role": "user", "content": 5}], "string"),
+    ):
         with pytest.raises(ValueError, match=match):
             llm.chat(messages)
 
@@ -182,14 +208,21 @@ def test_unknown_model_path_and_malformed_gguf(tmp_path):
 
 def test_stats_keys(llm):
     stats = llm.stats()
-    for key in ("kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "cpu_blocks_used", "disk_blocks",
-                "prefix_cache_hit_rate"):
+    for key in (
+        "kv_blocks_total",
+        "kv_blocks_used",
+        "kv_blocks_cached",
+        "cpu_blocks_used",
+        "disk_blocks",
+        "prefix_cache_hit_rate",
+    ):
         assert key in stats
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] > 0
 
 
 def test_detokenizer_streams_whole_characters(llm):
     from chatengine.engine.tokenizer import IncrementalDetokenizer
+
     tok = llm.get_tokenizer()
     text = "Olá, naïve café 🤖🎉 — 日本語 ok"
     ids = tok.encode(text, add_special_tokens=False)
@@ -218,17 +251,19 @@ def test_async_streaming_concurrent_and_abort(async_scheduling):
 
         async def aborted():
             seen = 0
-            async for out in engine.generate("Tell me a long story.", SamplingParams(max_tokens=500, ignore_eos=True),
-                                             request_id="victim"):
+            async for out in engine.generate(
+                "Tell me a long story.", SamplingParams(max_tokens=500, ignore_eos=True), request_id="victim"
+            ):
                 seen += 1
                 if seen == 3:
                     await engine.abort("victim")
                 if out.finished:
                     return out
 
-        async def closed_early():        # a client that walks away: closing the stream aborts
-            gen = engine.generate("Another long story.", SamplingParams(max_tokens=500, ignore_eos=True),
-                                  request_id="walker")
+        async def closed_early():  # a client that walks away: closing the stream aborts
+            gen = engine.generate(
+                "Another long story.", SamplingParams(max_tokens=500, ignore_eos=True), request_id="walker"
+            )
             async for _ in gen:
                 break
             await gen.aclose()
@@ -236,14 +271,14 @@ def test_async_streaming_concurrent_and_abort(async_scheduling):
         results = await asyncio.gather(*runs, aborted(), closed_early())
         for texts, last in results[:6]:
             assert last.finished and len(last.outputs[0].token_ids) == 16
-            assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))   # cumulative
-            assert len(texts) >= 8                                                         # streamed
+            assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))  # cumulative
+            assert len(texts) >= 8  # streamed
         victim = results[6]
         assert victim.outputs[0].finish_reason == "abort" and len(victim.outputs[0].token_ids) < 500
         with pytest.raises(ValueError, match="max_tokens"):
             async for _ in engine.generate("x", SamplingParams(max_tokens=0)):
                 pass
-        for _ in range(100):                    # the walker's abort is processed by the loop
+        for _ in range(100):  # the walker's abort is processed by the loop
             if not engine.engine.requests:
                 break
             await asyncio.sleep(0.05)
@@ -251,7 +286,7 @@ def test_async_streaming_concurrent_and_abort(async_scheduling):
     try:
         asyncio.run(main())
         assert not engine.engine.requests
-        for _ in range(100):                    # stats() is a snapshot the loop publishes
+        for _ in range(100):  # stats() is a snapshot the loop publishes
             if engine.stats()["kv_blocks_used"] == 0:
                 break
             time.sleep(0.02)
@@ -276,7 +311,7 @@ def test_outputs_are_built_only_for_streamed_requests(tiny):
             seen[out.request_id].append(out)
     outs = seen[streamed.request_id]
     assert [o.finished for o in outs] == [False] * 4 + [True]
-    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]     # snapshots, not one live list
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]  # snapshots, not one live list
     (final,) = seen[quiet.request_id]
     assert final.finished and final.outputs[0].token_ids == outs[-1].outputs[0].token_ids
     assert final.outputs[0].finish_reason == "length"
@@ -291,13 +326,13 @@ def test_a_request_finishes_when_all_its_samples_have(tiny):
         outs += engine.step()
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     assert [c.finish_reason for c in outs[-1].outputs] == ["length"] * 3
-    engine.add(engine.make_request([1, 2, 3], sp, request_id="early"))   # aborted before it forks
+    engine.add(engine.make_request([1, 2, 3], sp, request_id="early"))  # aborted before it forks
     out = engine.abort("early")
     assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"]
     engine.add(engine.make_request([1, 2, 3], SamplingParams(n=2, max_tokens=50, ignore_eos=True), request_id="mid"))
     engine.step()
     engine.step()
-    out = engine.abort("mid")                                            # aborted after it forked
+    out = engine.abort("mid")  # aborted after it forked
     assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 2
 
 
@@ -309,8 +344,9 @@ def test_a_closed_caller_loop_aborts_only_its_own_requests():
         closed = asyncio.new_event_loop()
         closed.close()
         for i in range(2):
-            req = engine.engine.make_request([1, 2, 3, i], SamplingParams(max_tokens=500, ignore_eos=True),
-                                             request_id=f"gone{i}")
+            req = engine.engine.make_request(
+                [1, 2, 3, i], SamplingParams(max_tokens=500, ignore_eos=True), request_id=f"gone{i}"
+            )
             engine._post(("add", req, closed, asyncio.Queue()))
 
         async def live():
@@ -324,7 +360,7 @@ def test_a_closed_caller_loop_aborts_only_its_own_requests():
                 break
             time.sleep(0.02)
         assert not engine.engine.requests
-        assert engine.engine.num_generated_tokens < 100          # the vanished callers' requests stopped early
+        assert engine.engine.num_generated_tokens < 100  # the vanished callers' requests stopped early
     finally:
         engine.shutdown()
 
@@ -333,28 +369,39 @@ def test_a_closed_caller_loop_aborts_only_its_own_requests():
 def test_async_scheduling_gives_the_sync_tokens(llm, llm_async, prompt_ids):
     """Seeded sampling (n > 1, top-p), stop strings, EOS and max_tokens: the same tokens, texts and
     finish reasons whether step N+1 is scheduled before or after step N's tokens are known."""
-    params = [SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=20),
-              SamplingParams(temperature=0.7, top_p=0.9, seed=9, max_tokens=30, stop=[" the"]),
-              GREEDY, SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0, max_tokens=1)]
+    params = [
+        SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=20),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=9, max_tokens=30, stop=[" the"]),
+        GREEDY,
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(temperature=0, max_tokens=1),
+    ]
     sync, overlapped = llm.generate(prompt_ids, params), llm_async.generate(prompt_ids, params)
 
     def view(outs):
         return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+
     assert view(overlapped) == view(sync)
     assert {c.finish_reason for o in sync for c in o.outputs} == {"stop", "length"}
 
 
 def test_abort_and_finish_with_a_step_in_flight(llm_async):
     engine = llm_async.engine
-    engine.add(engine.make_request("Tell me about the sea.", SamplingParams(temperature=0, max_tokens=50,
-                                                                            ignore_eos=True), request_id="a"))
-    engine.add(engine.make_request("And the sky.", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                                   request_id="b"))
+    engine.add(
+        engine.make_request(
+            "Tell me about the sea.", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), request_id="a"
+        )
+    )
+    engine.add(
+        engine.make_request(
+            "And the sky.", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), request_id="b"
+        )
+    )
     outs = []
     for _ in range(3):
         outs += engine.step()
     assert engine._in_flight is not None and engine.requests["a"].seqs[0].num_pending
-    out = engine.abort("a")                            # its pending tokens are not output
+    out = engine.abort("a")  # its pending tokens are not output
     assert out.finished and out.outputs[0].finish_reason == "abort"
     streamed = [o for o in outs if o.request_id == "a"][-1].outputs[0].token_ids
     assert out.outputs[0].token_ids == streamed and -1 not in streamed
@@ -362,5 +409,5 @@ def test_abort_and_finish_with_a_step_in_flight(llm_async):
         outs += engine.step()
     b = [o for o in outs if o.request_id == "b"]
     assert [len(o.outputs[0].token_ids) for o in b] == [1, 2, 3] and b[-1].finished
-    engine.step()                                      # collects the last (wasted) step
+    engine.step()  # collects the last (wasted) step
     assert engine._in_flight is None

@@ -9,6 +9,7 @@ The default model is used where its package is installed, else a random model of
 
     python -m pytest tests/test_gpu.py -v
 """
+
 import copy
 import gc
 import importlib.util
@@ -25,7 +26,7 @@ from chatengine.kernels import paged_attention as pa
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-NEAR_TIE = 0.05     # of the oracle's (max - mean) logit spread; bf16 logits err ~1e-2 relative
+NEAR_TIE = 0.05  # of the oracle's (max - mean) logit spread; bf16 logits err ~1e-2 relative
 
 
 def token_ids(outputs):
@@ -38,8 +39,9 @@ def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------- CPU, interpreter
-@pytest.mark.skipif(HAS_CUDA or not pa.interpreting(),
-                    reason="CPU with TRITON_INTERPRET=1 set before triton was imported")
+@pytest.mark.skipif(
+    HAS_CUDA or not pa.interpreting(), reason="CPU with TRITON_INTERPRET=1 set before triton was imported"
+)
 def test_triton_engine_matches_torch_on_cpu():
     # chunked prefill (budget 32) mixed with decodes, GQA, page boundaries, 1-token prompt
     prompts = random_prompts(256, [1, 9, 40, 17])
@@ -60,8 +62,7 @@ MODELS = [pytest.param(default_model(), id="default"), pytest.param("dummy:qwen2
 
 
 def cuda_llm(model, **kw):
-    args = dict(device="cuda", num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=256,
-                register_personas=False)
+    args = dict(device="cuda", num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=256, register_personas=False)
     return LLM(model, **{**args, **kw})
 
 
@@ -72,6 +73,7 @@ def prompts_for(llm) -> list[list[int]]:
 
 class DenseBackend:
     """One sequence, whole prompt at once: causal SDPA over its own K/V (no cache)."""
+
     name = "dense"
 
     def rotary_store_kv(self, positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
@@ -79,10 +81,15 @@ class DenseBackend:
         self.v = v
         return q
 
-    def attention(self, q, k_cache, v_cache, meta, scale):                  # q (T, H, D)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k.transpose(0, 1)[None],
-                                           self.v.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                           enable_gqa=True)
+    def attention(self, q, k_cache, v_cache, meta, scale):  # q (T, H, D)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            self.k.transpose(0, 1)[None],
+            self.v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
         return o[0].transpose(0, 1)
 
 
@@ -101,8 +108,9 @@ class Oracle:
     def logits(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor(ids, device="cuda")
         meta = types.SimpleNamespace(slot_mapping=None)
-        return self.model(x, torch.arange(len(ids), device="cuda"), self.kv, meta,
-                          torch.tensor([len(ids) - 1], device="cuda"))[0]
+        return self.model(
+            x, torch.arange(len(ids), device="cuda"), self.kv, meta, torch.tensor([len(ids) - 1], device="cuda")
+        )[0]
 
 
 def assert_same_or_near_tie(a, b, prompts, oracle, report):
@@ -116,9 +124,10 @@ def assert_same_or_near_tie(a, b, prompts, oracle, report):
         spread = (logits.max() - logits.mean()).item()
         gap_x, gap_y = (logits.max() - logits[x[j]]).item(), (logits.max() - logits[y[j]]).item()
         report.append((len(prompt), j, x[j], y[j], gap_x / spread, gap_y / spread))
-        assert max(gap_x, gap_y) <= NEAR_TIE * spread, \
-            f"prompt of {len(prompt)} tokens parts at output {j}: {x[j]} vs {y[j]}, fp32 gaps " \
+        assert max(gap_x, gap_y) <= NEAR_TIE * spread, (
+            f"prompt of {len(prompt)} tokens parts at output {j}: {x[j]} vs {y[j]}, fp32 gaps "
             f"{gap_x:.4f} / {gap_y:.4f} of spread {spread:.3f}: not a near-tie"
+        )
 
 
 @needs_cuda
@@ -138,9 +147,11 @@ def test_cuda_fp32_torch_equals_triton(model):
 def test_cuda_bf16_backends_and_graphs(model, capsys):
     """torch eager vs triton eager vs triton + CUDA graphs, bf16, near-ties shown."""
     runs, report = {}, []
-    for name, kw in [("torch", dict(attention_backend="torch")),
-                     ("triton-eager", dict(attention_backend="triton", enforce_eager=True)),
-                     ("triton-graphs", dict(attention_backend="triton"))]:
+    for name, kw in [
+        ("torch", dict(attention_backend="torch")),
+        ("triton-eager", dict(attention_backend="triton", enforce_eager=True)),
+        ("triton-graphs", dict(attention_backend="triton")),
+    ]:
         llm = cuda_llm(model, **kw)
         prompts = prompts_for(llm)
         runs[name] = token_ids(llm.generate(prompts, GREEDY))
@@ -150,7 +161,7 @@ def test_cuda_bf16_backends_and_graphs(model, capsys):
             oracle = Oracle(llm)
     assert_same_or_near_tie(runs["torch"], runs["triton-eager"], prompts, oracle, report)
     assert_same_or_near_tie(runs["triton-eager"], runs["triton-graphs"], prompts, oracle, report)
-    with capsys.disabled():   # random weights over a 150k vocabulary tie often (H200: 5 of 12 pairs)
+    with capsys.disabled():  # random weights over a 150k vocabulary tie often (H200: 5 of 12 pairs)
         for row in report:
             print("\nnear-tie (prompt len, output index, tok a, tok b, fp32 gap a, gap b / spread):", row)
 
@@ -161,13 +172,13 @@ def test_cuda_one_sequence_prefill_graphs_equal_eager(model, capsys):
     """Requests one at a time: each prompt chunk (<= 256 tokens) replays a padded prefill graph, a
     follow-up turn on a cached prefix too. The graphs' GEMMs run on the padded token count, so
     their rounding may differ from eager's: outputs match, or part only at a near-tie."""
-    lengths = [2, 9, 40, 130, 300, 700]                 # 300 and 700 are chunked by the 256 budget
+    lengths = [2, 9, 40, 130, 300, 700]  # 300 and 700 are chunked by the 256 budget
     runs, report = {}, []
     for name, eager in (("eager", True), ("graphs", False)):
         llm = cuda_llm(model, dtype="float32", enforce_eager=eager)
         prompts = random_prompts(llm.engine.model_config.vocab_size, lengths, seed=5)
         outs = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
-        turn = prompts[4] + outs[4] + prompts[1]        # the next turn: its history is cached
+        turn = prompts[4] + outs[4] + prompts[1]  # the next turn: its history is cached
         out = llm.generate([turn], GREEDY)[0]
         assert out.num_cached_tokens >= 300
         runs[name] = outs + [out.outputs[0].token_ids]
@@ -211,7 +222,7 @@ def test_cuda_async_write_behind_pages_equal_device(tmp_path):
     llm = cuda_llm("dummy:qwen2.5-0.5b", kv_store_dir=str(tmp_path / "kv"), async_scheduling=True)
     llm.generate(prompts_for(llm), GREEDY)
     engine = llm.engine
-    engine.tiers.disk.flush()                                   # the writer's queue, not flush_kv
+    engine.tiers.disk.flush()  # the writer's queue, not flush_kv
     cached = [b for b in engine.block_manager.blocks if b.hash is not None]
     assert len(cached) >= 60 and engine.tiers.disk.num_dropped == 0
     for block in cached:
@@ -232,8 +243,15 @@ def test_cuda_async_evictions_to_host_restore_exactly():
     reference = token_ids(roomy.generate(prompts, GREEDY))
     del roomy
     gc.collect()
-    tight = cuda_llm(model, dtype="float32", num_kv_blocks=40, max_num_seqs=4, cpu_offload_gib=0.5,
-                     async_scheduling=True, debug_checks=True)
+    tight = cuda_llm(
+        model,
+        dtype="float32",
+        num_kv_blocks=40,
+        max_num_seqs=4,
+        cpu_offload_gib=0.5,
+        async_scheduling=True,
+        debug_checks=True,
+    )
     assert token_ids(tight.generate(prompts, GREEDY)) == reference
     assert token_ids(tight.generate(prompts, GREEDY)) == reference
     stats = tight.stats()
@@ -267,10 +285,10 @@ def test_cuda_profiled_pool_and_sampling():
     params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     outs = []
     for _ in range(2):
-        gc.collect()                    # engines of earlier tests may still hold memory in this process
+        gc.collect()  # engines of earlier tests may still hold memory in this process
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        util = (total - free + 6 * 2**30) / total   # what is in use now, plus ~6 GiB for weights + KV
+        util = (total - free + 6 * 2**30) / total  # what is in use now, plus ~6 GiB for weights + KV
         llm = cuda_llm("dummy:qwen2.5-0.5b", num_kv_blocks=None, gpu_memory_utilization=util, seed=3)
         assert 1000 < llm.stats()["kv_blocks_total"] < 6 * 2**30 // llm.engine.runner.block_bytes
         prompts = prompts_for(llm)
@@ -279,4 +297,4 @@ def test_cuda_profiled_pool_and_sampling():
     greedy = token_ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)))
     assert outs[0] == outs[1]
     assert all(len(t) == 16 for t in outs[0])
-    assert outs[0] != greedy                                     # it did sample
+    assert outs[0] != greedy  # it did sample

@@ -1,4 +1,5 @@
 """Block-hash chain, model fingerprint and per-user salt. Run: python -m pytest tests/test_hashing.py -q"""
+
 import os
 import random
 import stat
@@ -11,8 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chatengine.engine.kv.hashing import (
-    DIGEST_SIZE, SECRET_FILE, SECRET_SIZE, file_digest, hash_block, hash_blocks,
-    load_or_create_secret, model_fingerprint, salt_extra, salt_start_block, user_salt,
+    DIGEST_SIZE,
+    SECRET_FILE,
+    SECRET_SIZE,
+    file_digest,
+    hash_block,
+    hash_blocks,
+    load_or_create_secret,
+    model_fingerprint,
+    salt_extra,
+    salt_start_block,
+    user_salt,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,14 +37,14 @@ def root():
 
 # ---- determinism and pinned values
 
+
 def test_pinned_digests(root):
     # Regression values: if these change, every persisted KV block becomes unreachable.
     # Change them only together with hashing.VERSION.
     assert root.hex() == "a3fd5283365a46e5a1807ab2c3ce8361"
     assert hash_block(root, [1, 2, 3]).hex() == "fc95da0c532575c731241551515f9baf"
     salted = hash_blocks(root, list(range(40)), 16, 1, user_salt(SECRET, "alice"))
-    assert [h.hex() for h in salted] == [
-        "04f117a67060e5834d48648199598bde", "08533e5f3405b8be4d88183a756ddd2d"]
+    assert [h.hex() for h in salted] == ["04f117a67060e5834d48648199598bde", "08533e5f3405b8be4d88183a756ddd2d"]
 
 
 def test_deterministic_across_calls(root):
@@ -45,21 +55,27 @@ def test_deterministic_across_calls(root):
 
 
 def test_deterministic_across_processes(root):
-    code = ("from chatengine.engine.kv.hashing import *\n"
-            f"r = model_fingerprint(*{FP_ARGS!r})\n"
-            f"h = hash_blocks(r, list(range(50)), 16, 1, user_salt({SECRET!r}, 'bob'))\n"
-            "print(r.hex(), *[x.hex() for x in h])\n")
-    expected = " ".join(x.hex() for x in
-                        [root, *hash_blocks(root, list(range(50)), 16, 1, user_salt(SECRET, "bob"))])
+    code = (
+        "from chatengine.engine.kv.hashing import *\n"
+        f"r = model_fingerprint(*{FP_ARGS!r})\n"
+        f"h = hash_blocks(r, list(range(50)), 16, 1, user_salt({SECRET!r}, 'bob'))\n"
+        "print(r.hex(), *[x.hex() for x in h])\n"
+    )
+    expected = " ".join(x.hex() for x in [root, *hash_blocks(root, list(range(50)), 16, 1, user_salt(SECRET, "bob"))])
     for seed in ("0", "12345"):  # Python's own hash() must play no part
-        env = {**os.environ, "PYTHONHASHSEED": seed,
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO,
-                             capture_output=True, text=True, check=True).stdout.strip()
+        env = {
+            **os.environ,
+            "PYTHONHASHSEED": seed,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
         assert out == expected
 
 
 # ---- framing
+
 
 def test_framing_token_split_is_distinct(root):
     assert hash_block(hash_block(root, [1, 2]), [3]) != hash_block(hash_block(root, [1]), [2, 3])
@@ -83,8 +99,9 @@ def test_fingerprint_fields_are_framed_and_typed():
     assert model_fingerprint("ab", "c", "float32", "v2", 16) != base
     assert model_fingerprint("ab", "c", "float32", "v1", 32) != base
     assert model_fingerprint("ab", "c", "float32", "v1", 16, ("lora:x",)) != base
-    assert model_fingerprint("ab", "c", "float32", "v1", 16, ("1",)) != \
-        model_fingerprint("ab", "c", "float32", "v1", 16, (1,))
+    assert model_fingerprint("ab", "c", "float32", "v1", 16, ("1",)) != model_fingerprint(
+        "ab", "c", "float32", "v1", 16, (1,)
+    )
     with pytest.raises(ValueError):
         model_fingerprint("ab", "c", "float32", "v1", 0)
     with pytest.raises(TypeError):
@@ -99,6 +116,7 @@ def test_token_id_range(root):
 
 
 # ---- chains, salt, full blocks
+
 
 def test_different_roots_give_different_chains(root):
     other = model_fingerprint(*FP_ARGS[:1], "f" * 64, *FP_ARGS[2:])
@@ -128,8 +146,7 @@ def test_earlier_token_change_changes_every_later_hash(root):
     assert a[0] == b[0] and all(x != y for x, y in zip(a[1:], b[1:]))
 
 
-@pytest.mark.parametrize("prefix_len, expected", [(0, 0), (15, 0), (16, 1), (17, 1), (31, 1),
-                                                   (32, 2), (33, 2)])
+@pytest.mark.parametrize("prefix_len, expected", [(0, 0), (15, 0), (16, 1), (17, 1), (31, 1), (32, 2), (33, 2)])
 def test_salt_start_block(prefix_len, expected):
     assert salt_start_block(prefix_len, 16) == expected
 
@@ -173,6 +190,7 @@ def test_user_salt():
 
 # ---- server secret and weights digest
 
+
 def test_secret_created_0600_and_stable(tmp_path):
     data_dir = tmp_path / "data"
     s1 = load_or_create_secret(data_dir)
@@ -187,11 +205,15 @@ def test_secret_created_0600_and_stable(tmp_path):
 
 
 def test_secret_race_between_processes(tmp_path):
-    code = ("import sys; from chatengine.engine.kv.hashing import load_or_create_secret\n"
-            "print(load_or_create_secret(sys.argv[1]).hex())\n")
+    code = (
+        "import sys; from chatengine.engine.kv.hashing import load_or_create_secret\n"
+        "print(load_or_create_secret(sys.argv[1]).hex())\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
     outs = {p.communicate()[0].strip() for p in procs}
     assert outs == {(tmp_path / SECRET_FILE).read_bytes().hex()}
 
@@ -210,6 +232,7 @@ def test_file_digest(tmp_path):
     assert file_digest(p) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     p.write_bytes(os.urandom(3 * 1024 + 7))
     import hashlib
+
     assert file_digest(p, chunk_size=1024) == hashlib.sha256(p.read_bytes()).hexdigest()
 
 
@@ -218,6 +241,7 @@ def test_chain_memo_gives_the_fresh_chain_and_reuses_only_alike_blocks():
     share prefixes of any length, with equal or different salts and public prefixes; a block is
     reused (the same bytes object) only where both hash it alike."""
     from chatengine.engine.kv.hashing import ChainMemo, extend_chain, salt_extra
+
     rng = random.Random(3)
     memo, bs, root = ChainMemo(size=4), 4, b"r" * 16
     base = [rng.randrange(50) for _ in range(40)]
@@ -234,10 +258,10 @@ def test_chain_memo_gives_the_fresh_chain_and_reuses_only_alike_blocks():
         assert got == fresh
         made.append((toks, got, extra_from, extra))
     a = base + [1] * 8
-    b = base[:20] + [2] * 8                                            # 5 shared blocks
+    b = base[:20] + [2] * 8  # 5 shared blocks
     ha, hb, hc = [], [], []
     memo.extend(ha, root, a, bs, len(a) // bs, 3, salt_extra(b"u1"))
     memo.extend(hb, root, b, bs, len(b) // bs, 3, salt_extra(b"u1"))
     assert [x is y for x, y in zip(ha, hb)] == [True] * 5 + [False] * 2
-    memo.extend(hc, root, b, bs, len(b) // bs, 3, salt_extra(b"u2"))   # another user: the 3 public blocks
+    memo.extend(hc, root, b, bs, len(b) // bs, 3, salt_extra(b"u2"))  # another user: the 3 public blocks
     assert [x is y for x, y in zip(hb, hc)] == [True] * 3 + [False] * 4

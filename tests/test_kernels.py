@@ -8,6 +8,7 @@ in a fresh interpreter instead. On a GPU machine
 the same tests run compiled on CUDA (bigger shapes) and the CPU ones skip; run
 `TRITON_INTERPRET=1 pytest tests/test_kernels.py` there to exercise the interpreter.
 """
+
 import os
 import subprocess
 import sys
@@ -17,21 +18,31 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # before kernels/ imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ imports triton
 
-from chatengine.kernels import cache_ops, fused_ops, paged_attention as pa, sampling  # noqa: E402
+from chatengine.kernels import cache_ops, fused_ops, sampling  # noqa: E402
+from chatengine.kernels import paged_attention as pa
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = pa.interpreting()
 DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        not INTERPRETED, reason="needs TRITON_INTERPRET=1 before triton is first imported")),
-    pytest.param("cuda", marks=pytest.mark.skipif(
-        not HAS_CUDA or INTERPRETED, reason="needs CUDA and compiled (not interpreted) kernels")),
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 before triton is first imported"),
+    ),
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not HAS_CUDA or INTERPRETED, reason="needs CUDA and compiled (not interpreted) kernels"
+        ),
+    ),
 ]
-REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}   # max err / max |ref|
-CLOSE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
-         torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}  # max err / max |ref|
+CLOSE = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 
 # (q_lens, seq_lens): decode of a 1-token sequence, fresh prefill, cached prefix + chunk, decodes
 MIXED = ([1, 7, 17, 1, 33, 5], [1, 7, 33, 100, 100, 64])
@@ -50,7 +61,7 @@ def make_batch(q_lens, seq_lens, H_q, H_kv, D, page_size, dtype, device, num_lay
     page-first cache; every sequence gets shuffled pages, tables padded with -1."""
     B = len(q_lens)
     num_pages = [-(-s // page_size) for s in seq_lens]
-    num_blocks = sum(num_pages) + 3                         # a few pages that belong to nobody
+    num_blocks = sum(num_pages) + 3  # a few pages that belong to nobody
     kv = torch.randn(num_blocks, num_layers, 2, page_size, H_kv, D).to(device, dtype)
     perm = torch.randperm(num_blocks).tolist()
     block_tables = torch.full((B, max(num_pages) + 1), -1, dtype=torch.int32)
@@ -59,12 +70,11 @@ def make_batch(q_lens, seq_lens, H_q, H_kv, D, page_size, dtype, device, num_lay
         perm = perm[n:]
     T = sum(q_lens)
     qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)
-    q = qkv[:, :H_q * D].view(T, H_q, D)                    # stride(0) != H_q * D
+    q = qkv[:, : H_q * D].view(T, H_q, D)  # stride(0) != H_q * D
     cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     layer = num_layers - 1
-    return (q, kv[:, layer, 0], kv[:, layer, 1], cu_seqlens_q.to(device), seq_lens.to(device),
-            block_tables.to(device))
+    return (q, kv[:, layer, 0], kv[:, layer, 1], cu_seqlens_q.to(device), seq_lens.to(device), block_tables.to(device))
 
 
 def naive_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
@@ -78,14 +88,14 @@ def naive_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         start, q_len = cu[b], cu[b + 1] - cu[b]
         pos = torch.arange(L)
         pages = torch.tensor(tables[b])[pos // page_size]
-        keys = k_cache[pages, pos % page_size].double()                    # (L, H_kv, D)
+        keys = k_cache[pages, pos % page_size].double()  # (L, H_kv, D)
         values = v_cache[pages, pos % page_size].double()
         for h in range(H_q):
             kv_head = h // (H_q // H_kv)
-            scores = q[start:start + q_len, h].cpu().double() @ keys[:, kv_head].T * scale  # (q_len, L)
-            for i in range(q_len):                          # query i sits at position L - q_len + i
-                scores[i, L - q_len + i + 1:] = float("-inf")
-            out[start:start + q_len, h] = scores.softmax(-1) @ values[:, kv_head]
+            scores = q[start : start + q_len, h].cpu().double() @ keys[:, kv_head].T * scale  # (q_len, L)
+            for i in range(q_len):  # query i sits at position L - q_len + i
+                scores[i, L - q_len + i + 1 :] = float("-inf")
+            out[start : start + q_len, h] = scores.softmax(-1) @ values[:, kv_head]
     return out
 
 
@@ -120,7 +130,7 @@ def test_attention_torch_matches_ref(batch, H_q, H_kv, page_size, dtype):
     out = pa.paged_attention_torch(*args, scale=0.125)
     assert out.shape == args[0].shape and out.dtype == dtype
     # same SDPA over the same padded keys: rounding-level differences (GQA rows batched differently)
-    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -7)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=2**-7, rtol=2**-7)
     torch.testing.assert_close(out, pa.paged_attention_ref(*args, scale=0.125), **tol)
     assert rel_err(out, naive_attention(*args, scale=0.125)) < REL_TOL[dtype]
 
@@ -132,32 +142,36 @@ def test_attention_torch_plan_is_per_step_not_per_layer():
     assert [g.decode for g in plan.groups] == [True, False]
     for kc, vc in ((k_cache, v_cache), (v_cache, k_cache), (k_cache.contiguous(), v_cache.contiguous())):
         out = pa.paged_attention_torch(q, kc, vc, cu, seq_lens, tables, 0.125, plan=plan)
-        torch.testing.assert_close(out, pa.paged_attention_ref(q, kc, vc, cu, seq_lens, tables, 0.125),
-                                   atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(
+            out, pa.paged_attention_ref(q, kc, vc, cu, seq_lens, tables, 0.125), atol=2e-6, rtol=2e-6
+        )
 
 
 def test_attention_torch_falls_back_on_other_layouts():
     q, k_cache, v_cache, cu, seq_lens, tables = make_batch(*MIXED, 4, 2, 64, 16, torch.float32, "cpu")
     k_t, v_t = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))  # head-major pages
     assert not pa.torch_attention_supported(k_t, v_t)
-    torch.testing.assert_close(pa.paged_attention_torch(q, k_t, v_t, cu, seq_lens, tables, 0.125),
-                               pa.paged_attention_ref(q, k_cache, v_cache, cu, seq_lens, tables, 0.125))
+    torch.testing.assert_close(
+        pa.paged_attention_torch(q, k_t, v_t, cu, seq_lens, tables, 0.125),
+        pa.paged_attention_ref(q, k_cache, v_cache, cu, seq_lens, tables, 0.125),
+    )
 
 
 def test_attention_torch_empty_batch():
     q = torch.empty(0, 4, 64)
     k_cache = torch.zeros(2, 16, 2, 64)
     no_seqs = torch.zeros(0, dtype=torch.int32)
-    out = pa.paged_attention_torch(q, k_cache, k_cache, torch.zeros(1, dtype=torch.int32), no_seqs,
-                                   torch.zeros(0, 1, dtype=torch.int32), 0.125)
+    out = pa.paged_attention_torch(
+        q, k_cache, k_cache, torch.zeros(1, dtype=torch.int32), no_seqs, torch.zeros(0, 1, dtype=torch.int32), 0.125
+    )
     assert out.shape == (0, 4, 64)
 
 
 # ---------------------------------------------------------------------------- paged attention
 def check_attention(device, batch, H_q, H_kv, D, page_size, dtype, num_splits=None):
     q, *rest = make_batch(*batch, H_q, H_kv, D, page_size, dtype, device)
-    scale = D ** -0.5
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)    # poisoned
+    scale = D**-0.5
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)  # poisoned
     res = pa.paged_attention_triton(q, *rest, scale, num_splits=num_splits, out=out)
     assert res is out and not out.isnan().any()
     assert rel_err(out, naive_attention(q, *rest, scale)) < REL_TOL[dtype]
@@ -173,23 +187,27 @@ def test_paged_attention_mixed(device, H_q, H_kv, page_size, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("H_q, H_kv, D, page_size, dtype", [
-    (14, 2, 128, 64, torch.bfloat16), (2, 1, 32, 16, torch.float32), (4, 2, 256, 32, torch.float16),
-    (4, 1, 96, 16, torch.float32)])                      # head_dim 96: not a power of two
+@pytest.mark.parametrize(
+    "H_q, H_kv, D, page_size, dtype",
+    [
+        (14, 2, 128, 64, torch.bfloat16),
+        (2, 1, 32, 16, torch.float32),
+        (4, 2, 256, 32, torch.float16),
+        (4, 1, 96, 16, torch.float32),
+    ],
+)  # head_dim 96: not a power of two
 def test_paged_attention_shapes(device, H_q, H_kv, D, page_size, dtype):
     check_attention(device, MIXED_CUDA if device == "cuda" else MIXED, H_q, H_kv, D, page_size, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
-@pytest.mark.parametrize("H_q, H_kv, dtype", [
-    (8, 2, torch.bfloat16), (7, 7, torch.float32), (7, 1, torch.float32)])
+@pytest.mark.parametrize("H_q, H_kv, dtype", [(8, 2, torch.bfloat16), (7, 7, torch.float32), (7, 1, torch.float32)])
 def test_split_kv_decode(device, num_splits, H_q, H_kv, dtype, monkeypatch):
     # poison every buffer the launcher allocates (partial outputs, lse): each split must write its own
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
-    check_attention(device, DECODE_CUDA if device == "cuda" else DECODE, H_q, H_kv, 64, 16, dtype,
-                    num_splits)
+    check_attention(device, DECODE_CUDA if device == "cuda" else DECODE, H_q, H_kv, 64, 16, dtype, num_splits)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -206,26 +224,50 @@ def test_decode_key_tiles(device, num_splits, block_n, page_size, pad_table):
     tables = torch.cat([tables, torch.full((5, 3), -1, dtype=tables.dtype, device=device)], 1)[:, :width]
     tables = tables.contiguous()
     out = torch.full(q.shape, float("nan"), device=device)
-    pa.paged_attention_triton(q, k_cache, v_cache, cu, lens, tables, 0.125, max_seqlen_q=1,
-                              num_splits=num_splits, out=out, launch=(block_n, 4, 2))
+    pa.paged_attention_triton(
+        q,
+        k_cache,
+        v_cache,
+        cu,
+        lens,
+        tables,
+        0.125,
+        max_seqlen_q=1,
+        num_splits=num_splits,
+        out=out,
+        launch=(block_n, 4, 2),
+    )
     assert rel_err(out, naive_attention(q, k_cache, v_cache, cu, lens, tables, 0.125)) < REL_TOL[torch.float32]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pdl", [False, "merge", True])
 @pytest.mark.parametrize("num_splits", [1, 6])
-@pytest.mark.parametrize("launch", [None, (128, 4, 3)])     # the rule's, and 1 x 32k's: pipelined, PDL
+@pytest.mark.parametrize("launch", [None, (128, 4, 3)])  # the rule's, and 1 x 32k's: pipelined, PDL
 def test_decode_pdl_in_cuda_graph(device, pdl, num_splits, launch):
     # programmatic dependent launch (sm_90+; a no-op elsewhere): eager, then a CUDA graph of two
     # dependent layers replayed twice on new inputs, the second layer reading the first's output
-    q, k_cache, v_cache, cu, lens, tables = make_batch(*(DECODE_CUDA if device == "cuda" else DECODE), 8, 2, 64, 16,
-                                                       torch.float32, device)
+    q, k_cache, v_cache, cu, lens, tables = make_batch(
+        *(DECODE_CUDA if device == "cuda" else DECODE), 8, 2, 64, 16, torch.float32, device
+    )
 
     def two_layers():
-        mid = pa.paged_attention_triton(q, k_cache, v_cache, cu, lens, tables, 0.125, max_seqlen_q=1,
-                                        num_splits=num_splits, pdl=pdl, launch=launch)
-        return pa.paged_attention_triton(mid, v_cache, k_cache, cu, lens, tables, 0.125, max_seqlen_q=1,
-                                         num_splits=num_splits, pdl=pdl, launch=launch)
+        mid = pa.paged_attention_triton(
+            q, k_cache, v_cache, cu, lens, tables, 0.125, max_seqlen_q=1, num_splits=num_splits, pdl=pdl, launch=launch
+        )
+        return pa.paged_attention_triton(
+            mid,
+            v_cache,
+            k_cache,
+            cu,
+            lens,
+            tables,
+            0.125,
+            max_seqlen_q=1,
+            num_splits=num_splits,
+            pdl=pdl,
+            launch=launch,
+        )
 
     def expected():
         mid = naive_attention(q, k_cache, v_cache, cu, lens, tables, 0.125).to(device, q.dtype)
@@ -252,11 +294,11 @@ def test_pdl_support():
 def test_decode_launch_rule():
     # one wave of split programs (<= 4 per SM) at head_dim 64: 128-key tiles and PDL; 3 stages for
     # splits of several tiles
-    assert pa._decode_launch(8, 64, 8192, 64) == ((128, 4, 2), True)        # 1 x 8k, 8 KV heads
-    assert pa._decode_launch(8, 64, 32768, 64) == ((128, 4, 3), True)       # 1 x 32k
-    assert pa._decode_launch(8, 32, 4096, 64) == ((128, 4, 2), True)        # a bs-1 graph, max_model_len 4096
+    assert pa._decode_launch(8, 64, 8192, 64) == ((128, 4, 2), True)  # 1 x 8k, 8 KV heads
+    assert pa._decode_launch(8, 64, 32768, 64) == ((128, 4, 3), True)  # 1 x 32k
+    assert pa._decode_launch(8, 32, 4096, 64) == ((128, 4, 2), True)  # a bs-1 graph, max_model_len 4096
     # other split decodes, and one split under 4 programs per SM: pipelined 128-key tiles, no PDL
-    for args in ((128, 8, 4096, 64), (512, 1, 1024, 64), (8, 1, 100, 64), (8, 64, None, 64)):   # None: length unknown
+    for args in ((128, 8, 4096, 64), (512, 1, 1024, 64), (8, 1, 100, 64), (8, 64, None, 64)):  # None: length unknown
         assert pa._decode_launch(*args) == ((128, 4, 3), False), args
     # one split from 4 programs per SM, and other head dims: the table
     for args in ((2048, 1, 1024, 64), (528, 1, 1024, 64), (8, 64, 8192, 128), (8, 64, 8192, 32)):
@@ -283,17 +325,17 @@ def test_merge_several_heads_per_program(device, heads, batch, H_q, H_kv, monkey
 
 
 def test_merge_heads_rule():
-    assert pa._merge_heads(128, 32, 132) == 8        # a 128-token chunk: 512 programs, not 4096
-    assert pa._merge_heads(64, 32, 132) == 4         # a 64-sequence split decode: 512 programs
-    assert pa._merge_heads(1, 32, 132) == 1          # one token: all 32 programs
+    assert pa._merge_heads(128, 32, 132) == 8  # a 128-token chunk: 512 programs, not 4096
+    assert pa._merge_heads(64, 32, 132) == 4  # a 64-sequence split decode: 512 programs
+    assert pa._merge_heads(1, 32, 132) == 1  # one token: all 32 programs
     assert pa._merge_heads(16, 14, 132) == 1
 
 
 def test_prefill_split_rule():
     # a 128-token turn on a 2k prefix, Llama-1B heads (group 4, 8 KV heads): 64 programs -> 5 splits
     assert pa._prefill_splits(1, 128, 4, 8, 2176, 132) == 5
-    assert pa._prefill_splits(1, 2048, 4, 8, 2048, 132) == 1     # a long chunk fills the GPU itself
-    assert pa._prefill_splits(1, 128, 4, 8, 200, 132) == 1       # too few keys to split
+    assert pa._prefill_splits(1, 2048, 4, 8, 2048, 132) == 1  # a long chunk fills the GPU itself
+    assert pa._prefill_splits(1, 128, 4, 8, 200, 132) == 1  # too few keys to split
     assert pa._prefill_splits(1, 16, 4, 8, 100_000, 132) == pa.MAX_PREFILL_SPLITS
 
 
@@ -302,19 +344,26 @@ def test_empty_batch(device):
     q = torch.empty(0, 4, 64, device=device)
     k_cache = torch.zeros(2, 16, 2, 64, device=device)
     no_seqs = torch.zeros(0, dtype=torch.int32, device=device)
-    out = pa.paged_attention_triton(q, k_cache, k_cache, torch.zeros(1, dtype=torch.int32, device=device),
-                                    no_seqs, torch.zeros(0, 1, dtype=torch.int32, device=device), 0.125)
+    out = pa.paged_attention_triton(
+        q,
+        k_cache,
+        k_cache,
+        torch.zeros(1, dtype=torch.int32, device=device),
+        no_seqs,
+        torch.zeros(0, 1, dtype=torch.int32, device=device),
+        0.125,
+    )
     assert out.shape == (0, 4, 64)
-    cache_ops.store_kv_triton(q[:, :2], q[:, :2], k_cache, k_cache, no_seqs)   # nothing to write
+    cache_ops.store_kv_triton(q[:, :2], q[:, :2], k_cache, k_cache, no_seqs)  # nothing to write
     assert not k_cache.any()
 
 
 def test_decode_splits_heuristic():
-    assert pa._decode_splits(num_programs=2, max_seqlen_k=32768) == pa.MAX_SPLITS   # small batch, long context
-    assert pa._decode_splits(num_programs=2, max_seqlen_k=1000) == 7     # splits of >= 128 keys
-    assert pa._decode_splits(num_programs=128, max_seqlen_k=4096) == 8   # ~8 programs per SM (16x4k)
+    assert pa._decode_splits(num_programs=2, max_seqlen_k=32768) == pa.MAX_SPLITS  # small batch, long context
+    assert pa._decode_splits(num_programs=2, max_seqlen_k=1000) == 7  # splits of >= 128 keys
+    assert pa._decode_splits(num_programs=128, max_seqlen_k=4096) == 8  # ~8 programs per SM (16x4k)
     assert pa._decode_splits(num_programs=256, max_seqlen_k=32768) == 4
-    assert pa._decode_splits(num_programs=264, max_seqlen_k=4096) == 1   # >= 2 per SM: no split (64x1k: 512)
+    assert pa._decode_splits(num_programs=264, max_seqlen_k=4096) == 1  # >= 2 per SM: no split (64x1k: 512)
     assert pa._decode_splits(num_programs=1, max_seqlen_k=100) == 1
     assert pa._decode_splits(num_programs=8, max_seqlen_k=8192, sms=78) == pa.MAX_SPLITS
     # other head dims: ~23 programs per SM, one split from 7 per SM
@@ -326,15 +375,15 @@ def test_decode_splits_heuristic():
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_padded_decode_lanes(device, num_splits):
     # CUDA-graph padding: lanes with seq_len 0 and an all -1 block table read nothing and give 0
-    q, k_cache, v_cache, cu, seq_lens, tables = make_batch([1, 1, 1], [5, 40, 1], 8, 2, 64, 16,
-                                                           torch.float32, device)
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch([1, 1, 1], [5, 40, 1], 8, 2, 64, 16, torch.float32, device)
     q = torch.cat([q, torch.randn(2, 8, 64, device=device)])
     cu = torch.arange(6, dtype=torch.int32, device=device)
     seq_lens = torch.cat([seq_lens, torch.zeros(2, dtype=torch.int32, device=device)])
     tables = torch.cat([tables, torch.full((2, tables.shape[1]), -1, dtype=torch.int32, device=device)])
     out = torch.full(q.shape, float("nan"), device=device)
-    pa.paged_attention_triton(q, k_cache, v_cache, cu, seq_lens, tables, 0.125, max_seqlen_q=1,
-                              num_splits=num_splits, out=out)
+    pa.paged_attention_triton(
+        q, k_cache, v_cache, cu, seq_lens, tables, 0.125, max_seqlen_q=1, num_splits=num_splits, out=out
+    )
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
     expected = naive_attention(q[:3], k_cache, v_cache, cu[:4], seq_lens[:3], tables[:3], 0.125)
     assert rel_err(out[:3], expected) < REL_TOL[torch.float32]
@@ -368,22 +417,24 @@ def make_cache(num_blocks, page_size, H_kv, D, dtype, device, num_layers=3):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", [16, 32])
-@pytest.mark.parametrize("dtype, cache_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
 def test_store_kv(device, page_size, dtype, cache_dtype):
     H_q, H_kv, D, T = 6, 3, 64, 37
     kv = make_cache(8, page_size, H_kv, D, cache_dtype, device)
     qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)
-    key = qkv[:, H_q * D:(H_q + H_kv) * D].view(T, H_kv, D)                  # strided views
-    value = qkv[:, (H_q + H_kv) * D:].view(T, H_kv, D)
+    key = qkv[:, H_q * D : (H_q + H_kv) * D].view(T, H_kv, D)  # strided views
+    value = qkv[:, (H_q + H_kv) * D :].view(T, H_kv, D)
     slots = torch.randperm(8 * page_size)[:T].to(device, torch.int32)
-    slots[::5] = -1                                                         # padding lanes
+    slots[::5] = -1  # padding lanes
     expected = kv.clone()
     cache_ops.store_kv_ref(key, value, expected[:, 1, 0], expected[:, 1, 1], slots)
     cache_ops.store_kv_triton(key, value, kv[:, 1, 0], kv[:, 1, 1], slots)
     # exact, except that Triton's interpreter truncates fp32 -> bf16 where the GPU rounds to nearest
-    tol = dict(rtol=2 ** -7, atol=0) if device == "cpu" and dtype != cache_dtype else dict(rtol=0, atol=0)
-    torch.testing.assert_close(kv, expected, **tol)      # written slots and untouched ones alike
+    tol = dict(rtol=2**-7, atol=0) if device == "cpu" and dtype != cache_dtype else dict(rtol=0, atol=0)
+    torch.testing.assert_close(kv, expected, **tol)  # written slots and untouched ones alike
     keep = slots >= 0
     blocks, offsets = slots[keep].long() // page_size, slots[keep].long() % page_size
     torch.testing.assert_close(kv[blocks, 1, 0, offsets], key[keep].to(cache_dtype), **tol)
@@ -393,7 +444,7 @@ def test_store_kv(device, page_size, dtype, cache_dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copy_blocks(device, dtype):
-    kv = make_cache(12, 16, 2, 64, dtype, device)       # page = 3*2*16*2*64 = 12288 elements
+    kv = make_cache(12, 16, 2, 64, dtype, device)  # page = 3*2*16*2*64 = 12288 elements
     src = torch.tensor([3, 0, 7, 7], dtype=torch.int32, device=device)
     dst = torch.tensor([5, 11, 1, 2], dtype=torch.int32, device=device)
     expected = kv.clone()
@@ -403,12 +454,11 @@ def test_copy_blocks(device, dtype):
     assert torch.equal(kv[11], kv[0]) and torch.equal(kv[2], kv[7])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
-                                                                                        reason="CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="CUDA"))])
 def test_gather_scatter_roundtrip(device):
     kv = make_cache(10, 16, 2, 32, torch.bfloat16, device)
     ids = torch.tensor([4, 1, 8], device=device)
-    pages = cache_ops.gather_blocks(kv, ids).cpu()      # to CPU, as the offload tier does
+    pages = cache_ops.gather_blocks(kv, ids).cpu()  # to CPU, as the offload tier does
     assert pages.is_contiguous() and pages.shape == (3, *kv.shape[1:])
     other = torch.zeros_like(kv)
     cache_ops.scatter_blocks(other, torch.tensor([0, 2, 9], device=device), pages)
@@ -416,13 +466,11 @@ def test_gather_scatter_roundtrip(device):
 
 
 def test_page_runs_merge_only_consecutive_pairs():
-    assert cache_ops.page_runs([3, 4, 5, 9, 10, 2], [7, 8, 9, 0, 2, 3]) == [(3, 7, 3), (9, 0, 1), (10, 2, 1),
-                                                                         (2, 3, 1)]
+    assert cache_ops.page_runs([3, 4, 5, 9, 10, 2], [7, 8, 9, 0, 2, 3]) == [(3, 7, 3), (9, 0, 1), (10, 2, 1), (2, 3, 1)]
     assert cache_ops.page_runs([5, 4], [0, 1]) == [(5, 0, 1), (4, 1, 1)] and cache_ops.page_runs([], []) == []
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
-                                                                                        reason="CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="CUDA"))])
 def test_copy_pages_from_host_pool_equals_scatter(device):
     kv = make_cache(10, 16, 2, 32, torch.bfloat16, device)
     pool = torch.randn(6, *kv.shape[1:]).to(torch.bfloat16)
@@ -437,12 +485,19 @@ def test_copy_pages_from_host_pool_equals_scatter(device):
     assert torch.equal(kv, expected)
 
 
-@pytest.mark.skipif(INTERPRETED or HAS_CUDA or pa.triton is None,
-                    reason="only when triton was imported, compiled, before this module on a CPU box")
+@pytest.mark.skipif(
+    INTERPRETED or HAS_CUDA or pa.triton is None,
+    reason="only when triton was imported, compiled, before this module on a CPU box",
+)
 def test_interpreter_in_subprocess():
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-o", "addopts=", "-p", "no:cacheprovider", __file__]
-    run = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])
+    run = subprocess.run(
+        cmd,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "needs TRITON_INTERPRET" not in run.stdout, run.stdout[-4000:]
 
@@ -451,8 +506,8 @@ def test_interpreter_in_subprocess():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sample_greedy_rows_exact(device, dtype):
-    logits = torch.randn(6, 5003).to(device, dtype)          # vocab not a multiple of the block
-    logits[2, 17] = logits[2, 4000] = logits[2].max() + 1    # a tie: the lowest index wins
+    logits = torch.randn(6, 5003).to(device, dtype)  # vocab not a multiple of the block
+    logits[2, 17] = logits[2, 4000] = logits[2].max() + 1  # a tie: the lowest index wins
     temps = torch.tensor([0, 0.7, 0, 1.0, 0, 0], device=device)
     out = torch.full((6,), -1, dtype=torch.int64, device=device)
     sampling.sample_triton(logits, temps, seed=5, out=out)
@@ -466,16 +521,17 @@ def test_sample_greedy_rows_exact(device, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_triton_is_argmax_with_first_index_ties(device, dtype):
     from chatengine.engine.sampler import greedy
+
     g = torch.Generator().manual_seed(3)
-    for n, v, chunk in [(1, 128256, 4096), (5, 5003, 1024), (2, 100, 64), (3, 16, 64)]:   # odd vocab, one chunk
+    for n, v, chunk in [(1, 128256, 4096), (5, 5003, 1024), (2, 100, 64), (3, 16, 64)]:  # odd vocab, one chunk
         logits = torch.randn(n, v, generator=g).to(device, dtype)
         out = sampling.greedy_triton(logits, chunk=chunk)
         assert out.dtype == torch.int64 and out.tolist() == logits.argmax(-1).tolist() == greedy(logits).tolist()
     logits = torch.zeros(4, 5003, device=device, dtype=dtype)
-    logits[0, [5, 3000]] = 1.0                                      # ties across chunks
-    logits[1, [1030, 1029]] = 2.0                                   # ties inside a chunk
-    logits[2] = float("-inf")                                       # nothing finite: index 0, as torch
-    logits[3, 5002] = 1.0                                           # the last column, in a partial chunk
+    logits[0, [5, 3000]] = 1.0  # ties across chunks
+    logits[1, [1030, 1029]] = 2.0  # ties inside a chunk
+    logits[2] = float("-inf")  # nothing finite: index 0, as torch
+    logits[3, 5002] = 1.0  # the last column, in a partial chunk
     assert sampling.greedy_triton(logits, chunk=1024).tolist() == [5, 1029, 0, 5002]
     assert sampling.greedy_triton(logits[:0], chunk=1024).shape == (0,)
 
@@ -500,7 +556,7 @@ def test_sample_distribution(device):
 # Against the torch references (which round to bf16 after every op): a bf16 ulp or two (inputs
 # ~N(0, 1)); the float64 comparison is the accuracy check.
 def ulp_close(device, dtype):
-    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2 ** -5, rtol=2 ** -5)
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2**-5, rtol=2**-5)
 
 
 def truncation(device, dtype) -> int:
@@ -514,7 +570,7 @@ def truncation(device, dtype) -> int:
 @pytest.mark.parametrize("N", [96, 2048])
 def test_rms_norm(device, dtype, with_residual, N):
     T = 37
-    x = torch.randn(T, 2 * N).to(device, dtype)[:, :N]                    # strided rows
+    x = torch.randn(T, 2 * N).to(device, dtype)[:, :N]  # strided rows
     w = (1 + 0.1 * torch.randn(N)).to(device, dtype)
     r = torch.randn(T, N).to(device, dtype) if with_residual else None
     got = fused_ops.rms_norm_triton(x, w, 1e-5, r)
@@ -532,9 +588,9 @@ def test_rms_norm(device, dtype, with_residual, N):
 @pytest.mark.parametrize("H_q, H_kv, D", [(32, 8, 64), (14, 2, 64), (4, 4, 128)])
 def test_rotary(device, dtype, H_q, H_kv, D):
     T = 29
-    qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)           # q, k: views of one qkv
-    q = qkv[:, :H_q * D].view(T, H_q, D)
-    k = qkv[:, H_q * D:(H_q + H_kv) * D].view(T, H_kv, D)
+    qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)  # q, k: views of one qkv
+    q = qkv[:, : H_q * D].view(T, H_q, D)
+    k = qkv[:, H_q * D : (H_q + H_kv) * D].view(T, H_kv, D)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))
     freqs = torch.arange(4096).float()[:, None] * inv_freq
     emb = torch.cat([freqs, freqs], -1)
@@ -542,35 +598,42 @@ def test_rotary(device, dtype, H_q, H_kv, D):
     positions = torch.randint(0, 4096, (T,), dtype=torch.int32, device=device)
     ref_q, ref_k = fused_ops.rotary_ref(positions.long(), q, k, cos, sin)
     exact_q, _ = fused_ops.rotary_ref(positions.long(), q.double(), k.double(), cos.double(), sin.double())
-    v_before = qkv[:, (H_q + H_kv) * D:].clone()
+    v_before = qkv[:, (H_q + H_kv) * D :].clone()
     got_q, got_k = fused_ops.rotary_triton(positions, q, k, cos, sin)
-    assert got_q is q and got_k is k                                        # in place
+    assert got_q is q and got_k is k  # in place
     torch.testing.assert_close(q, ref_q, **ulp_close(device, dtype))
     torch.testing.assert_close(k, ref_k, **ulp_close(device, dtype))
-    assert torch.equal(qkv[:, (H_q + H_kv) * D:], v_before)                 # v untouched
+    assert torch.equal(qkv[:, (H_q + H_kv) * D :], v_before)  # v untouched
     assert rel_err(q, exact_q.cpu()) < truncation(device, dtype) * REL_TOL[dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype, cache_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
 @pytest.mark.parametrize("H_q, H_kv, D", [(32, 8, 64), (14, 2, 64), (4, 4, 128)])
 def test_rotary_store_kv_is_rotary_then_store_kv(device, dtype, cache_dtype, H_q, H_kv, D):
     """The fused launch writes the same bits as the two kernels it replaces (q in place, the cache),
     skips padding lanes, and leaves k and v as they were; and it is close to the torch reference."""
     T, page_size = 29, 16
-    qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)           # q, k, v: views of one qkv
-    views = lambda x: (x[:, :H_q * D].view(T, H_q, D), x[:, H_q * D:(H_q + H_kv) * D].view(T, H_kv, D),  # noqa: E731
-                       x[:, (H_q + H_kv) * D:].view(T, H_kv, D))
+    qkv = torch.randn(T, (H_q + 2 * H_kv) * D).to(device, dtype)  # q, k, v: views of one qkv
+    views = (
+        lambda x: (
+            x[:, : H_q * D].view(T, H_q, D),
+            x[:, H_q * D : (H_q + H_kv) * D].view(T, H_kv, D),  # noqa: E731
+            x[:, (H_q + H_kv) * D :].view(T, H_kv, D),
+        )
+    )
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))
     emb = torch.cat([torch.arange(4096).float()[:, None] * inv_freq] * 2, -1)
     cos, sin = emb.cos().to(device), emb.sin().to(device)
     positions = torch.randint(0, 4096, (T,), dtype=torch.int32, device=device)
     slots = torch.randperm(8 * page_size)[:T].to(device, torch.int32)
-    slots[::5] = -1                                                         # padding lanes
+    slots[::5] = -1  # padding lanes
     kv = make_cache(8, page_size, H_kv, D, cache_dtype, device)
 
-    two, kv_two = qkv.clone(), kv.clone()                                   # the unfused pair
+    two, kv_two = qkv.clone(), kv.clone()  # the unfused pair
     q2, k2, v2 = views(two)
     fused_ops.rotary_triton(positions, q2, k2, cos, sin)
     cache_ops.store_kv_triton(k2, v2, kv_two[:, 1, 0], kv_two[:, 1, 1], slots)
@@ -578,12 +641,13 @@ def test_rotary_store_kv_is_rotary_then_store_kv(device, dtype, cache_dtype, H_q
     q1, k1, v1 = views(one)
     got = fused_ops.rotary_store_kv_triton(positions, q1, k1, v1, cos, sin, kv_one[:, 1, 0], kv_one[:, 1, 1], slots)
     assert got is q1 and torch.equal(q1, q2)
-    assert torch.equal(kv_one, kv_two)                                      # written slots and the rest
-    assert torch.equal(one[:, H_q * D:], qkv[:, H_q * D:])                  # k and v untouched
+    assert torch.equal(kv_one, kv_two)  # written slots and the rest
+    assert torch.equal(one[:, H_q * D :], qkv[:, H_q * D :])  # k and v untouched
 
     ref, kv_ref = qkv.clone(), kv.clone()
-    q_ref = fused_ops.rotary_store_kv_ref(positions.long(), *views(ref), cos, sin, kv_ref[:, 1, 0], kv_ref[:, 1, 1],
-                                          slots)
+    q_ref = fused_ops.rotary_store_kv_ref(
+        positions.long(), *views(ref), cos, sin, kv_ref[:, 1, 0], kv_ref[:, 1, 1], slots
+    )
     torch.testing.assert_close(got, q_ref, **ulp_close(device, dtype))
     torch.testing.assert_close(kv_one, kv_ref, **ulp_close(device, cache_dtype))
 

@@ -1,6 +1,7 @@
 """The load test's short version (benchmarks/load_test.py --quick): simulated users with personas,
 multi-turn histories, n=2 turns and hang-ups over the real HTTP API on loopback. No errors other
 than the deliberate hang-ups, no KV block in use afterwards, a prefix-cache hit rate above 0."""
+
 import importlib.util
 import json
 import sys
@@ -19,7 +20,7 @@ def load_module():
     if "load_test" not in sys.modules:
         spec = importlib.util.spec_from_file_location("load_test", ROOT / "benchmarks" / "load_test.py")
         module = importlib.util.module_from_spec(spec)
-        sys.modules["load_test"] = module          # dataclasses look their module up here
+        sys.modules["load_test"] = module  # dataclasses look their module up here
         spec.loader.exec_module(module)
     return sys.modules["load_test"]
 
@@ -34,7 +35,7 @@ def test_quick_load_test(tmp_path):
     assert checks["passed"], checks["failures"]
     assert r["errors"] == 0, r["error_samples"]
     assert r["ok"] >= 5 and r["ok"] + r["hangups"] == r["requests"]
-    assert r["hangups"] >= 1 and r["n2_requests"] >= 1, r          # the mix really happened
+    assert r["hangups"] >= 1 and r["n2_requests"] >= 1, r  # the mix really happened
     assert checks["kv_blocks_used_after"] == 0 and checks["requests_left"] == 0
     assert r["hit_rate_engine"] > 0 and r["hit_rate_usage"] > 0
     assert r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p99"] >= r["itl_ms"]["p50"] > 0

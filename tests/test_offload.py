@@ -1,8 +1,8 @@
 """Tiered KV: device -> host -> disk and back, bitwise; restores give the uncached answer; the disk
 store survives restarts, ignores damage and other models; memory pressure completes correctly."""
+
 import os
 
-import pytest
 import torch
 
 from chatengine import LLM, SamplingParams
@@ -10,12 +10,17 @@ from chatengine.engine.kv.block_meta import BlockMeta
 from chatengine.engine.kv.tiers import TieredCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
-SHAPE = (2, 2, 4, 2, 8)                 # (layers, K/V, block_size, kv_heads, head_dim)
+SHAPE = (2, 2, 4, 2, 8)  # (layers, K/V, block_size, kv_heads, head_dim)
 
 
 def chat(topic):
-    return [{"role": "user", "content": f"{topic.capitalize()}! Write two careful sentences about {topic}, "
-                                        f"for a curious child who asked about it at breakfast this morning."}]
+    return [
+        {
+            "role": "user",
+            "content": f"{topic.capitalize()}! Write two careful sentences about {topic}, "
+            f"for a curious child who asked about it at breakfast this morning.",
+        }
+    ]
 
 
 def lookup_settled(tiers, hashes, token_lists) -> int:
@@ -40,14 +45,15 @@ def metas(n, seed=0):
 
 
 def test_host_disk_round_trip_is_bitwise(tmp_path):
-    tiers = TieredCache(b"r" * 16, SHAPE, torch.bfloat16, cpu_blocks=2, pin=False, disk_dir=str(tmp_path),
-                        disk_budget_bytes=1 << 20)
+    tiers = TieredCache(
+        b"r" * 16, SHAPE, torch.bfloat16, cpu_blocks=2, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=1 << 20
+    )
     pages = torch.randn(5, *SHAPE).to(torch.bfloat16)
     ms = metas(5)
     for m, p in zip(ms, pages):
         assert put(tiers, m, p)
     tiers.disk.flush()
-    assert tiers.stats()["cpu_blocks_used"] == 2 and tiers.stats()["disk_blocks"] == 3   # 3 spilled
+    assert tiers.stats()["cpu_blocks_used"] == 2 and tiers.stats()["disk_blocks"] == 3  # 3 spilled
     hashes = [m.hash for m in ms]
     assert tiers.lookup(hashes[:2], [m.token_ids for m in ms[:2]]) == (0, True)  # reads from disk started
     assert lookup_settled(tiers, hashes[:2], [m.token_ids for m in ms[:2]]) == 2  # in host memory now
@@ -59,17 +65,18 @@ def test_host_disk_round_trip_is_bitwise(tmp_path):
     assert tiers.lookup([hashes[0]], [(9, 9, 9, 9)]) == (0, False)
     tiers.close()
     files = list((tmp_path / (b"r" * 16).hex()).glob("*/*.kv"))
-    assert all(os.stat(f).st_mode & 0o077 == 0 for f in files)                    # private to the server
+    assert all(os.stat(f).st_mode & 0o077 == 0 for f in files)  # private to the server
 
 
 def test_device_copies_land_before_the_host_touches_their_slots(tmp_path):
     # the engine claims host slots and queues device copies into them (no host wait); a slot is read
     # (spill, flush) or overwritten (put) only after its copy has landed
-    tiers = TieredCache(b"r" * 16, SHAPE, torch.float32, cpu_blocks=2, pin=False, disk_dir=str(tmp_path),
-                        disk_budget_bytes=1 << 20)
+    tiers = TieredCache(
+        b"r" * 16, SHAPE, torch.float32, cpu_blocks=2, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=1 << 20
+    )
     pages, ms = torch.randn(4, *SHAPE), metas(4)
 
-    class Copy:                          # a device copy that lands when waited for, not before
+    class Copy:  # a device copy that lands when waited for, not before
         def __init__(self, slot, page):
             self.slot, self.page = slot, page
 
@@ -82,55 +89,64 @@ def test_device_copies_land_before_the_host_touches_their_slots(tmp_path):
         tiers.landing([slot], Copy(slot, pages[i]))
         return slot
 
-    first, second = claim_and_queue(0), claim_and_queue(1)
-    assert tiers.claim(ms[1]) == (True, None)                   # here already: nothing to copy
-    assert claim_and_queue(2) == first                          # spills block 0 to disk, then reuses its slot
+    first = claim_and_queue(0)
+    claim_and_queue(1)
+    assert tiers.claim(ms[1]) == (True, None)  # here already: nothing to copy
+    assert claim_and_queue(2) == first  # spills block 0 to disk, then reuses its slot
     tiers.disk.flush()
     assert torch.equal(tiers.disk.read(ms[0].hash)[1], pages[0])
     tiers.pin([ms[1].hash, ms[2].hash])
-    assert tiers.claim(ms[3]) == (False, None)                  # every slot pinned: not stored
+    assert tiers.claim(ms[3]) == (False, None)  # every slot pinned: not stored
     tiers.unpin([ms[1].hash, ms[2].hash])
-    tiers.flush()                                               # writes every host block, each landed
+    tiers.flush()  # writes every host block, each landed
     assert torch.equal(tiers.disk.read(ms[1].hash)[1], pages[1]) and not tiers.host.landing
     claim_and_queue(3)
-    assert tiers.drop_owner(b"") == 5                           # 2 in host memory, 3 on disk
-    assert not tiers.host.landing                               # landed before their slots were freed
+    assert tiers.drop_owner(b"") == 5  # 2 in host memory, 3 on disk
+    assert not tiers.host.landing  # landed before their slots were freed
     tiers.close()
 
 
 def test_disk_store_index_rebuilt_damage_dropped_other_root_ignored(tmp_path):
-    tiers = TieredCache(b"a" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path),
-                        disk_budget_bytes=1 << 20)
+    tiers = TieredCache(
+        b"a" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=1 << 20
+    )
     pages = torch.randn(3, *SHAPE)
     ms = metas(3)
     for m, p in zip(ms, pages):
         tiers.disk.write_behind(m, p, block=True)
     tiers.close()
-    reopened = TieredCache(b"a" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path),
-                           disk_budget_bytes=1 << 20)
+    reopened = TieredCache(
+        b"a" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=1 << 20
+    )
     assert reopened.stats()["disk_blocks"] == 3
     victim = reopened.disk.path(ms[1].hash)
     data = bytearray(victim.read_bytes())
-    data[-5] ^= 0xFF                                     # flip a payload byte: the checksum fails
+    data[-5] ^= 0xFF  # flip a payload byte: the checksum fails
     victim.write_bytes(bytes(data))
-    assert lookup_settled(reopened, [m.hash for m in ms], [m.token_ids for m in ms]) == 1   # stops at the damage
+    assert lookup_settled(reopened, [m.hash for m in ms], [m.token_ids for m in ms]) == 1  # stops at the damage
     assert not victim.exists() and reopened.stats()["disk_damaged_files"] == 1
     stub = reopened.disk.path(ms[2].hash)
-    stub.write_bytes(stub.read_bytes()[:5])              # cut inside the fixed prefix (a crash, a full disk)
-    assert TieredCache(b"a" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path),
-                       disk_budget_bytes=1 << 20).stats()["disk_blocks"] == 1   # dropped at the scan
+    stub.write_bytes(stub.read_bytes()[:5])  # cut inside the fixed prefix (a crash, a full disk)
+    assert (
+        TieredCache(
+            b"a" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=1 << 20
+        ).stats()["disk_blocks"]
+        == 1
+    )  # dropped at the scan
     assert not stub.exists()
-    other = TieredCache(b"b" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path),
-                        disk_budget_bytes=1 << 20)
+    other = TieredCache(
+        b"b" * 16, SHAPE, torch.float32, cpu_blocks=4, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=1 << 20
+    )
     assert other.stats()["disk_blocks"] == 0 and other.lookup([ms[0].hash], [ms[0].token_ids]) == (0, False)
 
 
 def test_disk_reserve_takes_the_free_room_and_counts_the_rest_dropped(tmp_path):
     # the engine copies pages off the device only for writes the queue takes now
-    tiers = TieredCache(b"r" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path),
-                        disk_budget_bytes=1 << 30)
+    tiers = TieredCache(
+        b"r" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=1 << 30
+    )
     disk = tiers.disk
-    disk.close()                                          # the writer stops: nothing leaves the queue
+    disk.close()  # the writer stops: nothing leaves the queue
     assert disk.reserve(0) == 0 and disk.num_dropped == 0
     assert disk.reserve(300) == 256 and disk.num_dropped == 44
     ms = metas(200) + metas(57, seed=1)
@@ -138,13 +154,14 @@ def test_disk_reserve_takes_the_free_room_and_counts_the_rest_dropped(tmp_path):
         assert disk.write_behind(m, torch.zeros(SHAPE))
     assert disk.reserve(3) == 1 and disk.num_dropped == 46
     assert disk.write_behind(ms[255], torch.zeros(SHAPE)) and disk.reserve(1) == 0
-    assert not disk.write_behind(ms[256], torch.zeros(SHAPE))        # full: dropped, not blocked
+    assert not disk.write_behind(ms[256], torch.zeros(SHAPE))  # full: dropped, not blocked
 
 
 def test_disk_budget_evicts_oldest(tmp_path):
-    one = 4 * 2 * 2 * 4 * 2 * 8 + 600                    # a page plus its header, roughly
-    tiers = TieredCache(b"c" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path),
-                        disk_budget_bytes=3 * one)
+    one = 4 * 2 * 2 * 4 * 2 * 8 + 600  # a page plus its header, roughly
+    tiers = TieredCache(
+        b"c" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=3 * one
+    )
     ms = metas(6)
     for m in ms:
         tiers.disk.write_behind(m, torch.randn(*SHAPE), block=True)
@@ -166,8 +183,11 @@ def test_idle_conversation_comes_back_from_host_memory(llm):
     full_blocks = (len(first.prompt_token_ids) - 1) // 16 * 16
     assert again.num_cached_tokens == full_blocks
     assert small.stats()["blocks_restored"] > 0
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids == \
-        llm.chat(chat("volcanoes"), GREEDY)[0].outputs[0].token_ids
+    assert (
+        again.outputs[0].token_ids
+        == first.outputs[0].token_ids
+        == llm.chat(chat("volcanoes"), GREEDY)[0].outputs[0].token_ids
+    )
     assert small.stats()["kv_blocks_used"] == 0
 
 
@@ -177,10 +197,10 @@ def test_restart_restores_from_disk(tmp_path, llm):
     reference = llm.chat(convo, GREEDY)[0].outputs[0].token_ids
     a = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05)
     out_a = a.chat(convo, GREEDY, user="alice")[0]
-    a.shutdown()                                          # flushes every cached block to disk
+    a.shutdown()  # flushes every cached block to disk
     b = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05, debug_checks=True)
     assert b.stats()["disk_blocks"] > 0
-    assert b.chat(convo, GREEDY, user="bob")[0].num_cached_tokens == 0      # another user: no hit
+    assert b.chat(convo, GREEDY, user="bob")[0].num_cached_tokens == 0  # another user: no hit
     out_b = b.chat(convo, GREEDY, user="alice")[0]
     assert out_b.num_cached_tokens == (len(out_a.prompt_token_ids) - 1) // 16 * 16
     assert out_b.outputs[0].token_ids == out_a.outputs[0].token_ids == reference
@@ -201,12 +221,14 @@ def test_a_prefix_coming_from_disk_does_not_hold_up_others(tmp_path, monkeypatch
     """A returning conversation whose cached prefix is on disk waits for the reader thread; other
     requests keep running meanwhile (the engine never stalls on the read); then it restores."""
     import threading
+
     from chatengine.engine.kv.disk_store import DiskStore
+
     kv, params = str(tmp_path / "kv"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     returning, other = list(range(1, 60)), list(range(150, 180))
     first = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32)
     expect = first.generate([returning], params)[0].outputs[0].token_ids
-    first.shutdown()                                      # its 3 full blocks now live on disk
+    first.shutdown()  # its 3 full blocks now live on disk
     plain = LLM("dummy:tiny", num_kv_blocks=32)
     expect_other = plain.generate([other], params)[0].outputs[0].token_ids
     e = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32).engine
@@ -215,7 +237,7 @@ def test_a_prefix_coming_from_disk_does_not_hold_up_others(tmp_path, monkeypatch
     try:
         slow, fast = e.add_request(returning, params), e.add_request(other, params)
         done = {}
-        for _ in range(8):                                # the slow disk holds back only its own request
+        for _ in range(8):  # the slow disk holds back only its own request
             done.update((o.request_id, o) for o in e.step() if o.finished)
         assert set(done) == {fast} and done[fast].outputs[0].token_ids == expect_other
         assert e.tiers.loads_in_flight() and e.scheduler.waiting
@@ -234,7 +256,7 @@ def test_another_model_ignores_the_directory(tmp_path):
     a.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4))
     a.shutdown()
     assert a.stats()["disk_blocks"] > 0
-    b = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32, seed=2)   # other weights: other fingerprint
+    b = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32, seed=2)  # other weights: other fingerprint
     assert b.stats()["disk_blocks"] == 0
     assert b.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4))[0].num_cached_tokens == 0
     same = LLM("dummy:tiny", kv_store_dir=kv, num_kv_blocks=32, seed=1)
@@ -264,17 +286,23 @@ def test_forget_user_drops_their_blocks(tmp_path):
     e.engine.flush_kv()
     before = e.stats()["disk_blocks"]
     assert e.forget_user("zoe") > 0
-    assert e.stats()["disk_blocks"] == before - 2                # zoe's two full blocks are gone
-    assert e.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4),
-                      user="zoe")[0].num_cached_tokens == 0
-    assert e.generate([list(range(100, 140))], SamplingParams(temperature=0, max_tokens=4),
-                      user="yan")[0].num_cached_tokens == 32
+    assert e.stats()["disk_blocks"] == before - 2  # zoe's two full blocks are gone
+    assert (
+        e.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4), user="zoe")[0].num_cached_tokens == 0
+    )
+    assert (
+        e.generate([list(range(100, 140))], SamplingParams(temperature=0, max_tokens=4), user="yan")[
+            0
+        ].num_cached_tokens
+        == 32
+    )
     e.shutdown()
 
 
 def test_idle_pages_move_to_host_memory_proactively():
     import asyncio
     import time
+
     engine = __import__("chatengine").AsyncLLM("dummy:tiny", num_kv_blocks=32, idle_offload_s=0.2)
 
     async def one():
@@ -286,10 +314,10 @@ def test_idle_pages_move_to_host_memory_proactively():
         first = asyncio.run(one())
         bm = engine.engine.block_manager
         assert bm.num_cached_free_blocks + engine.engine.tiers.stats()["cpu_blocks_used"] == 3
-        deadline = time.monotonic() + 10                        # the 3 full blocks, once idle, move out
+        deadline = time.monotonic() + 10  # the 3 full blocks, once idle, move out
         while engine.stats()["cpu_blocks_used"] < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine.stats()["cpu_blocks_used"] == 3           # stats() is the loop's snapshot
+        assert engine.stats()["cpu_blocks_used"] == 3  # stats() is the loop's snapshot
         assert engine.stats()["kv_blocks_cached"] == 0
         again = asyncio.run(one())
         assert again.num_cached_tokens == 48 and again.outputs[0].token_ids == first.outputs[0].token_ids

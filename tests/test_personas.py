@@ -1,4 +1,5 @@
 """Persona files in prompts/. Run: python -m pytest tests/test_personas.py -q"""
+
 import pytest
 
 from chatengine import personas as personas_mod
@@ -34,16 +35,19 @@ def test_parse_good():
     assert parse_persona(crlf) == p
 
 
-@pytest.mark.parametrize("text, message", [
-    ("no front matter\n", "must start"),
-    ("---\nname: x\ntitle: X\ndescription: d\nbody\n", "not closed"),
-    (GOOD.replace("title: Tester\n", ""), "'title'"),
-    (GOOD.replace("description: A persona for tests.", "description:"), "'description'"),
-    (GOOD.replace("name: tester", "name: Bad Name"), "a-z"),
-    (GOOD.replace("title: Tester", "title Tester"), "key: value"),
-    (GOOD.replace("title: Tester", "title: Tester\ntitle: Again"), "duplicate"),
-    (GOOD.replace("You are a test persona.\n", "  \n"), "empty"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("no front matter\n", "must start"),
+        ("---\nname: x\ntitle: X\ndescription: d\nbody\n", "not closed"),
+        (GOOD.replace("title: Tester\n", ""), "'title'"),
+        (GOOD.replace("description: A persona for tests.", "description:"), "'description'"),
+        (GOOD.replace("name: tester", "name: Bad Name"), "a-z"),
+        (GOOD.replace("title: Tester", "title Tester"), "key: value"),
+        (GOOD.replace("title: Tester", "title: Tester\ntitle: Again"), "duplicate"),
+        (GOOD.replace("You are a test persona.\n", "  \n"), "empty"),
+    ],
+)
 def test_malformed_raises_with_file_name(text, message):
     with pytest.raises(ValueError, match=message) as e:
         parse_persona(text, "prompts/broken.md")

@@ -1,12 +1,15 @@
 """Prefix caching on the default model: the cache never changes an answer; fork shares the prompt;
 personas are shared across users while everything else stays private to its user."""
+
 import pytest
 
 from chatengine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
-PERSONA = ("You are a patient maths tutor. Explain every step in plain words, check the student's "
-           "reasoning, and end with one short practice question they can try on their own.")
+PERSONA = (
+    "You are a patient maths tutor. Explain every step in plain words, check the student's "
+    "reasoning, and end with one short practice question they can try on their own."
+)
 
 
 def conversation(system, *turns):
@@ -22,14 +25,17 @@ def no_cache():
 
 
 def test_cache_on_and_off_give_the_same_greedy_tokens(llm, no_cache):
-    chats = [conversation(PERSONA, "What is 12 times 7?"),
-             conversation(PERSONA, "What is 12 times 7?", "84.", "And 12 times 8?"),
-             conversation(None, "Tell me about the moon in a long sentence please, with details."),
-             conversation(None, "Tell me about the moon in a long sentence please, with details.", "It orbits.",
-                          "How far away is it?")]
+    chats = [
+        conversation(PERSONA, "What is 12 times 7?"),
+        conversation(PERSONA, "What is 12 times 7?", "84.", "And 12 times 8?"),
+        conversation(None, "Tell me about the moon in a long sentence please, with details."),
+        conversation(
+            None, "Tell me about the moon in a long sentence please, with details.", "It orbits.", "How far away is it?"
+        ),
+    ]
     ref = [o.outputs[0].token_ids for o in no_cache.chat(chats, GREEDY)]
     first = llm.chat(chats, GREEDY)
-    again = llm.chat(chats, GREEDY)                       # now every full block of each prompt hits
+    again = llm.chat(chats, GREEDY)  # now every full block of each prompt hits
     assert [o.outputs[0].token_ids for o in first] == ref
     assert [o.outputs[0].token_ids for o in again] == ref
     assert all(o.num_cached_tokens >= 16 for o in again)
@@ -42,10 +48,11 @@ def test_a_follow_up_turn_hits_the_history(llm):
     chat = conversation(None, "Give me three tips for sleeping well tonight, please, in detail.")
     first = llm.chat(chat, GREEDY)[0]
     history = first.prompt_token_ids + first.outputs[0].token_ids
-    follow = history + tok.encode("\n<|im_start|>user\nAnd one more?<|im_end|>\n<|im_start|>assistant\n",
-                                  add_special_tokens=False)
+    follow = history + tok.encode(
+        "\n<|im_start|>user\nAnd one more?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     out = llm.generate([follow], GREEDY)[0]
-    assert out.num_cached_tokens == (len(history) // 16) * 16   # every full block of the history
+    assert out.num_cached_tokens == (len(history) // 16) * 16  # every full block of the history
 
 
 def test_first_sample_of_a_fork_equals_n1_greedy(llm):
@@ -75,12 +82,12 @@ def test_a_persona_is_shared_across_users_but_conversations_are_not(llm):
 
     bob_same_persona = conversation(PERSONA, "Bob wants to know how fractions work, step by step.")
     out = llm.chat(bob_same_persona, GREEDY, user="bob")[0]
-    assert out.num_cached_tokens == public_blocks * 16               # the persona's blocks, no more
+    assert out.num_cached_tokens == public_blocks * 16  # the persona's blocks, no more
 
-    bob_copies_alice = llm.chat(alice, GREEDY, user="bob")[0]         # bob sends alice's exact text
+    bob_copies_alice = llm.chat(alice, GREEDY, user="bob")[0]  # bob sends alice's exact text
     assert bob_copies_alice.num_cached_tokens == public_blocks * 16  # never alice's own blocks
     alice_again = llm.chat(alice, GREEDY, user="alice")[0]
-    assert alice_again.num_cached_tokens > public_blocks * 16        # alice hits her own history
+    assert alice_again.num_cached_tokens > public_blocks * 16  # alice hits her own history
 
 
 def test_a_private_system_prompt_is_private(llm):

@@ -7,6 +7,7 @@ Most engine tests use `dummy:tiny` with its weights re-drawn larger ("sharp"): t
 mostly repeats its last token, which would hide corrupted KV; the sharp one's greedy output depends
 on the whole context, so "equal to an unpressured run" is a real KV-corruption oracle.
 """
+
 import asyncio
 import errno
 import json
@@ -28,7 +29,7 @@ import torch
 from chatengine import LLM, AsyncLLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-BS = 16                                   # block size everywhere here
+BS = 16  # block size everywhere here
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,14 +121,18 @@ def test_forward_failure_fails_exactly_that_steps_requests():
     params = [GREEDY8, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), GREEDY8, GREEDY8]
     outs = llm.generate(prompts, params)
     assert runner.launch.calls > 3
-    assert [[c.finish_reason for c in o.outputs] for o in outs] == [["error"], ["error", "error"],
-                                                                     ["length"], ["length"]]
+    assert [[c.finish_reason for c in o.outputs] for o in outs] == [
+        ["error"],
+        ["error", "error"],
+        ["length"],
+        ["length"],
+    ]
     # steps 1-2 ran: the parents have 2 tokens, r1's forked sample (first token in step 2) has 1
     assert [[len(c.token_ids) for c in o.outputs] for o in outs[:2]] == [[2], [2, 1]]
     for i, o in enumerate(outs[:2]):
         assert o.finished and o.error == "RuntimeError: injected forward failure"
-        for c in o.outputs:   # what was streamed before the failure is correct
-            assert c.token_ids == ref[i][:len(c.token_ids)]
+        for c in o.outputs:  # what was streamed before the failure is correct
+            assert c.token_ids == ref[i][: len(c.token_ids)]
     assert [o.outputs[0].token_ids for o in outs[2:]] == ref[2:]
     assert outs[2].error is None and outs[3].error is None
     assert_drained(llm.engine)
@@ -147,12 +152,16 @@ def test_failure_collecting_an_in_flight_step_fails_only_its_requests():
     runner.collect = FailOn(runner.collect, {3}, "injected copy failure")
     params = [GREEDY8, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), GREEDY8, GREEDY8]
     outs = llm.generate(prompts, params)
-    assert [[c.finish_reason for c in o.outputs] for o in outs] == [["error"], ["error", "error"],
-                                                                     ["length"], ["length"]]
+    assert [[c.finish_reason for c in o.outputs] for o in outs] == [
+        ["error"],
+        ["error", "error"],
+        ["length"],
+        ["length"],
+    ]
     for i, o in enumerate(outs[:2]):
         assert o.error == "RuntimeError: injected copy failure"
         for c in o.outputs:
-            assert -1 not in c.token_ids and c.token_ids == ref[i][:len(c.token_ids)]
+            assert -1 not in c.token_ids and c.token_ids == ref[i][: len(c.token_ids)]
     assert [o.outputs[0].token_ids for o in outs[2:]] == ref[2:]
     assert_drained(llm.engine)
     assert llm.generate([prompts[0]], GREEDY8)[0].outputs[0].token_ids == ref[0]
@@ -180,7 +189,7 @@ def test_forward_failure_mid_stream_in_async_engine():
         events = [asyncio.Event() for _ in range(3)]
         tasks = [asyncio.ensure_future(stream(i, events[i])) for i in range(3)]
         await asyncio.gather(*(e.wait() for e in events))
-        runner.launch = FailOn(real, {1}, "injected forward failure")      # the very next forward
+        runner.launch = FailOn(real, {1}, "injected forward failure")  # the very next forward
         failed = await asyncio.wait_for(asyncio.gather(*tasks), 30)
         later = await asyncio.wait_for(asyncio.gather(stream(3), stream(4)), 30)
         return failed, later
@@ -192,7 +201,7 @@ def test_forward_failure_mid_stream_in_async_engine():
             assert final.finished and final.outputs[0].finish_reason == "error"
             assert final.error == "RuntimeError: injected forward failure"
             got = final.outputs[0].token_ids
-            assert 2 <= len(got) < 24 and got == ref[i][:len(got)]
+            assert 2 <= len(got) < 24 and got == ref[i][: len(got)]
         for i, outs in zip((3, 4), later):
             assert outs[-1].outputs[0].finish_reason == "length" and outs[-1].outputs[0].token_ids == ref[i]
         wait_drained(engine)
@@ -212,8 +221,8 @@ def test_failed_offload_copy_leaves_no_published_garbage(failing):
     llm = sharp_tiny(num_kv_blocks=5, cpu_offload_gib=0.0001, max_num_batched_tokens=256)
     engine = llm.engine
     assert llm.generate([a], params)[0].outputs[0].token_ids == ref[0]
-    assert engine.offload_cached_blocks() == 3                  # a's 3 full blocks now live in host memory
-    assert llm.generate([b], params)[0].outputs[0].token_ids == ref[1]   # b's blocks fill the device LRU
+    assert engine.offload_cached_blocks() == 3  # a's 3 full blocks now live in host memory
+    assert llm.generate([b], params)[0].outputs[0].token_ids == ref[1]  # b's blocks fill the device LRU
     # a again: restores 3 blocks from host memory, and must evict b's cached blocks to make room
     real = getattr(engine.runner, failing)
     setattr(engine.runner, failing, FailOn(real, {1}, f"injected {failing} failure"))
@@ -226,7 +235,7 @@ def test_failed_offload_copy_leaves_no_published_garbage(failing):
     assert_drained(engine)
     again = llm.generate([a], params)[0]
     assert again.outputs[0].token_ids == ref[0]
-    assert llm.generate([b], params)[0].outputs[0].token_ids == ref[1]   # b's pages: never half-written to host
+    assert llm.generate([b], params)[0].outputs[0].token_ids == ref[1]  # b's pages: never half-written to host
     assert_drained(engine)
 
 
@@ -234,7 +243,7 @@ def test_fork_tail_on_an_evicted_block_keeps_its_page():
     """A fork (n>1) copies the prompt's partial tail into a free block at once; when that block was
     a cached page just evicted (queued for write-back), its page must reach host memory before the
     copy overwrites it, or a later restore brings back the other prompt's data under its hash."""
-    x, y = list(range(1, 50)), list(range(200, 234))          # x: 3 full blocks; y: 2 full + a tail
+    x, y = list(range(1, 50)), list(range(200, 234))  # x: 3 full blocks; y: 2 full + a tail
     ref = reference([x, y], 4)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = sharp_tiny(num_kv_blocks=4, cpu_offload_gib=0.0001)
@@ -242,8 +251,8 @@ def test_fork_tail_on_an_evicted_block_keeps_its_page():
     before = llm.stats()["evictions"]
     out = llm.generate([y], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert [c.token_ids for c in out.outputs] == [ref[1], ref[1]]
-    assert llm.stats()["evictions"] - before == 3 and llm.stats()["cpu_blocks_used"] == 3   # all of x's pages
-    again = llm.generate([x], params)[0]                        # restored from host memory
+    assert llm.stats()["evictions"] - before == 3 and llm.stats()["cpu_blocks_used"] == 3  # all of x's pages
+    again = llm.generate([x], params)[0]  # restored from host memory
     assert again.num_cached_tokens == 48 and llm.stats()["blocks_restored"] == 3
     assert again.outputs[0].token_ids == ref[0]
     assert_drained(llm.engine)
@@ -259,16 +268,25 @@ def test_abort_storm_with_pressure(async_scheduling):
     rng = random.Random(1234)
     prompts = make_prompts(24, seed=3)
     ref = reference(prompts, 24)
-    engine = AsyncLLM("dummy:tiny", num_kv_blocks=40, max_num_batched_tokens=128, cpu_offload_gib=0.0005,
-                      debug_checks=True, async_scheduling=async_scheduling)
+    engine = AsyncLLM(
+        "dummy:tiny",
+        num_kv_blocks=40,
+        max_num_batched_tokens=128,
+        cpu_offload_gib=0.0005,
+        debug_checks=True,
+        async_scheduling=async_scheduling,
+    )
     sharpen(engine.engine)
 
     async def normal(i):
         p = rng.randrange(len(prompts))
         n, max_tokens = rng.randint(1, 3), rng.randint(4, 24)
         last = None
-        async for last in engine.generate(prompts[p], SamplingParams(n=n, temperature=0, max_tokens=max_tokens,
-                                                                       ignore_eos=True), request_id=f"keep{i}"):
+        async for last in engine.generate(
+            prompts[p],
+            SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            request_id=f"keep{i}",
+        ):
             pass
         assert last.finished and len(last.outputs) == n
         assert all(c.finish_reason == "length" and c.token_ids == ref[p][:max_tokens] for c in last.outputs), i
@@ -281,9 +299,11 @@ def test_abort_storm_with_pressure(async_scheduling):
         agen = engine.generate(prompts[p], params, request_id=rid)
         outs = []
         if mode == "cancel":
+
             async def consume():
                 async for out in agen:
                     outs.append(out)
+
             task = asyncio.ensure_future(consume())
             await asyncio.sleep(rng.random() * 0.05)
             task.cancel()
@@ -297,8 +317,8 @@ def test_abort_storm_with_pressure(async_scheduling):
                 if len(outs) > k:
                     break
             await agen.aclose()
-        else:                                       # "abort" / "abort-first" / "abort-twice"
-            first = asyncio.ensure_future(agen.__anext__())      # posts the request
+        else:  # "abort" / "abort-first" / "abort-twice"
+            first = asyncio.ensure_future(agen.__anext__())  # posts the request
             await asyncio.sleep(0)
             if mode != "abort":
                 await engine.abort(rid)
@@ -317,9 +337,9 @@ def test_abort_storm_with_pressure(async_scheduling):
             assert final.finished
             reasons = {c.finish_reason for c in final.outputs}
             assert reasons <= {"abort", "length"}, reasons
-        for out in outs:                                     # partial outputs are still correct
+        for out in outs:  # partial outputs are still correct
             for c in out.outputs:
-                assert c.token_ids == ref[p][:len(c.token_ids)], (i, mode)
+                assert c.token_ids == ref[p][: len(c.token_ids)], (i, mode)
         return mode
 
     MODES = ["abort", "abort-first", "abort-twice", "close", "cancel"]
@@ -336,11 +356,13 @@ def test_abort_storm_with_pressure(async_scheduling):
         assert engine._queues == {}, "per-request output queues leaked"
         stats = engine.stats()
         assert stats["num_preemptions"] > 0, "the pool was not under pressure: the test proves less"
+
         # the engine still serves, exactly
         async def one():
             async for out in engine.generate(prompts[0], GREEDY8):
                 pass
             return out
+
         assert asyncio.run(one()).outputs[0].token_ids == ref[0][:8]
         wait_drained(engine)
     finally:
@@ -363,7 +385,7 @@ def test_duplicate_request_id_is_refused_without_harming_the_first():
             await asyncio.sleep(0.005)
         with pytest.raises(ValueError, match="already running"):
             await asyncio.wait_for(run(), 10)
-        return await asyncio.wait_for(first, 10)       # not hung, not aborted by the refused twin
+        return await asyncio.wait_for(first, 10)  # not hung, not aborted by the refused twin
 
     try:
         out = asyncio.run(main())
@@ -378,8 +400,15 @@ def test_stats_can_be_polled_from_another_thread_under_load(tmp_path):
     """A metrics poller reads stats while the engine thread evicts, restores and writes KV files:
     AsyncLLM.stats() (a snapshot the engine thread publishes) and LLMEngine.stats() itself, which
     iterates the free LRU and the disk index that the engine and writer threads are changing."""
-    engine = AsyncLLM("dummy:tiny", num_kv_blocks=24, max_num_batched_tokens=64, cpu_offload_gib=0.0002,
-                      kv_store_dir=str(tmp_path / "kv"), max_model_len=256, debug_checks=True)
+    engine = AsyncLLM(
+        "dummy:tiny",
+        num_kv_blocks=24,
+        max_num_batched_tokens=64,
+        cpu_offload_gib=0.0002,
+        kv_store_dir=str(tmp_path / "kv"),
+        max_model_len=256,
+        debug_checks=True,
+    )
     errors, polls, stop = [], [0], threading.Event()
 
     def poll():
@@ -391,7 +420,7 @@ def test_stats_can_be_polled_from_another_thread_under_load(tmp_path):
                 for stats in (engine.stats(), engine.engine.stats()):
                     assert 0 <= stats["kv_blocks_used"] <= stats["kv_blocks_total"] == 24
                 polls[0] += 1
-            except Exception as e:       # noqa: BLE001 - any exception is the failure
+            except Exception as e:  # noqa: BLE001 - any exception is the failure
                 errors.append(repr(e))
 
     async def one(i):
@@ -420,8 +449,14 @@ def test_pool_exhaustion_preempts_offloads_and_stays_exact(tmp_path, async_sched
     second pass restores the first pass's pages); a request that can never fit is refused at once."""
     prompts = make_prompts(36, seed=4)
     ref = reference(prompts, 12)
-    llm = sharp_tiny(num_kv_blocks=12, max_num_batched_tokens=64, cpu_offload_gib=0.0001,
-                     kv_store_dir=str(tmp_path / "kv"), max_model_len=256, async_scheduling=async_scheduling)
+    llm = sharp_tiny(
+        num_kv_blocks=12,
+        max_num_batched_tokens=64,
+        cpu_offload_gib=0.0001,
+        kv_store_dir=str(tmp_path / "kv"),
+        max_model_len=256,
+        async_scheduling=async_scheduling,
+    )
     rng = random.Random(5)
     params = [SamplingParams(n=rng.randint(1, 3), temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]
     for _ in range(2):
@@ -432,9 +467,9 @@ def test_pool_exhaustion_preempts_offloads_and_stays_exact(tmp_path, async_sched
         assert_drained(llm.engine)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["evictions"] > 0 and stats["blocks_restored"] > 0, stats
-    assert stats["disk_blocks"] > 0 and llm.engine.tiers.num_promoted > 0, stats    # disk -> host -> device
+    assert stats["disk_blocks"] > 0 and llm.engine.tiers.num_promoted > 0, stats  # disk -> host -> device
     with pytest.raises(ValueError, match="KV blocks"):
-        llm.generate([list(range(150))], SamplingParams(max_tokens=100))           # 16 blocks > 12
+        llm.generate([list(range(150))], SamplingParams(max_tokens=100))  # 16 blocks > 12
     assert_drained(llm.engine)
     llm.shutdown()
 
@@ -454,29 +489,31 @@ class FullDiskOS:
         def fail(*args, **kwargs):
             self.calls += 1
             raise OSError(errno.ENOSPC, "No space left on device")
+
         return fail
 
 
 @pytest.mark.parametrize("failing", ["open", "replace"])
 def test_full_disk_degrades_to_recompute(tmp_path, monkeypatch, caplog, failing):
     import chatengine.engine.kv.disk_store as offload
+
     prompts = make_prompts(16, seed=6)
     ref = reference(prompts, 8)
     kv = tmp_path / "kv"
-    llm = sharp_tiny(num_kv_blocks=12, max_num_batched_tokens=64, cpu_offload_gib=0.0001, kv_store_dir=str(kv),
-                     max_model_len=128)
+    llm = sharp_tiny(
+        num_kv_blocks=12, max_num_batched_tokens=64, cpu_offload_gib=0.0001, kv_store_dir=str(kv), max_model_len=128
+    )
     full = FullDiskOS(failing)
     monkeypatch.setattr(offload, "os", full)
     with caplog.at_level(logging.WARNING, logger="chatengine.kv.disk"):
-        for _ in range(2):                              # the second pass would need spilled pages back
+        for _ in range(2):  # the second pass would need spilled pages back
             assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY8)] == ref
-        llm.engine.flush_kv()                           # a flush on a full disk does not raise either
+        llm.engine.flush_kv()  # a flush on a full disk does not raise either
     stats = llm.stats()
     assert full.calls > 0 and stats["disk_write_errors"] == full.calls and stats["disk_blocks"] == 0, stats
     assert stats["evictions"] > 0
-    assert any("KV disk store write failed" in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records)
-    assert list(kv.rglob("*.kv")) == [] and list(kv.rglob("*.tmp")) == []       # no half-written file
+    assert any("KV disk store write failed" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert list(kv.rglob("*.kv")) == [] and list(kv.rglob("*.tmp")) == []  # no half-written file
     assert_drained(llm.engine)
     # space returns: new pages reach the disk again and a restart hits them
     monkeypatch.setattr(offload, "os", os)
@@ -499,7 +536,7 @@ def test_kv_store_of_another_model_is_ignored(tmp_path):
     first = one.generate([prompt], params)[0]
     one.shutdown()
     ones = sorted(kv.rglob("*.kv"))
-    assert len(ones) == 2                                               # 2 full blocks of 40 tokens
+    assert len(ones) == 2  # 2 full blocks of 40 tokens
     cold = LLM("dummy:tiny", num_kv_blocks=32, cpu_offload_gib=0, seed=2).generate([prompt], params)[0]
     two = LLM("dummy:tiny", kv_store_dir=str(kv), num_kv_blocks=32, cpu_offload_gib=0.001, seed=2, debug_checks=True)
     # a file of model 1 planted in model 2's own directory is rejected (other root) and deleted
@@ -514,7 +551,7 @@ def test_kv_store_of_another_model_is_ignored(tmp_path):
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == cold.outputs[0].token_ids
     assert_drained(two.engine)
     two.shutdown()
-    assert all(f.exists() for f in ones)                                # model 1's files are untouched
+    assert all(f.exists() for f in ones)  # model 1's files are untouched
     back = LLM("dummy:tiny", kv_store_dir=str(kv), num_kv_blocks=32, cpu_offload_gib=0.001, seed=1, debug_checks=True)
     hit = back.generate([prompt], params)[0]
     assert hit.num_cached_tokens == 32 and hit.outputs[0].token_ids == first.outputs[0].token_ids
@@ -539,9 +576,10 @@ def _rows(db: Path) -> dict:
 
 def _header(path: Path) -> dict:
     from chatengine.engine.kv.disk_store import PREFIX
+
     data = path.read_bytes()
-    _, _, n = PREFIX.unpack(data[:PREFIX.size])
-    return json.loads(data[PREFIX.size:PREFIX.size + n])
+    _, _, n = PREFIX.unpack(data[: PREFIX.size])
+    return json.loads(data[PREFIX.size : PREFIX.size + n])
 
 
 def test_sigkill_mid_generation_then_restart(tmp_path):
@@ -555,13 +593,29 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
     url = f"http://127.0.0.1:{port}/"
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--data-dir", str(data),
-         "--kv-cache-gib", "0.1", "--max-num-batched-tokens", "256", "--log-level", "warning"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, OMP_NUM_THREADS="1", GRADIO_ANALYTICS_ENABLED="False"))
+        [
+            sys.executable,
+            str(ROOT / "app.py"),
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data),
+            "--kv-cache-gib",
+            "0.1",
+            "--max-num-batched-tokens",
+            "256",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", GRADIO_ANALYTICS_ENABLED="False"),
+    )
     client = None
     try:
         import httpx
+
         deadline = time.monotonic() + 150
         while True:
             assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
@@ -576,11 +630,19 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
         for text in ("Name a colour.", "Name another colour."):
             out = client.predict(text, "assistant", 0, 1, 8, -1, 1, api_name="/send")
         cid = out[3]["value"]
-        client.submit("Write a very long story about a dragon, at least 1000 words.",
-                      "assistant", 0, 1, 400, -1, 1, api_name="/send")
+        client.submit(
+            "Write a very long story about a dragon, at least 1000 words.",
+            "assistant",
+            0,
+            1,
+            400,
+            -1,
+            1,
+            api_name="/send",
+        )
         db = data / "chat.db"
         deadline = time.monotonic() + 60
-        while True:               # the partial reply has been saved at least once (every 1 s)
+        while True:  # the partial reply has been saved at least once (every 1 s)
             rows = _rows(db)
             if any(r["status"] == "streaming" and len(r["content"]) > 100 for r in rows.values()):
                 break
@@ -596,7 +658,7 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
         if client is not None:
             try:
                 client.close()
-            except Exception:          # noqa: BLE001 - the server is gone; nothing to close cleanly
+            except Exception:  # noqa: BLE001 - the server is gone; nothing to close cleanly
                 pass
     before = _rows(db)
     assert [r["status"] for r in before.values()].count("streaming") == 1
@@ -607,19 +669,26 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
     assert len(files) >= 4
     from chatengine.app.server import engine_kwargs
     from chatengine.app.store import ChatStore
+
     store = ChatStore(db)
     user = store.db.execute("SELECT user_id FROM conversations WHERE id = ?", [cid]).fetchone()[0]
     path = store.active_path(user, cid)
     assert [(m["role"], m["status"]) for m in path] == [
-        ("system", "done"), ("user", "done"), ("assistant", "done"), ("user", "done"), ("assistant", "done"),
-        ("user", "done"), ("assistant", "streaming")]
+        ("system", "done"),
+        ("user", "done"),
+        ("assistant", "done"),
+        ("user", "done"),
+        ("assistant", "done"),
+        ("user", "done"),
+        ("assistant", "streaming"),
+    ]
     history = store.prompt_token_ids(user, path[4]["id"])
     # pages only the killed request used: not a block of the history, nor the block that straddles
     # its end (the follow-up's next turn starts with the same "<|im_start|>user" tokens)
-    windows = {tuple(history[i:i + BS]) for i in range(0, len(history) - BS + 1, BS)}
+    windows = {tuple(history[i : i + BS]) for i in range(0, len(history) - BS + 1, BS)}
     long_prompt = history + path[5]["token_ids"]
     edge = len(history) // BS * BS
-    windows.add(tuple(long_prompt[edge:edge + BS]))
+    windows.add(tuple(long_prompt[edge : edge + BS]))
     outside = [f for f in files if tuple(_header(f)["tokens"]) not in windows]
     assert len(outside) >= 2, (len(files), len(outside))
     damaged, bad_magic = outside[-1], outside[0]
@@ -628,9 +697,9 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
     tmp = damaged.parent / f".{damaged.name}.1234.tmp"
     tmp.write_bytes(b"half a page")
 
-    assert store.recover_interrupted() == 1                        # quick_check passed, too
+    assert store.recover_interrupted() == 1  # quick_check passed, too
     after = _rows(db)
-    assert set(after) == set(before)                               # nothing lost, nothing duplicated
+    assert set(after) == set(before)  # nothing lost, nothing duplicated
     for mid, row in before.items():
         if row["status"] == "streaming":
             assert after[mid]["status"] == "interrupted" and after[mid]["content"] == row["content"]
@@ -644,20 +713,22 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
         assert engine.engine.stats()["disk_blocks"] == len(files) - 1
         from chatengine.app.chat import ChatService
         from chatengine.personas import load_personas
+
         svc = ChatService(engine, store, load_personas())
 
         async def follow_up():
             last = None
-            async for last in svc.edit(user, cid, path[5]["id"], "And a third colour?",
-                                       dict(temperature=0, max_tokens=4)):
+            async for last in svc.edit(
+                user, cid, path[5]["id"], "And a third colour?", dict(temperature=0, max_tokens=4)
+            ):
                 pass
             return last
 
         up = asyncio.run(follow_up())
         assert up.status == "done" and up.error is None
-        assert up.num_cached_tokens >= len(history) // BS * BS > 0         # the history came from disk
-        assert engine.engine.stats()["blocks_restored"] > 0      # (the engine is idle: read it directly)
-        for h in list(disk.index):                                          # every file, verified
+        assert up.num_cached_tokens >= len(history) // BS * BS > 0  # the history came from disk
+        assert engine.engine.stats()["blocks_restored"] > 0  # (the engine is idle: read it directly)
+        for h in list(disk.index):  # every file, verified
             assert (disk.read(h) is None) == (disk.path(h) == damaged), disk.path(h)
         assert not damaged.exists() and engine.engine.stats()["disk_damaged_files"] == 1
         wait_drained(engine)
@@ -718,14 +789,16 @@ def test_bad_inputs_through_the_engine(default_engine):
     engine = default_engine.engine
     steps = engine.stats()["num_steps"]
     for prompt, kw, needle in BAD_ENGINE_INPUTS:
+
         async def go():
             async for _ in default_engine.generate(prompt, SamplingParams(**kw)):
                 pass
+
         with pytest.raises(ValueError) as e:
             asyncio.run(go())
         shown = prompt[:20] if isinstance(prompt, str) else prompt
         assert needle.lower() in str(e.value).lower(), (shown, kw, e.value)
-    assert engine.stats()["num_steps"] == steps                      # nothing ran
+    assert engine.stats()["num_steps"] == steps  # nothing ran
     assert_drained(engine)
 
 
@@ -735,9 +808,14 @@ def test_extreme_but_valid_values_are_served_correctly():
     prompt = list(range(3, 43))
     ref = reference([prompt], 40)[0]
     llm = sharp_tiny(num_kv_blocks=8, max_num_batched_tokens=64)
-    for kw in (dict(temperature=5e-324), dict(temperature=1e-45), dict(temperature=1e-8, seed=3),
-               dict(temperature=0, top_k=10**9), dict(temperature=1.0, top_p=1e-30, seed=5),
-               dict(temperature=1.0, top_k=1)):
+    for kw in (
+        dict(temperature=5e-324),
+        dict(temperature=1e-45),
+        dict(temperature=1e-8, seed=3),
+        dict(temperature=0, top_k=10**9),
+        dict(temperature=1.0, top_p=1e-30, seed=5),
+        dict(temperature=1.0, top_k=1),
+    ):
         out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, **kw))[0].outputs[0]
         assert out.token_ids == ref[:8], kw
     hot = llm.generate([prompt], SamplingParams(temperature=100.0, max_tokens=8, seed=1, ignore_eos=True))[0]
@@ -750,12 +828,21 @@ def test_extreme_but_valid_values_are_served_correctly():
 
 def test_odd_unicode_and_control_characters_are_served(default_engine):
     params = SamplingParams(temperature=0, max_tokens=2)
-    for text in ("NUL \x00 BEL \x07 ESC \x1b[31m DEL \x7f", "\u202eRTL override\u202c", "👩‍👩‍👧‍👦 family",
-                 "e\u0301\u0301\u0301 combining", "日本語とعربي", "\r\n\t\x0b\x0c", "<script>alert(1)</script>"):
+    for text in (
+        "NUL \x00 BEL \x07 ESC \x1b[31m DEL \x7f",
+        "\u202eRTL override\u202c",
+        "👩‍👩‍👧‍👦 family",
+        "e\u0301\u0301\u0301 combining",
+        "日本語とعربي",
+        "\r\n\t\x0b\x0c",
+        "<script>alert(1)</script>",
+    ):
+
         async def go():
             async for out in default_engine.chat([{"role": "user", "content": text}], params):
                 pass
             return out
+
         out = asyncio.run(go())
         assert out.finished and out.outputs[0].finish_reason in ("stop", "length") and out.error is None
     wait_drained(default_engine)
@@ -764,23 +851,24 @@ def test_odd_unicode_and_control_characters_are_served(default_engine):
 @pytest.fixture(scope="module")
 def api_url(default_engine, serve):
     from chatengine.app.api.routes import build_api
+
     yield serve(build_api(default_engine, None, model_name="m")).url
 
 
 MSG = '"messages": [{"role": "user", "content": "hi"}]'
 BAD_API_BODIES = [
     # raw body, expected status, text in the error message (cases beyond tests/test_api.py)
-    ('{' + MSG + ', "temperature": Infinity}', 400, "Infinity"),
-    ('{' + MSG + ', "top_p": -Infinity}', 400, "Infinity"),
-    ('{"messages": [{"role": "user", "content": "a\x01b"}]}', 400, "invalid JSON"),   # raw control char
+    ("{" + MSG + ', "temperature": Infinity}', 400, "Infinity"),
+    ("{" + MSG + ', "top_p": -Infinity}', 400, "Infinity"),
+    ('{"messages": [{"role": "user", "content": "a\x01b"}]}', 400, "invalid JSON"),  # raw control char
     ('{"messages": [{"role": "user", "content": "x"}], "\\udc00": 1}', 400, "surrogate"),
-    ('{' + MSG + ', "seed": -1}', 400, "seed"),
-    ('{' + MSG + ', "seed": 18446744073709551616}', 400, "seed"),
-    ('{' + MSG + ', "n": 1180591620717411303424}', 400, "'n'"),
-    ('{' + MSG + ', "max_tokens": 1e308}', 400, "max_tokens"),
-    ('{' + MSG + ', "max_tokens": 1e999}', 400, "max_tokens"),
-    ('{' + MSG + ', "top_k": "all"}', 400, "top_k"),
-    ('{' + MSG + ', "stop_token_ids": [-5]}', 400, "stop_token_ids"),
+    ("{" + MSG + ', "seed": -1}', 400, "seed"),
+    ("{" + MSG + ', "seed": 18446744073709551616}', 400, "seed"),
+    ("{" + MSG + ', "n": 1180591620717411303424}', 400, "'n'"),
+    ("{" + MSG + ', "max_tokens": 1e308}', 400, "max_tokens"),
+    ("{" + MSG + ', "max_tokens": 1e999}', 400, "max_tokens"),
+    ("{" + MSG + ', "top_k": "all"}', 400, "top_k"),
+    ("{" + MSG + ', "stop_token_ids": [-5]}', 400, "stop_token_ids"),
     ('{"messages": [{"role": "<script>alert(1)</script>", "content": "x"}]}', 400, "<script>alert(1)</script>"),
     ('{"messages": [{"role": "user", "content": "' + "hello " * 9000 + '"}]}', 400, "context"),
 ]
@@ -788,11 +876,16 @@ BAD_API_BODIES = [
 
 def test_bad_api_bodies_are_clear_json_errors(api_url, default_engine):
     import httpx
+
     for body, status, needle in BAD_API_BODIES:
-        r = httpx.post(api_url + "/v1/chat/completions", content=body.encode("utf-8", "surrogatepass"),
-                       headers={"Content-Type": "application/json"}, timeout=30)
+        r = httpx.post(
+            api_url + "/v1/chat/completions",
+            content=body.encode("utf-8", "surrogatepass"),
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
         assert r.status_code == status, (body[:80], r.text[:300])
-        assert r.headers["content-type"].startswith("application/json")      # data, never a page
+        assert r.headers["content-type"].startswith("application/json")  # data, never a page
         assert needle.lower() in r.json()["error"]["message"].lower(), (body[:80], r.json())
     r = httpx.get(api_url + "/v1/<script>alert(1)</script>")
     assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
@@ -804,6 +897,7 @@ def test_odd_but_valid_api_values_are_served(api_url, default_engine):
     """Escaped control characters and NUL in content, a denormal temperature (greedy in effect),
     top_k beyond the vocabulary: 200, and the denormal one gives exactly the greedy text."""
     import httpx
+
     base = {"messages": [{"role": "user", "content": "Say hi.\u0000\u0007\u001b[0m"}], "max_tokens": 6}
     greedy = httpx.post(api_url + "/v1/chat/completions", json={**base, "temperature": 0}, timeout=60)
     assert greedy.status_code == 200, greedy.text
@@ -818,6 +912,7 @@ def test_html_in_model_output_is_returned_verbatim_as_json(api_url, default_engi
     """The model's output (here it contains an <img> tag) comes back as JSON string data, exactly the
     engine's text: not escaped, not stripped, not served as HTML."""
     import httpx
+
     messages = [{"role": "user", "content": "Echo this back: <img src=x onerror=alert(1)>"}]
     params = SamplingParams(temperature=0, max_tokens=24)
 
@@ -825,15 +920,21 @@ def test_html_in_model_output_is_returned_verbatim_as_json(api_url, default_engi
         async for out in default_engine.chat(messages, params):
             pass
         return out.outputs[0].text
+
     text = asyncio.run(direct())
     assert "<img" in text, f"pick a prompt whose greedy reply contains a tag; got {text!r}"
-    r = httpx.post(api_url + "/v1/chat/completions", timeout=60,
-                   json={"messages": messages, "temperature": 0, "max_tokens": 24})
+    r = httpx.post(
+        api_url + "/v1/chat/completions", timeout=60, json={"messages": messages, "temperature": 0, "max_tokens": 24}
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     assert r.json()["choices"][0]["message"]["content"] == text
     chunks = []
-    with httpx.stream("POST", api_url + "/v1/chat/completions", timeout=60,
-                      json={"messages": messages, "temperature": 0, "max_tokens": 24, "stream": True}) as s:
+    with httpx.stream(
+        "POST",
+        api_url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": messages, "temperature": 0, "max_tokens": 24, "stream": True},
+    ) as s:
         assert s.headers["content-type"].startswith("text/event-stream")
         for line in s.iter_lines():
             if line.startswith("data: {"):
@@ -845,12 +946,20 @@ def test_html_in_model_output_is_returned_verbatim_as_json(api_url, default_engi
 
 def test_chat_service_stores_hostile_text_verbatim_and_hides_other_users(default_engine, tmp_path):
     from chatengine.app.chat import ChatService
-    from chatengine.personas import load_personas
     from chatengine.app.store import ChatStore, NotFound
+    from chatengine.personas import load_personas
+
     store = ChatStore(tmp_path / "chat.db")
     svc = ChatService(default_engine, store, load_personas())
-    texts = ["<script>alert('x')</script>", "<img src=x onerror=alert(1)>", "[link](javascript:alert(1))",
-             "NUL\x00 and ESC\x1b[2J", "\u202eevil.exe", "👩‍👩‍👧‍👦 e\u0301", "line\r\nbreak\ttab"]
+    texts = [
+        "<script>alert('x')</script>",
+        "<img src=x onerror=alert(1)>",
+        "[link](javascript:alert(1))",
+        "NUL\x00 and ESC\x1b[2J",
+        "\u202eevil.exe",
+        "👩‍👩‍👧‍👦 e\u0301",
+        "line\r\nbreak\ttab",
+    ]
     settings = dict(temperature=0, max_tokens=2)
 
     async def send(user, cid, text):
@@ -870,12 +979,15 @@ def test_chat_service_stores_hostile_text_verbatim_and_hides_other_users(default
         assert [m["content"] for m in svc.view("alice", cid) if m["role"] == "user"] == texts
         with pytest.raises(ValueError, match="Unicode"):
             asyncio.run(send("alice", cid, "lone \udfff"))
-        assert len(svc.view("alice", cid)) == 2 * len(texts)          # nothing half-written
+        assert len(svc.view("alice", cid)) == 2 * len(texts)  # nothing half-written
         # bob with alice's ids: NotFound, the same as an id that does not exist, and no text of alice's
         secret_mid = svc.view("alice", cid)[0]["id"]
-        for call in (lambda: svc.view("bob", cid), lambda: svc.send("bob", cid, "hi", settings),
-                     lambda: svc.regenerate("bob", cid, secret_mid, settings),
-                     lambda: svc.edit("bob", cid, secret_mid, "x", settings)):
+        for call in (
+            lambda: svc.view("bob", cid),
+            lambda: svc.send("bob", cid, "hi", settings),
+            lambda: svc.regenerate("bob", cid, secret_mid, settings),
+            lambda: svc.edit("bob", cid, secret_mid, "x", settings),
+        ):
             with pytest.raises(NotFound) as e:
                 call()
             assert "script" not in str(e.value) and "alert" not in str(e.value)

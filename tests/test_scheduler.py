@@ -1,9 +1,10 @@
 """Scheduler without a model: token budget, chunked prefill mixed with decodes, FCFS, preemption."""
-from chatengine.engine.kv.block_manager import BlockManager
+
 from chatengine.config import EngineConfig
-from chatengine.sampling_params import SamplingParams
+from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.engine.scheduler import Scheduler
 from chatengine.engine.sequence import Sequence, SequenceStatus
+from chatengine.sampling_params import SamplingParams
 
 BS = 4
 
@@ -34,9 +35,9 @@ def test_chunked_prefill_respects_the_budget():
     sched.add(a)
     assert step(sched)[0] == [(a.seq_id, 8)]
     assert step(sched)[0] == [(a.seq_id, 8)]
-    assert step(sched)[0] == [(a.seq_id, 4)]     # the last chunk samples
+    assert step(sched)[0] == [(a.seq_id, 4)]  # the last chunk samples
     assert a.num_tokens == 21
-    assert step(sched)[0] == [(a.seq_id, 1)]     # then decodes
+    assert step(sched)[0] == [(a.seq_id, 1)]  # then decodes
 
 
 def test_prefill_chunks_mix_with_decodes_fcfs():
@@ -45,9 +46,9 @@ def test_prefill_chunks_mix_with_decodes_fcfs():
     for s in (a, b, c):
         sched.add(s)
     got, _ = step(sched)
-    assert got == [(a.seq_id, 3), (b.seq_id, 5)]           # a whole, b's first chunk, c waits
+    assert got == [(a.seq_id, 3), (b.seq_id, 5)]  # a whole, b's first chunk, c waits
     got, _ = step(sched)
-    assert got == [(a.seq_id, 1), (b.seq_id, 7)]           # a decodes beside b's next chunk
+    assert got == [(a.seq_id, 1), (b.seq_id, 7)]  # a decodes beside b's next chunk
     assert c.status == SequenceStatus.WAITING
 
 
@@ -62,18 +63,18 @@ def test_max_num_seqs():
 
 def test_preempts_the_newest_and_recomputes_it():
     sched = make(num_blocks=5, budget=64)
-    a, b = seq(7), seq(7, 100)                           # 2 blocks each, 1 left (the watermark)
+    a, b = seq(7), seq(7, 100)  # 2 blocks each, 1 left (the watermark)
     sched.add(a)
     sched.add(b)
-    step(sched)                                          # both prefilled, 8 tokens each now
-    step(sched)                                          # the 8th tokens fill the 2nd blocks
+    step(sched)  # both prefilled, 8 tokens each now
+    step(sched)  # the 8th tokens fill the 2nd blocks
     assert sched.block_manager.num_free_blocks == 1
-    got, out = step(sched)                               # a takes the last block; b has none: preempted
+    got, out = step(sched)  # a takes the last block; b has none: preempted
     assert out.num_preempted == 1
     assert got == [(a.seq_id, 1)]
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
     assert sched.waiting[0] is b and b.num_preemptions == 1
-    assert b.token_ids[-1] == 7                          # its generated token is kept for recompute
+    assert b.token_ids[-1] == 7  # its generated token is kept for recompute
 
 
 def test_a_sequence_preempts_itself_when_it_is_the_only_one():
@@ -81,7 +82,7 @@ def test_a_sequence_preempts_itself_when_it_is_the_only_one():
     a = seq(7)
     sched.add(a)
     step(sched)
-    step(sched)                                          # 8 tokens computed: both blocks full
+    step(sched)  # 8 tokens computed: both blocks full
     got, out = step(sched)
     assert got == [] and out.num_preempted == 1 and a.status == SequenceStatus.WAITING
 
@@ -92,8 +93,8 @@ def test_finish_frees_blocks_from_any_state():
     sched.add(a)
     sched.add(b)
     step(sched)
-    sched.finish(a)                                      # running, mid-prefill
-    sched.finish(b)                                      # still waiting
+    sched.finish(a)  # running, mid-prefill
+    sched.finish(b)  # still waiting
     assert sched.block_manager.num_free_blocks == 16
     assert not sched.has_unfinished()
 
@@ -105,14 +106,14 @@ def test_async_schedule_builds_on_pending_tokens():
     a = Sequence([1, 2, 3], SamplingParams(max_tokens=2), block_size=BS)
     sched.add(a)
     out1 = sched.schedule()
-    sched.launched(out1)                                 # prefill queued: its token is pending
+    sched.launched(out1)  # prefill queued: its token is pending
     assert a.token_ids == [1, 2, 3, -1] and a.num_pending == 1 and a.num_output_tokens == 0
-    out2 = sched.schedule()                              # scheduled on the placeholder
+    out2 = sched.schedule()  # scheduled on the placeholder
     assert [(s.seq_id, n) for s, n in zip(out2.seqs, out2.num_new_tokens)] == [(a.seq_id, 1)]
     sched.launched(out2)
     assert a.token_ids == [1, 2, 3, -1, -1] and a.num_computed_tokens == 4
     assert a.fill_placeholder(9) == 3 and a.output_token_ids == [9]
-    assert sched.schedule().seqs == []                   # its pending token is its 2nd and last
+    assert sched.schedule().seqs == []  # its pending token is its 2nd and last
     assert a.fill_placeholder(8) == 4 and a.output_token_ids == [9, 8]
     sched.finish(a)
     assert a.num_pending == 0 and sched.block_manager.num_free_blocks == 16
@@ -125,8 +126,8 @@ def test_finishing_with_a_pending_token_drops_it():
     sched.launched(sched.schedule())
     out = sched.schedule()
     sched.launched(out)
-    a.fill_placeholder(5)                                # say: EOS, seen one step late
+    a.fill_placeholder(5)  # say: EOS, seen one step late
     sched.finish(a)
     assert a.token_ids == [0, 1, 2, 5] and a.output_token_ids == [5]
-    sched.publish(out)                                   # a finished sequence publishes nothing
+    sched.publish(out)  # a finished sequence publishes nothing
     assert sched.block_manager.num_free_blocks == 16

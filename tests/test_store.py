@@ -5,7 +5,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import chatengine.app.store as store_module
 from chatengine.app.store import MAX_CONTENT_CHARS, MAX_TITLE_CHARS, ChatStore, NotFound
@@ -51,18 +52,18 @@ def test_tree_branches_and_active_leaf(store):
     assert ids(store.active_path(A, c)) == [sys_, u1, a2]
     u2 = store.add_message(A, c, "user", "more", a2, token_ids=[7])
     a4 = store.add_message(A, c, "assistant", "sure", u2, token_ids=[8])
-    store.set_active_leaf(A, c, a1)                   # pick alternative 1/3
+    store.set_active_leaf(A, c, a1)  # pick alternative 1/3
     assert ids(store.active_path(A, c)) == [sys_, u1, a1]
-    assert store.latest_leaf(A, a2) == a4             # switching back shows its continuation
-    assert store.latest_leaf(A, u1) == a3             # newest child first
+    assert store.latest_leaf(A, a2) == a4  # switching back shows its continuation
+    assert store.latest_leaf(A, u1) == a3  # newest child first
     assert store.latest_leaf(A, a4) == a4
-    store.set_active_leaf(A, c, u2)                   # undo: the branch below survives
+    store.set_active_leaf(A, c, u2)  # undo: the branch below survives
     assert ids(store.active_path(A, c)) == [sys_, u1, a2, u2]
     assert ids(store.children(A, u2)) == [a4]
     assert ids(store.path_to(A, a4)) == [sys_, u1, a2, u2, a4]
     assert [m["parent_id"] for m in store.path_to(A, a4)] == [None, sys_, u1, a2, u2]
     assert store.prompt_token_ids(A, a4) == [1, 2, 3, 6, 7, 8]
-    assert store.prompt_token_ids(A, a3) is None      # a3 has no ids
+    assert store.prompt_token_ids(A, a3) is None  # a3 has no ids
     assert store.prompt_token_ids(A, a1) == [1, 2, 3, 4, 5]
 
 
@@ -76,27 +77,34 @@ def test_root_alternatives_and_empty_conversation(store):
     assert ids(store.active_path(A, c)) == [r2]
     other = store.create_conversation(A, "Other")
     store.add_message(A, other, "user", "root elsewhere")
-    assert ids(store.siblings(A, r1)) == [r1, r2]     # roots of other conversations are not siblings
+    assert ids(store.siblings(A, r1)) == [r1, r2]  # roots of other conversations are not siblings
 
 
 def test_message_fields_and_update(store):
     c = store.create_conversation(A, "Fields")
     u = store.add_message(A, c, "user", "q", token_ids=[10, 11])
-    m = store.add_message(A, c, "assistant", "", u, status="streaming",
-                          settings={"temperature": 0.0, "seed": 7, "stop": ["\n\n"]})
+    m = store.add_message(
+        A, c, "assistant", "", u, status="streaming", settings={"temperature": 0.0, "seed": 7, "stop": ["\n\n"]}
+    )
     got = store.get_message(A, m)
     assert (got["conversation_id"], got["parent_id"], got["role"], got["content"]) == (c, u, "assistant", "")
     assert (got["token_ids"], got["stats"], got["status"]) == (None, {}, "streaming")
     assert got["settings"] == {"temperature": 0.0, "seed": 7, "stop": ["\n\n"]}
     store.update_message(A, m, content="partial", token_ids=[12])
-    store.update_message(A, m, content="partial reply", token_ids=[12, 13], status="aborted",
-                         stats={"ttft_ms": 12.5, "tok_s": 80.25, "num_tokens": 2})
+    store.update_message(
+        A,
+        m,
+        content="partial reply",
+        token_ids=[12, 13],
+        status="aborted",
+        stats={"ttft_ms": 12.5, "tok_s": 80.25, "num_tokens": 2},
+    )
     got = store.get_message(A, m)
     assert (got["content"], got["token_ids"], got["status"]) == ("partial reply", [12, 13], "aborted")
     assert got["stats"] == {"ttft_ms": 12.5, "tok_s": 80.25, "num_tokens": 2}
     assert got["settings"] == {"temperature": 0.0, "seed": 7, "stop": ["\n\n"]}
     assert got["updated_at"] >= got["created_at"]
-    store.update_message(A, m, status="done")         # other fields untouched
+    store.update_message(A, m, status="done")  # other fields untouched
     assert store.get_message(A, m)["content"] == "partial reply"
     assert store.prompt_token_ids(A, m) == [10, 11, 12, 13]
 
@@ -104,8 +112,14 @@ def test_message_fields_and_update(store):
 def test_json_and_token_id_round_trips(tmp_path):
     path = tmp_path / "rt.db"
     s = ChatStore(path)
-    sampling = {"temperature": 1.25, "top_p": 0.9, "max_tokens": 512, "seed": None,
-                "stop": ["</s>", "ü"], "nested": {"a": [1, 2.5, True, None]}}
+    sampling = {
+        "temperature": 1.25,
+        "top_p": 0.9,
+        "max_tokens": 512,
+        "seed": None,
+        "stop": ["</s>", "ü"],
+        "nested": {"a": [1, 2.5, True, None]},
+    }
     c = s.create_conversation(A, "JSON ✓", persona="pirate", settings=sampling)
     big = [0, 1, 2**31 - 1, 49151, 7]
     text = "NUL\x00 rtl \u05e9\u05dc\u05d5\u05dd zwj 👩‍👩‍👧 cjk 漢字 \U0001f600"
@@ -137,7 +151,7 @@ def test_list_order_and_rename(store, monkeypatch):
     assert store.get_conversation(A, c2)["title"] == "two, renamed"
     store.update_message(A, m, content="bumped")
     assert ids(store.list_conversations(A)) == [c1, c2, c3]
-    store.set_active_leaf(A, c1, m)                   # browsing is not an update
+    store.set_active_leaf(A, c1, m)  # browsing is not an update
     store.update_settings(A, c3, {"top_k": 40})
     assert ids(store.list_conversations(A)) == [c3, c1, c2]
     assert store.list_conversations(B) == []
@@ -153,8 +167,8 @@ def test_search_titles_and_contents_per_user(store):
     assert ids(store.list_conversations(A, "paris")) == [c1]
     assert ids(store.list_conversations(A, "STRUDEL")) == [c2]
     assert ids(store.list_conversations(A, "äpfel")) == [c2]
-    assert ids(store.list_conversations(A, "STRASSE")) == [c2]     # Unicode casefold
-    assert ids(store.list_conversations(A, "0%")) == [c3]          # no LIKE wildcards
+    assert ids(store.list_conversations(A, "STRASSE")) == [c2]  # Unicode casefold
+    assert ids(store.list_conversations(A, "0%")) == [c3]  # no LIKE wildcards
     assert ids(store.list_conversations(A, "_l")) == [c3]
     assert ids(store.list_conversations(A, "I")) == [c3, c2, c1]
     assert store.list_conversations(A, "bob") == []
@@ -236,9 +250,20 @@ def test_delete_conversation_and_user_cascade(store):
     # a chain deeper than SQLite's trigger recursion limit (1000), written in one transaction
     chain = [f"deep-{i}" for i in range(1500)]
     store.db["messages"].insert_all(
-        dict(id=mid, conversation_id=ca2, parent_id=chain[i - 1] if i else None, role="user",
-             content=str(i), stats="{}", settings="{}", status="done", created_at=0, updated_at=0)
-        for i, mid in enumerate(chain))
+        dict(
+            id=mid,
+            conversation_id=ca2,
+            parent_id=chain[i - 1] if i else None,
+            role="user",
+            content=str(i),
+            stats="{}",
+            settings="{}",
+            status="done",
+            created_at=0,
+            updated_at=0,
+        )
+        for i, mid in enumerate(chain)
+    )
     parent = store.add_message(A, ca2, "assistant", "last", chain[-1])
     assert ids(store.active_path(A, ca2)) == chain + [parent]
     store.delete_conversation(A, ca2)
@@ -254,7 +279,7 @@ def test_delete_conversation_and_user_cascade(store):
     with pytest.raises(NotFound):
         store.get_message(A, ma)
     assert store.get_message(B, mb)["content"] == "bob's message"
-    store.delete_user(A)                              # idempotent
+    store.delete_user(A)  # idempotent
     store.ensure_user(A)
     store.ensure_user(A)
     assert count(store, "users") == 2
@@ -310,9 +335,9 @@ def test_persistence_and_recovery(tmp_path):
     c = s1.create_conversation(A, "persist")
     u = s1.add_message(A, c, "user", "q", token_ids=[1, 2])
     r = s1.add_message(A, c, "assistant", "partial", u, token_ids=[3], status="streaming")
-    s2 = ChatStore(path)                              # a second process while the first is alive
+    s2 = ChatStore(path)  # a second process while the first is alive
     assert ids(s2.active_path(A, c)) == [u, r]
-    s1.close()                                        # no checkpoint needed: WAL is read on open
+    s1.close()  # no checkpoint needed: WAL is read on open
     s3 = ChatStore(path)
     assert s3.get_conversation(A, c)["title"] == "persist"
     assert s3.prompt_token_ids(A, r) == [1, 2, 3]
@@ -324,7 +349,7 @@ def test_persistence_and_recovery(tmp_path):
     s4 = ChatStore(path)
     assert (s4.get_message(A, r)["status"], s4.get_message(A, r)["content"]) == ("interrupted", "partial")
     s4.close()
-    s4.get_conversation(A, c)                         # close() is not final: reopens lazily
+    s4.get_conversation(A, c)  # close() is not final: reopens lazily
     s4.close()
 
 
@@ -332,7 +357,7 @@ def test_connections_are_per_thread(store):
     c = store.create_conversation(A, "threads")
     seen = {}
 
-    def worker():                                     # the Gradio case: a thread-pool handler
+    def worker():  # the Gradio case: a thread-pool handler
         seen["db"] = store.db
         seen["mid"] = store.add_message(A, c, "user", "from a worker")
 
@@ -344,7 +369,7 @@ def test_connections_are_per_thread(store):
 
 def test_concurrent_writers_lose_nothing(tmp_path):
     path = tmp_path / "busy.db"
-    stores = [ChatStore(path), ChatStore(path)]       # two "processes", threads on each
+    stores = [ChatStore(path), ChatStore(path)]  # two "processes", threads on each
     shared = stores[0].create_conversation("shared", "everyone")
     root = stores[0].add_message("shared", shared, "system", "root")
     num_threads, num_msgs = 8, 25
@@ -362,7 +387,7 @@ def test_concurrent_writers_lose_nothing(tmp_path):
                 m = s.add_message("shared", shared, "assistant", "", root, status="streaming")
                 s.update_message("shared", m, content=f"{i}:{j}", token_ids=[j], status="done")
                 s.list_conversations(user, "conv")
-        except Exception as e:                        # e.g. "database is locked"
+        except Exception as e:  # e.g. "database is locked"
             errors.append(repr(e))
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
@@ -379,7 +404,8 @@ def test_concurrent_writers_lose_nothing(tmp_path):
         assert s.prompt_token_ids(f"user{i}", path_[-1]["id"]) == [x for j in range(num_msgs) for x in (i, j)]
     replies = s.children("shared", root)
     assert sorted(m["content"] for m in replies) == sorted(
-        f"{i}:{j}" for i in range(num_threads) for j in range(num_msgs))
+        f"{i}:{j}" for i in range(num_threads) for j in range(num_msgs)
+    )
     assert {m["status"] for m in replies} == {"done"}
     assert count(s, "messages") == 1 + 2 * num_threads * num_msgs
     for st_ in stores:
@@ -394,8 +420,9 @@ def shared_store(tmp_path_factory):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 50), st.lists(st.integers(0, 2**31 - 1), max_size=4)),
-                min_size=1, max_size=12))
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.lists(st.integers(0, 2**31 - 1), max_size=4)), min_size=1, max_size=12)
+)
 def test_random_trees_match_a_model(shared_store, spec):
     # each entry: (index of the parent among earlier messages, or a root if out of range; ids)
     s = shared_store
@@ -419,9 +446,11 @@ def test_random_trees_match_a_model(shared_store, spec):
 
 def test_store_imports_no_engine_code():
     path = Path(__file__).resolve().parents[1] / "chatengine" / "app" / "store.py"
-    code = ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('store', {str(path)!r})\n"
-            "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('chatengine')]\n"
-            "assert not bad, bad\n")
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('store', {str(path)!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('chatengine')]\n"
+        "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

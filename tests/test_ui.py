@@ -1,5 +1,6 @@
 """The Gradio UI through gradio_client against a real server on loopback (one per module):
 login, streaming, stop, regenerate, two users isolated."""
+
 import json
 import time
 
@@ -13,8 +14,7 @@ from gradio_client import Client  # noqa: E402
 
 from chatengine.app.server import ServerThread, close_app, create_app  # noqa: E402
 
-USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"},
-         "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
+USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"}, "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
 # text, persona, temperature, top_p, max_tokens, seed, n
 SHORT = ("assistant", 0, 1, 8, -1, 1)
 LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."
@@ -27,8 +27,9 @@ def server(tmp_path_factory):
     data = tmp_path_factory.mktemp("ui-data")
     users_file = data / "users.json"
     users_file.write_text(json.dumps(USERS))
-    app = create_app(data_dir=data, users_file=users_file,
-                     engine_options=dict(kv_cache_gib=0.25, max_num_batched_tokens=512))
+    app = create_app(
+        data_dir=data, users_file=users_file, engine_options=dict(kv_cache_gib=0.25, max_num_batched_tokens=512)
+    )
     with ServerThread(app) as srv:
         yield srv
     close_app(app)
@@ -84,20 +85,19 @@ def test_internal_endpoints_are_hidden(alice):
 
 
 def test_streaming_reply(alice, server):
-    job = alice.submit("Write three short sentences about the sea.", "assistant", 0, 1, 48, -1, 1,
-                       api_name="/send")
+    job = alice.submit("Write three short sentences about the sea.", "assistant", 0, 1, 48, -1, 1, api_name="/send")
     seen = []
-    for out in job:                                  # every streamed update
+    for out in job:  # every streamed update
         chat = texts(out[1])
         if len(chat) == 2:
             seen.append(chat[1])
     final = job.result()
     chat = texts(final[1])
     assert chat[0] == "Write three short sentences about the sea."
-    assert "tokens" in chat[1] and "TTFT" in chat[1]          # the stats line under the reply
+    assert "tokens" in chat[1] and "TTFT" in chat[1]  # the stats line under the reply
     partial = [s for s in seen if "▍" in s]
     assert len(partial) >= 2, f"expected several streamed updates, got {seen}"
-    body = lambda s: s.split("▍")[0].strip()             # noqa: E731
+    body = lambda s: s.split("▍")[0].strip()  # noqa: E731
     assert len(body(partial[-1])) >= len(body(partial[0]))
     conv_id = final[3]["value"]
     assert conv_id in [c[1] for c in final[3]["choices"]]
@@ -121,7 +121,7 @@ def test_follow_up_turn_reuses_cached_blocks(alice, server):
 def test_regenerate_adds_an_alternative(alice, server):
     out = send(alice, "Say something nice.")
     assert "1 / 1" in out[2]["value"]
-    out = alice.predict(1.0, 1, 8, -1, 1, api_name="/regenerate")     # -> chatbot, label, list
+    out = alice.predict(1.0, 1, 8, -1, 1, api_name="/regenerate")  # -> chatbot, label, list
     assert "2 / 2" in out[1]["value"]
     assert "2/2" in texts(out[0])[-1]
     conv_id = out[2]["value"]
@@ -161,9 +161,9 @@ def test_stop_keeps_partial_reply(alice, server):
 def test_versions_do_not_switch_under_a_streaming_reply(alice, server):
     """While a reply streams, the stream owns the view: ◀ is refused (it would move the branch on
     screen out from under the reply being painted)."""
-    out = send(alice, LONG_PROMPT)                                       # 8 tokens
+    out = send(alice, LONG_PROMPT)  # 8 tokens
     conv_id = out[3]["value"]
-    job = alice.submit(0, 1, 400, -1, 1, api_name="/regenerate")         # alternative 2/2: greedy, runs long
+    job = alice.submit(0, 1, 400, -1, 1, api_name="/regenerate")  # alternative 2/2: greedy, runs long
     engine = server.app.state.chat.engine.engine
     wait_for(lambda: any(r.seqs and r.seqs[0].num_output_tokens >= 3 for r in list(engine.requests.values())))
     store = server.app.state.chat.store
@@ -173,7 +173,7 @@ def test_versions_do_not_switch_under_a_streaming_reply(alice, server):
     assert store.active_path("alice", conv_id)[-1]["id"] == leaf["id"]
     alice.predict(api_name="/stop")
     job.result(timeout=30)
-    out = alice.predict(api_name="/previous_alternative")                # and once it is over, it does
+    out = alice.predict(api_name="/previous_alternative")  # and once it is over, it does
     assert "1 / 2" in out[1]["value"]
     wait_for(lambda: not engine.requests, timeout=5)
 
@@ -189,7 +189,7 @@ def test_two_users_are_isolated(alice, bob, server):
     try:
         opened = bob.predict(a_conv, api_name="/open")
     except gradio_client.exceptions.AppError:
-        pass                     # Gradio itself refuses a value that is not among bob's choices
+        pass  # Gradio itself refuses a value that is not among bob's choices
     else:
         assert texts(opened[0]) == []
         assert a_conv not in [c[1] for c in opened[4].get("choices", [])]
@@ -226,7 +226,7 @@ def test_rename_and_delete(alice, server):
     conv = out[3]["value"]
     listed = alice.predict("Renamed chat", api_name="/rename")
     assert ["Renamed chat", conv] in [list(c) for c in listed["choices"]]
-    out = alice.predict("assistant", api_name="/delete")      # -> chatbot, label, list, persona, title
+    out = alice.predict("assistant", api_name="/delete")  # -> chatbot, label, list, persona, title
     assert texts(out[0]["value"] if isinstance(out[0], dict) else out[0]) == []
     assert conv not in [c[1] for c in out[2]["choices"]]
     with pytest.raises(Exception):
@@ -246,5 +246,5 @@ def test_local_mode_without_login(server, tmp_path):
             assert [x["id"] for x in convs] == [out[3]["value"]]
         finally:
             c.close()
-    close_app(app)          # closes its store; the shared engine stays up
+    close_app(app)  # closes its store; the shared engine stays up
     assert not engine._stopped

@@ -1,4 +1,5 @@
 """ChatUI's handlers called as methods, without HTTP: what each returns, keyed by component."""
+
 import asyncio
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ from chatengine.app.ui.components import build_components  # noqa: E402
 from chatengine.app.ui.handlers import ChatUI, settings_of  # noqa: E402
 from chatengine.personas import load_personas  # noqa: E402
 
-GREEDY = (0, 1, 6, -1, 1)          # temperature, top_p, max_tokens, seed, n
+GREEDY = (0, 1, 6, -1, 1)  # temperature, top_p, max_tokens, seed, n
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,7 @@ def request(user: str, session: str = "s1"):
 def drain(agen) -> list:
     async def go():
         return [x async for x in agen]
+
     return asyncio.run(go())
 
 
@@ -64,15 +66,15 @@ def test_send_streams_then_renders_the_stored_turn(ui):
     first, last = updates[0], updates[-1]
     conv_id = first[c.cid]
     assert conv_id and first[c.msg] == ""
-    assert first[c.chatbot][-1] == {"role": "assistant", "content": "▍"}      # the waiting bubble
+    assert first[c.chatbot][-1] == {"role": "assistant", "content": "▍"}  # the waiting bubble
     assert first[c.rows][-1] is None
     rows = last[c.rows]
-    assert len(rows) == 2 and None not in rows                               # the user turn and its reply
+    assert len(rows) == 2 and None not in rows  # the user turn and its reply
     assert last[c.focus] == rows[-1]
     assert [r["role"] for r in last[c.chatbot]] == ["user", "assistant"]
-    assert "tokens" in last[c.chatbot][-1]["content"]                         # the stats footer
+    assert "tokens" in last[c.chatbot][-1]["content"]  # the stats footer
     assert last[c.conv_list]["value"] == conv_id
-    assert ui.painting == {}                                                  # no stream left counted
+    assert ui.painting == {}  # no stream left counted
 
 
 def test_empty_message_changes_nothing(ui):

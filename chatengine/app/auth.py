@@ -12,6 +12,7 @@ fields are kept and ignored here. Passwords may be stored in plain text or hashe
 Every comparison is constant-time in the secret; an unknown user name costs the same work as a
 known one, and an API key lookup compares against every key without stopping at a match.
 """
+
 import base64
 import hashlib
 import hmac
@@ -21,8 +22,8 @@ import secrets
 import sys
 
 HASH_SCHEME = "pbkdf2_sha256"
-DEFAULT_ITERATIONS = 600_000          # OWASP 2023 recommendation for PBKDF2-HMAC-SHA256
-MAX_ITERATIONS = 10_000_000           # refuse absurd work factors (a denial of service at sign-in)
+DEFAULT_ITERATIONS = 600_000  # OWASP 2023 recommendation for PBKDF2-HMAC-SHA256
+MAX_ITERATIONS = 10_000_000  # refuse absurd work factors (a denial of service at sign-in)
 _DUMMY_HASH_SALT = secrets.token_bytes(16)
 
 
@@ -84,15 +85,19 @@ def _check_string(value, what: str) -> str:
 def validate_users(data, source: str = "users") -> dict[str, dict]:
     """Check the structure of a users mapping; return a copy. ValueError names the bad entry."""
     if not isinstance(data, dict):
-        raise ValueError(f"{source}: the top level must be a JSON object mapping user names to "
-                         f"{{\"password\": ..., \"api_key\": ...}}, got {type(data).__name__}")
+        raise ValueError(
+            f"{source}: the top level must be a JSON object mapping user names to "
+            f'{{"password": ..., "api_key": ...}}, got {type(data).__name__}'
+        )
     users: dict[str, dict] = {}
     key_owner: dict[str, str] = {}
     for name, entry in data.items():
         _check_string(name, f"{source}: user name {name!r}")
         if not isinstance(entry, dict):
-            raise ValueError(f"{source}: user {name!r} must map to an object with 'password' and/or "
-                             f"'api_key', got {type(entry).__name__}")
+            raise ValueError(
+                f"{source}: user {name!r} must map to an object with 'password' and/or "
+                f"'api_key', got {type(entry).__name__}"
+            )
         if "password" not in entry and "api_key" not in entry:
             raise ValueError(f"{source}: user {name!r} has neither 'password' nor 'api_key'")
         if "password" in entry:
@@ -107,8 +112,9 @@ def validate_users(data, source: str = "users") -> dict[str, dict]:
         if "api_key" in entry:
             key = _check_string(entry["api_key"], f"{source}: user {name!r}: 'api_key'")
             if key in key_owner:
-                raise ValueError(f"{source}: users {key_owner[key]!r} and {name!r} have the same api_key; "
-                                 "every key must be unique")
+                raise ValueError(
+                    f"{source}: users {key_owner[key]!r} and {name!r} have the same api_key; every key must be unique"
+                )
             key_owner[key] = name
         users[name] = dict(entry)
     return users
@@ -183,13 +189,18 @@ def _main(argv=None) -> int:
     import argparse
     import getpass
 
-    parser = argparse.ArgumentParser(prog="python -m chatengine.app.auth",
-                                     description="Helpers for the --users file of `chatengine serve`.")
+    parser = argparse.ArgumentParser(
+        prog="python -m chatengine.app.auth", description="Helpers for the --users file of `chatengine serve`."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    h = sub.add_parser("hash", help="print a pbkdf2_sha256 hash of a password (read from a prompt, "
-                                    "or from stdin when it is not a terminal), to paste as 'password'")
-    h.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,
-                   help=f"PBKDF2 iterations (default {DEFAULT_ITERATIONS})")
+    h = sub.add_parser(
+        "hash",
+        help="print a pbkdf2_sha256 hash of a password (read from a prompt, "
+        "or from stdin when it is not a terminal), to paste as 'password'",
+    )
+    h.add_argument(
+        "--iterations", type=int, default=DEFAULT_ITERATIONS, help=f"PBKDF2 iterations (default {DEFAULT_ITERATIONS})"
+    )
     c = sub.add_parser("check", help="validate a users file and list its users")
     c.add_argument("path", help="the users JSON file")
     k = sub.add_parser("key", help="print a new random API key")

@@ -30,6 +30,7 @@ of another user's conversation raises ``NotFound`` exactly like an id that does 
     svc.view(user, cid)                # the active branch with k/N of every message
     svc.switch(user, cid, msg_id, +1)  # show the next alternative of msg_id
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from chatengine.sampling_params import SamplingParams
 from chatengine.app.store import ChatStore, NotFound
+from chatengine.sampling_params import SamplingParams
 
 __all__ = ["ChatService", "ChatSettings", "ReplyUpdate", "TurnTemplate", "NotFound"]
 
@@ -48,12 +49,13 @@ log = logging.getLogger("chatengine.chat")
 
 DEFAULT_TITLE = "New chat"
 TITLE_CHARS = 48
-SAVE_EVERY_S = 1.0          # partial replies are written to the store this often while streaming
+SAVE_EVERY_S = 1.0  # partial replies are written to the store this often while streaming
 
 
 @dataclass
 class ChatSettings:
     """Sampling settings of one turn (the UI's settings panel)."""
+
     temperature: float = 0.7
     top_p: float = 0.95
     max_tokens: int = 256
@@ -61,7 +63,7 @@ class ChatSettings:
     n: int = 1
 
     @classmethod
-    def from_any(cls, value) -> "ChatSettings":
+    def from_any(cls, value) -> ChatSettings:
         if value is None:
             return cls()
         if isinstance(value, ChatSettings):
@@ -77,7 +79,7 @@ class ChatSettings:
                 setattr(s, name, int(v))
         if isinstance(s.seed, float) and s.seed.is_integer():
             s.seed = int(s.seed)
-        if s.seed is not None and s.seed < 0:       # a negative seed (the UI's -1) means random
+        if s.seed is not None and s.seed < 0:  # a negative seed (the UI's -1) means random
             s.seed = None
         return s
 
@@ -85,6 +87,7 @@ class ChatSettings:
 @dataclass
 class ReplyUpdate:
     """A cumulative snapshot of a reply being generated (all n alternatives)."""
+
     conversation_id: str
     user_message_id: str
     message_ids: list[str]
@@ -92,7 +95,7 @@ class ReplyUpdate:
     num_tokens: list[int]
     finish_reasons: list[str | None]
     stats: list[dict] = field(default_factory=list)
-    status: str = "streaming"            # streaming | done | aborted | error
+    status: str = "streaming"  # streaming | done | aborted | error
     error: str | None = None
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
@@ -120,7 +123,7 @@ class TurnTemplate:
         try:
             self._derive()
             self.incremental = self._check()
-        except Exception as e:          # an odd template: render whole conversations instead
+        except Exception as e:  # an odd template: render whole conversations instead
             log.warning("chat template turns cannot be derived (%s); re-rendering full conversations", e)
             self.incremental = False
         if not self.incremental:
@@ -138,7 +141,7 @@ class TurnTemplate:
     def _delta(self, base: str, full: str) -> str:
         if not full.startswith(base):
             raise ValueError("the rendering of a longer conversation does not extend the shorter one")
-        return full[len(base):]
+        return full[len(base) :]
 
     def _derive(self) -> None:
         S = {"role": "system", "content": "S"}
@@ -150,7 +153,9 @@ class TurnTemplate:
         base = self._render([S, U, A], False)
         self.user_affix = self._split(self._delta(base, self._render([S, U, A, {"role": "user", "content": M}], True)))
         base = self._render([S, U], True)
-        a_before, a_after = self._split(self._delta(base, self._render([S, U, {"role": "assistant", "content": M}], False)))
+        a_before, a_after = self._split(
+            self._delta(base, self._render([S, U, {"role": "assistant", "content": M}], False))
+        )
         if a_before:
             raise ValueError("the assistant turn has text before its content beyond the generation prompt")
         self.close_ids = self.encode(a_after)
@@ -159,8 +164,12 @@ class TurnTemplate:
         return self.engine.encode(text)
 
     def _check(self) -> bool:
-        sample = [("system", "You are a test persona."), ("user", "Hi there! <b>x</b>"),
-                  ("assistant", "Hello, how can I help?\n\n```py\nprint(1)\n```"), ("user", "Thanks 🙂 ok")]
+        sample = [
+            ("system", "You are a test persona."),
+            ("user", "Hi there! <b>x</b>"),
+            ("assistant", "Hello, how can I help?\n\n```py\nprint(1)\n```"),
+            ("user", "Thanks 🙂 ok"),
+        ]
         msgs = [{"role": r, "content": c} for r, c in sample]
         ids = self.system_ids(sample[0][1])
         ids += self.user_ids(sample[1][1])
@@ -190,7 +199,7 @@ class TurnTemplate:
         close = self.close_ids
         if ids and close and ids[-1] == close[0]:
             return ids + close[1:]
-        if ids and ids[-1] in self.eos_token_ids:      # another end token: the template's closes it
+        if ids and ids[-1] in self.eos_token_ids:  # another end token: the template's closes it
             ids = ids[:-1]
         return ids + close
 
@@ -208,8 +217,9 @@ class _Turn:
 
 
 class ChatService:
-    def __init__(self, engine, store: ChatStore, personas: dict | None = None, *,
-                 default_persona: str | None = "assistant"):
+    def __init__(
+        self, engine, store: ChatStore, personas: dict | None = None, *, default_persona: str | None = "assistant"
+    ):
         self.engine = engine
         self.store = store
         self.personas = dict(personas or {})
@@ -222,8 +232,9 @@ class ChatService:
         self._active: dict[tuple[str, str], dict[str, _Turn]] = {}
 
     # ---- conversations --------------------------------------------------------------------------
-    def new_conversation(self, user: str, persona: str | None = None, title: str = DEFAULT_TITLE,
-                         settings: dict | None = None) -> str:
+    def new_conversation(
+        self, user: str, persona: str | None = None, title: str = DEFAULT_TITLE, settings: dict | None = None
+    ) -> str:
         persona = persona or self.default_persona
         if persona is not None and persona not in self.personas:
             raise ValueError(f"unknown persona {persona!r}; choose one of {', '.join(self.personas)}")
@@ -281,7 +292,7 @@ class ChatService:
         leaf = conv["active_leaf_id"]
         if leaf is not None:
             leaf_msg = self.store.get_message(user, leaf)
-            if leaf_msg["role"] == "user":     # a user turn without reply (error): answer below it
+            if leaf_msg["role"] == "user":  # a user turn without reply (error): answer below it
                 leaf = leaf_msg["parent_id"]
         return self._new_user_turn(user, cid, leaf, text, s, conv)
 
@@ -322,7 +333,7 @@ class ChatService:
         (status "aborted"). Waits until they are stored, so call it from another task than the
         one consuming the stream (the UI's Stop is its own event); that consumer then gets the
         final, "aborted" update. Returns whether anything was running."""
-        self.store.get_conversation(user, cid)          # NotFound for others' conversations
+        self.store.get_conversation(user, cid)  # NotFound for others' conversations
         turns = list(self._active.get((user, cid), {}).values())
         for t in turns:
             t.stop_requested = True
@@ -330,7 +341,7 @@ class ChatService:
         if turns:
             try:
                 await asyncio.wait_for(asyncio.gather(*(t.done.wait() for t in turns)), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("stop: generation did not finish within %.0f s", timeout)
         return bool(turns)
 
@@ -347,14 +358,17 @@ class ChatService:
     def _settings(self, settings) -> ChatSettings:
         s = ChatSettings.from_any(settings)
         # validate now, before anything is written
-        SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                       seed=s.seed).validate(self.engine.max_n, self.engine.max_tokens_limit)
+        SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=s.seed).validate(
+            self.engine.max_n, self.engine.max_tokens_limit
+        )
         return s
 
     def _check_length(self, prompt: list[int], s: ChatSettings) -> None:
         if self.max_model_len and len(prompt) >= self.max_model_len:
-            raise ValueError(f"this conversation has {len(prompt)} tokens but the model's context is "
-                             f"{self.max_model_len}; start a new chat (or edit an earlier message)")
+            raise ValueError(
+                f"this conversation has {len(prompt)} tokens but the model's context is "
+                f"{self.max_model_len}; start a new chat (or edit an earlier message)"
+            )
 
     def _new_user_turn(self, user, cid, parent, text, s: ChatSettings, conv):
         tpl = self.template
@@ -372,7 +386,7 @@ class ChatService:
             prompt = self.engine.apply_chat_template(msgs + [{"role": "user", "content": text}])
         self._check_length(prompt, s)
         umid = self.store.add_message(user, cid, "user", text, parent, token_ids=new_ids)
-        if conv["title"] == DEFAULT_TITLE:            # name the chat after its first message
+        if conv["title"] == DEFAULT_TITLE:  # name the chat after its first message
             self.store.rename_conversation(user, cid, _title_from(text))
         return self._generate(user, cid, umid, prompt, s, seed_offset=0)
 
@@ -407,15 +421,37 @@ class ChatService:
         ``parent_id``. An async generator of ReplyUpdate; closing it aborts and keeps the partial
         replies."""
         seed = s.seed + seed_offset if s.seed is not None else random.randrange(2**31)
-        params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                                seed=seed)
+        params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed)
         settings = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed, n=s.n)
-        mids = [self.store.add_message(user, cid, "assistant", "", parent_id, status="streaming",
-                                       settings=dict(settings, index=i), activate=(i == 0)) for i in range(s.n)]
+        mids = [
+            self.store.add_message(
+                user,
+                cid,
+                "assistant",
+                "",
+                parent_id,
+                status="streaming",
+                settings=dict(settings, index=i),
+                activate=(i == 0),
+            )
+            for i in range(s.n)
+        ]
         turn = _Turn(f"chat-{uuid.uuid4().hex}")
         self._active.setdefault((user, cid), {})[turn.request_id] = turn
-        run = _Reply(self, user, ReplyUpdate(cid, parent_id, mids, [""] * s.n, [0] * s.n, [None] * s.n,
-                                             stats=[{} for _ in range(s.n)], num_prompt_tokens=len(prompt)))
+        run = _Reply(
+            self,
+            user,
+            ReplyUpdate(
+                cid,
+                parent_id,
+                mids,
+                [""] * s.n,
+                [0] * s.n,
+                [None] * s.n,
+                stats=[{} for _ in range(s.n)],
+                num_prompt_tokens=len(prompt),
+            ),
+        )
         stream = self.engine.generate(prompt, params, request_id=turn.request_id, user=user)
         try:
             try:
@@ -423,7 +459,7 @@ class ChatService:
                     if run.absorb(out):
                         break
                     yield run.up
-            except ValueError as e:          # the engine refused the request (length, memory)
+            except ValueError as e:  # the engine refused the request (length, memory)
                 run.up.error = str(e)
             run.finish(turn.stop_requested)
             yield run.up
@@ -441,20 +477,20 @@ class ChatService:
 async def _close_quietly(stream) -> None:
     try:
         await stream.aclose()
-    except Exception:   # pragma: no cover - defensive: closing must never mask the reply's own end
+    except Exception:  # pragma: no cover - defensive: closing must never mask the reply's own end
         pass
 
 
 class _Reply:
     """The bookkeeping of one generation: its ReplyUpdate, timings, and saving it to the store."""
 
-    def __init__(self, service: "ChatService", user: str, up: ReplyUpdate):
+    def __init__(self, service: ChatService, user: str, up: ReplyUpdate):
         self.service, self.user, self.up = service, user, up
         self.n = len(up.message_ids)
         self.t0 = self.last_save = time.monotonic()
         self.t_first: float | None = None
         self.t_end: list[float | None] = [None] * self.n
-        self.last = None                  # the engine's latest RequestOutput
+        self.last = None  # the engine's latest RequestOutput
 
     def absorb(self, out) -> bool:
         """Take one engine output; True when it is the last. Saves partial text every SAVE_EVERY_S."""
@@ -463,7 +499,7 @@ class _Reply:
         if self.t_first is None:
             self.t_first = now
         up.num_cached_tokens = out.num_cached_tokens
-        for c in out.outputs[:self.n]:
+        for c in out.outputs[: self.n]:
             up.texts[c.index], up.num_tokens[c.index] = c.text, len(c.token_ids)
             if c.finish_reason and up.finish_reasons[c.index] is None:
                 up.finish_reasons[c.index], self.t_end[c.index] = c.finish_reason, now
@@ -522,8 +558,11 @@ class _Reply:
                 store.update_message(self.user, mid, content=up.texts[i], stats=st)
                 continue
             status = "aborted" if final_status == "done" and up.finish_reasons[i] == "abort" else final_status
-            ids = self.service.template.assistant_ids(outs[i].token_ids if i < len(outs) else []) \
-                if self.service.template.incremental else None
+            ids = (
+                self.service.template.assistant_ids(outs[i].token_ids if i < len(outs) else [])
+                if self.service.template.incremental
+                else None
+            )
             if up.error:
                 st["error"] = up.error
             up.stats[i] = st
@@ -532,4 +571,4 @@ class _Reply:
 
 def _title_from(text: str) -> str:
     line = " ".join(text.strip().split())
-    return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1].rstrip() + "…"
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"

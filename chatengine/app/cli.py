@@ -1,5 +1,6 @@
 """The `chatengine` command: `serve` (the web UI and the OpenAI-compatible API), `chat` (a terminal
 chat on the engine, streaming) and `bench` (the scripts in benchmarks/)."""
+
 import argparse
 import asyncio
 import os
@@ -41,39 +42,74 @@ script name go to the default script.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chatengine", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="chatengine", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", metavar="{serve,chat,bench}")
-    sub.add_parser("serve", help="run the web UI and the OpenAI-compatible API (see `chatengine serve --help`)",
-                   add_help=False)
-    chat = sub.add_parser("chat", help="chat with the model in the terminal",
-                          description="A terminal chat on the engine: streams the answer token by token and "
-                                      "keeps the conversation until /reset.",
-                          epilog=CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    chat.add_argument("--model", default=None, metavar="PATH",
-                      help="weights to load: a .gguf file, a Hugging Face model directory, or "
-                           "'dummy:<shape>' (default: the embedded SmolLM2-135M-Instruct)")
-    chat.add_argument("--device", default=None, metavar="DEVICE",
-                      help="torch device, e.g. 'cpu' or 'cuda' (default: cuda when available, else cpu)")
-    chat.add_argument("--temperature", type=float, default=0.7,
-                      help="sampling temperature; 0 is greedy (always the most likely token). Default 0.7")
-    chat.add_argument("--top-p", type=float, default=1.0,
-                      help="nucleus sampling: sample from the smallest set of tokens whose probability "
-                           "adds up to this, in (0, 1]. Default 1.0 (off)")
-    chat.add_argument("--max-tokens", type=int, default=512,
-                      help="the longest answer in tokens; longer answers are cut off. Default 512")
-    chat.add_argument("--seed", type=int, default=None,
-                      help="seed for sampling, to make answers reproducible (default: random)")
+    sub.add_parser(
+        "serve", help="run the web UI and the OpenAI-compatible API (see `chatengine serve --help`)", add_help=False
+    )
+    chat = sub.add_parser(
+        "chat",
+        help="chat with the model in the terminal",
+        description="A terminal chat on the engine: streams the answer token by token and "
+        "keeps the conversation until /reset.",
+        epilog=CHAT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chat.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="weights to load: a .gguf file, a Hugging Face model directory, or "
+        "'dummy:<shape>' (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    chat.add_argument(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="torch device, e.g. 'cpu' or 'cuda' (default: cuda when available, else cpu)",
+    )
+    chat.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="sampling temperature; 0 is greedy (always the most likely token). Default 0.7",
+    )
+    chat.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: sample from the smallest set of tokens whose probability "
+        "adds up to this, in (0, 1]. Default 1.0 (off)",
+    )
+    chat.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="the longest answer in tokens; longer answers are cut off. Default 512",
+    )
+    chat.add_argument(
+        "--seed", type=int, default=None, help="seed for sampling, to make answers reproducible (default: random)"
+    )
     who = chat.add_mutually_exclusive_group()
-    who.add_argument("--system", default=None, metavar="TEXT",
-                     help="a system prompt that sets the assistant's behaviour for the whole chat")
-    who.add_argument("--persona", default=None, metavar="NAME",
-                     help="use the system prompt of a persona from prompts/ (see --list-personas)")
+    who.add_argument(
+        "--system",
+        default=None,
+        metavar="TEXT",
+        help="a system prompt that sets the assistant's behaviour for the whole chat",
+    )
+    who.add_argument(
+        "--persona",
+        default=None,
+        metavar="NAME",
+        help="use the system prompt of a persona from prompts/ (see --list-personas)",
+    )
     chat.add_argument("--list-personas", action="store_true", help="list the personas and exit")
-    chat.add_argument("--kv-cache-gib", type=float, default=0.5,
-                      help="memory for the KV cache on CPU, in GiB (default 0.5)")
-    sub.add_parser("bench", help="run a benchmark from benchmarks/ (see `chatengine bench --help`)",
-                   add_help=False)
+    chat.add_argument(
+        "--kv-cache-gib", type=float, default=0.5, help="memory for the KV cache on CPU, in GiB (default 0.5)"
+    )
+    sub.add_parser("bench", help="run a benchmark from benchmarks/ (see `chatengine bench --help`)", add_help=False)
     return parser
 
 
@@ -122,8 +158,10 @@ def bench(argv: list[str]) -> int:
     script = scripts.get(name)
     if script is None:
         where = f"in {BENCH_DIR}" if BENCH_DIR.is_dir() else f"({BENCH_DIR} does not exist)"
-        print(f"chatengine bench: no benchmark {name!r} {where}; available: {', '.join(scripts) or 'none'}",
-              file=sys.stderr)
+        print(
+            f"chatengine bench: no benchmark {name!r} {where}; available: {', '.join(scripts) or 'none'}",
+            file=sys.stderr,
+        )
         return 2
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
@@ -148,8 +186,10 @@ def chat(args) -> int:
                 print(f"{p.name:18} {p.title}: {p.description}")
             return 0
         if args.persona not in personas:
-            print(f"chatengine chat: no persona {args.persona!r}; choose one of: {', '.join(personas) or 'none'}",
-                  file=sys.stderr)
+            print(
+                f"chatengine chat: no persona {args.persona!r}; choose one of: {', '.join(personas) or 'none'}",
+                file=sys.stderr,
+            )
             return 2
         system = personas[args.persona].system_prompt
     else:
@@ -160,16 +200,18 @@ def chat(args) -> int:
     print("loading the model...", file=sys.stderr, flush=True)
     try:
         engine = AsyncLLM(args.model, device=args.device, kv_cache_gib=args.kv_cache_gib)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                                seed=args.seed)
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+        )
         params.validate(engine.max_n, engine.max_tokens_limit)
     except (ValueError, OSError) as e:
         print(f"chatengine chat: {e}", file=sys.stderr)
         return 2
     try:
         if engine.get_tokenizer() is None:
-            print("chatengine chat: this model has no tokenizer (dummy weights); chat needs real weights",
-                  file=sys.stderr)
+            print(
+                "chatengine chat: this model has no tokenizer (dummy weights); chat needs real weights", file=sys.stderr
+            )
             return 2
         print(f"{engine.model_id} on {engine.stats()['device']}. {CHAT_HELP}", file=sys.stderr, flush=True)
         _converse(engine, system, params)
@@ -229,8 +271,11 @@ def _command(text: str, history: list[dict]):
     elif text.startswith("//"):
         return text[1:]
     else:
-        print(f"unknown command {command}; try /help (start with // to send a message beginning with /)",
-              file=sys.stderr, flush=True)
+        print(
+            f"unknown command {command}; try /help (start with // to send a message beginning with /)",
+            file=sys.stderr,
+            flush=True,
+        )
     return None
 
 
@@ -241,10 +286,12 @@ def _fit(engine, base, history, max_tokens) -> list[int]:
         room = engine.max_model_len - len(ids)
         if room >= min(max_tokens, 64) or len(history) <= 1:
             if room < 1:
-                raise ValueError(f"this message is too long for the context ({len(ids)} tokens of "
-                                 f"{engine.max_model_len}); shorten it")
+                raise ValueError(
+                    f"this message is too long for the context ({len(ids)} tokens of "
+                    f"{engine.max_model_len}); shorten it"
+                )
             return ids
-        del history[:2]      # the oldest user turn and its answer
+        del history[:2]  # the oldest user turn and its answer
         print("(the conversation is longer than the context: dropped the oldest turn)", file=sys.stderr)
 
 
@@ -256,7 +303,7 @@ def _stream_answer(engine, ids, params, interactive) -> str | None:
     async def stream() -> None:
         async for o in engine.generate(ids, params):
             state["text"] = o.outputs[0].text
-            out.write(state["text"][state["sent"]:])
+            out.write(state["text"][state["sent"] :])
             out.flush()
             state["sent"] = len(state["text"])
             if o.finished and o.error:
@@ -270,7 +317,7 @@ def _stream_answer(engine, ids, params, interactive) -> str | None:
     if interactive:
         out.write("assistant> ")
     try:
-        asyncio.run(stream())        # closing the stream on Ctrl-C aborts the request in the engine
+        asyncio.run(stream())  # closing the stream on Ctrl-C aborts the request in the engine
     except KeyboardInterrupt:
         out.write(" [stopped]")
     out.write("\n")

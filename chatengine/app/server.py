@@ -5,6 +5,7 @@
 Without --users it is a single local user and no login (bind it to loopback only). With --users
 Gradio's login page guards the UI and the API asks for the users' API keys.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,15 +22,22 @@ from typing import Self
 
 from chatengine.app import auth
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no outbound calls from Gradio
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no outbound calls from Gradio
 
 log = logging.getLogger("chatengine.server")
 
 DB_FILE = "chat.db"
 KV_DIR = "kv"
 # command-line flags that are engine settings of the same name
-ENGINE_FLAGS = ("device", "dtype", "kv_cache_gib", "gpu_memory_utilization", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len")
+ENGINE_FLAGS = (
+    "device",
+    "dtype",
+    "kv_cache_gib",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+)
 
 
 def engine_kwargs(data_dir: str | os.PathLike | None, *, disk_kv: bool = True, **kwargs) -> dict:
@@ -43,9 +51,17 @@ def engine_kwargs(data_dir: str | os.PathLike | None, *, disk_kv: bool = True, *
     return out
 
 
-def create_app(*, data_dir: str | os.PathLike = "data", users_file: str | os.PathLike | None = None,
-               engine=None, model: str | None = None, engine_options: dict | None = None,
-               title: str = "chatengine", max_n: int = 4, disk_kv: bool = True):
+def create_app(
+    *,
+    data_dir: str | os.PathLike = "data",
+    users_file: str | os.PathLike | None = None,
+    engine=None,
+    model: str | None = None,
+    engine_options: dict | None = None,
+    title: str = "chatengine",
+    max_n: int = 4,
+    disk_kv: bool = True,
+):
     """Build the ASGI app (FastAPI with the API routes and the Gradio UI mounted at "/").
 
     ``engine``: an AsyncLLM to use (tests share one; it stays up at close_app); otherwise one is built
@@ -71,16 +87,25 @@ def create_app(*, data_dir: str | os.PathLike = "data", users_file: str | os.Pat
     app = build_api(engine, users, model_name=str(engine.model_id))
     demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n)
     login = _login_check(users) if users is not None else None
-    app = gr.mount_gradio_app(app, demo, path="/", auth=login,
-                              auth_message="Sign in to chatengine" if login else None,
-                              theme=theme(), css=CSS, ssr_mode=False, footer_links=["settings"],
-                              show_error=True)
+    app = gr.mount_gradio_app(
+        app,
+        demo,
+        path="/",
+        auth=login,
+        auth_message="Sign in to chatengine" if login else None,
+        theme=theme(),
+        css=CSS,
+        ssr_mode=False,
+        footer_links=["settings"],
+        show_error=True,
+    )
     app.state.chat = SimpleNamespace(engine=engine, store=store, own_engine=own_engine)
     return app
 
 
 def _open_store(path: Path):
     from chatengine.app.store import ChatStore
+
     store = ChatStore(path)
     interrupted = store.recover_interrupted()
     if interrupted:
@@ -92,6 +117,7 @@ def _login_check(users: dict):
     async def check_login(username: str, password: str) -> bool:
         # a hashed password costs ~0.5 s of PBKDF2: off the event loop that streams replies
         return await asyncio.to_thread(auth.verify_password, users, username, password)
+
     return check_login
 
 
@@ -109,6 +135,7 @@ class ServerThread:
 
     def __init__(self, app, *, startup_timeout: float = 60.0):
         import uvicorn
+
         self.app = app
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
@@ -148,39 +175,66 @@ class _HelpFormatter(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="chatengine: a multi-user chat app (browser UI at /, OpenAI-compatible API at /v1) "
-                    "on its own paged-KV LLM engine.",
-        formatter_class=_HelpFormatter)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on; use 0.0.0.0 to accept other machines (only with --users)")
+        "on its own paged-KV LLM engine.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; use 0.0.0.0 to accept other machines (only with --users)",
+    )
     p.add_argument("--port", type=int, default=7860, help="TCP port")
-    p.add_argument("--data-dir", default="./data",
-                   help=f"where the server keeps its state: the SQLite database ({DB_FILE}), the disk tier "
-                        f"of the KV cache ({KV_DIR}/) and the server secret that salts per-user cache keys")
-    p.add_argument("--users", metavar="FILE", default=None,
-                   help='JSON file of users: {"alice": {"password": "...", "api_key": "..."}}; passwords may '
-                        "be hashed (python -m chatengine.app.auth hash). Without it: one local user, no login")
-    p.add_argument("--model", default=None,
-                   help="a .gguf file or a Hugging Face model directory; default: the embedded "
-                        "SmolLM2-135M-Instruct")
+    p.add_argument(
+        "--data-dir",
+        default="./data",
+        help=f"where the server keeps its state: the SQLite database ({DB_FILE}), the disk tier "
+        f"of the KV cache ({KV_DIR}/) and the server secret that salts per-user cache keys",
+    )
+    p.add_argument(
+        "--users",
+        metavar="FILE",
+        default=None,
+        help='JSON file of users: {"alice": {"password": "...", "api_key": "..."}}; passwords may '
+        "be hashed (python -m chatengine.app.auth hash). Without it: one local user, no login",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or a Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct",
+    )
     p.add_argument("--device", default=None, help='"cuda" or "cpu"; default: cuda when available')
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="CPU: size of the KV page pool in GiB (engine default 1.0)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="CUDA: share of GPU memory the engine may use (engine default 0.85)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most sequences in one engine step (engine default 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one engine step: prefill chunks plus decodes (engine default 2048)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length in tokens; default: the model's, capped at 8192")
-    p.add_argument("--no-disk-kv", action="store_true",
-                   help="keep the KV cache in memory only (no disk tier under --data-dir)")
-    p.add_argument("--max-alternatives", type=int, default=4,
-                   help="largest n (parallel alternatives per turn) offered in the UI")
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=None, help="CPU: size of the KV page pool in GiB (engine default 1.0)"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="CUDA: share of GPU memory the engine may use (engine default 0.85)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="most sequences in one engine step (engine default 256)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step: prefill chunks plus decodes (engine default 2048)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context length in tokens; default: the model's, capped at 8192"
+    )
+    p.add_argument(
+        "--no-disk-kv", action="store_true", help="keep the KV cache in memory only (no disk tier under --data-dir)"
+    )
+    p.add_argument(
+        "--max-alternatives", type=int, default=4, help="largest n (parallel alternatives per turn) offered in the UI"
+    )
     p.add_argument("--title", default="chatengine", help="name shown in the browser tab and sidebar")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="server log level")
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
+    )
     return p
 
 
@@ -190,16 +244,23 @@ def main(argv=None) -> None:
     if args.users is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --users: anyone who can reach it is the local user", args.host)
     import uvicorn
+
     engine_options = {name: getattr(args, name) for name in ENGINE_FLAGS}
     try:
-        app = create_app(data_dir=args.data_dir, users_file=args.users, model=args.model, title=args.title,
-                         max_n=args.max_alternatives, disk_kv=not args.no_disk_kv, engine_options=engine_options)
-    except ValueError as e:           # a bad flag value, users file or model path
+        app = create_app(
+            data_dir=args.data_dir,
+            users_file=args.users,
+            model=args.model,
+            title=args.title,
+            max_n=args.max_alternatives,
+            disk_kv=not args.no_disk_kv,
+            engine_options=engine_options,
+        )
+    except ValueError as e:  # a bad flag value, users file or model path
         sys.exit(f"error: {e}")
     print(f"chatengine: open http://{args.host}:{args.port}/  (API at /v1)", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         close_app(app)
 

@@ -56,7 +56,7 @@ import sqlite_utils
 
 ROLES = ("system", "user", "assistant")
 STATUSES = ("streaming", "done", "aborted", "error", "interrupted")
-MAX_ID_CHARS = 256           # user ids, persona names
+MAX_ID_CHARS = 256  # user ids, persona names
 MAX_TITLE_CHARS = 200
 MAX_CONTENT_CHARS = 1_000_000
 BUSY_TIMEOUT_S = 30.0
@@ -104,14 +104,17 @@ PRAGMA user_version = 1;
 
 # updated_at strictly increases per user, so the sidebar order is the write order even when two
 # writes fall in one clock tick.
-_BUMP = ("MAX(:now, COALESCE((SELECT MAX(updated_at) FROM conversations WHERE user_id = :user), 0)"
-         " + 1e-6)")
-_OWNED_MESSAGE = ("SELECT m.{cols} FROM messages m JOIN conversations c ON c.id = m.conversation_id"
-                  " WHERE m.id = :id AND c.user_id = :user")
+_BUMP = "MAX(:now, COALESCE((SELECT MAX(updated_at) FROM conversations WHERE user_id = :user), 0) + 1e-6)"
+_OWNED_MESSAGE = (
+    "SELECT m.{cols} FROM messages m JOIN conversations c ON c.id = m.conversation_id"
+    " WHERE m.id = :id AND c.user_id = :user"
+)
 # root-first path: walk parent_id up from the start row(s), then order by depth
-_PATH = ("WITH RECURSIVE path(id, depth) AS ({start} UNION ALL SELECT m.parent_id, p.depth + 1"
-         " FROM messages m JOIN path p ON m.id = p.id WHERE m.parent_id IS NOT NULL)"
-         " SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC")
+_PATH = (
+    "WITH RECURSIVE path(id, depth) AS ({start} UNION ALL SELECT m.parent_id, p.depth + 1"
+    " FROM messages m JOIN path p ON m.id = p.id WHERE m.parent_id IS NOT NULL)"
+    " SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC"
+)
 
 
 class NotFound(LookupError):
@@ -179,8 +182,7 @@ class ChatStore:
 
     def ensure_user(self, user: str) -> None:
         with self._write() as db:
-            db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (?, ?)",
-                       [_name(user, "user"), time.time()])
+            db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (?, ?)", [_name(user, "user"), time.time()])
 
     def delete_user(self, user: str) -> None:
         """Delete the user with all their conversations and messages (no error if absent)."""
@@ -189,16 +191,24 @@ class ChatStore:
 
     # conversations
 
-    def create_conversation(self, user: str, title: str = "New chat", persona: str | None = None,
-                            settings: dict | None = None) -> str:
-        p = dict(id=str(uuid.uuid4()), user=_name(user, "user"), title=_title(title),
-                 persona=None if persona is None else _name(persona, "persona"),
-                 settings=_json(settings, "settings"), now=time.time())
+    def create_conversation(
+        self, user: str, title: str = "New chat", persona: str | None = None, settings: dict | None = None
+    ) -> str:
+        p = dict(
+            id=str(uuid.uuid4()),
+            user=_name(user, "user"),
+            title=_title(title),
+            persona=None if persona is None else _name(persona, "persona"),
+            settings=_json(settings, "settings"),
+            now=time.time(),
+        )
         with self._write() as db:
             db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (:user, :now)", p)
-            db.execute("INSERT INTO conversations (id, user_id, title, persona, settings, created_at,"
-                       f" updated_at) VALUES (:id, :user, :title, :persona, :settings, :now, {_BUMP})",
-                       p)
+            db.execute(
+                "INSERT INTO conversations (id, user_id, title, persona, settings, created_at,"
+                f" updated_at) VALUES (:id, :user, :title, :persona, :settings, :now, {_BUMP})",
+                p,
+            )
         return p["id"]
 
     def list_conversations(self, user: str, query: str | None = None) -> list[dict]:
@@ -209,12 +219,19 @@ class ChatStore:
             "SELECT c.* FROM conversations c WHERE c.user_id = :user AND (:q IS NULL"
             " OR instr(casefold(c.title), :q) > 0 OR EXISTS (SELECT 1 FROM messages m"
             " WHERE m.conversation_id = c.id AND instr(casefold(m.content), :q) > 0))"
-            " ORDER BY c.updated_at DESC, c.rowid DESC", dict(user=user, q=q))
+            " ORDER BY c.updated_at DESC, c.rowid DESC",
+            dict(user=user, q=q),
+        )
         return [_conversation(r) for r in rows]
 
     def get_conversation(self, user: str, conv_id: str) -> dict:
-        return _conversation(self._one("SELECT * FROM conversations WHERE id = :id AND user_id = :user",
-                                       dict(id=conv_id, user=user), f"conversation {conv_id!r}"))
+        return _conversation(
+            self._one(
+                "SELECT * FROM conversations WHERE id = :id AND user_id = :user",
+                dict(id=conv_id, user=user),
+                f"conversation {conv_id!r}",
+            )
+        )
 
     def rename_conversation(self, user: str, conv_id: str, title: str) -> None:
         self._update_conversation(user, conv_id, title=_title(title))
@@ -225,51 +242,78 @@ class ChatStore:
     def _update_conversation(self, user: str, conv_id: str, **cols) -> None:
         sets = "".join(f"{k} = :{k}, " for k in cols)
         with self._write() as db:
-            cur = db.execute(f"UPDATE conversations SET {sets}updated_at = {_BUMP}"
-                             " WHERE id = :id AND user_id = :user",
-                             dict(cols, id=conv_id, user=user, now=time.time()))
+            cur = db.execute(
+                f"UPDATE conversations SET {sets}updated_at = {_BUMP} WHERE id = :id AND user_id = :user",
+                dict(cols, id=conv_id, user=user, now=time.time()),
+            )
             if cur.rowcount != 1:
                 raise NotFound(f"conversation {conv_id!r} not found")
 
     def delete_conversation(self, user: str, conv_id: str) -> None:
         with self._write() as db:
-            cur = db.execute("DELETE FROM conversations WHERE id = ? AND user_id = ?",
-                             [conv_id, user])
+            cur = db.execute("DELETE FROM conversations WHERE id = ? AND user_id = ?", [conv_id, user])
             if cur.rowcount != 1:
                 raise NotFound(f"conversation {conv_id!r} not found")
 
     # messages
 
-    def add_message(self, user: str, conv_id: str, role: str, content: str,
-                    parent_id: str | None = None, *, token_ids: Iterable[int] | None = None,
-                    stats: dict | None = None, settings: dict | None = None,
-                    status: str = "done", activate: bool = True) -> str:
+    def add_message(
+        self,
+        user: str,
+        conv_id: str,
+        role: str,
+        content: str,
+        parent_id: str | None = None,
+        *,
+        token_ids: Iterable[int] | None = None,
+        stats: dict | None = None,
+        settings: dict | None = None,
+        status: str = "done",
+        activate: bool = True,
+    ) -> str:
         """Append a message under ``parent_id`` (None: a root); siblings are alternatives.
         ``activate`` makes it the active leaf. Bumps the conversation's updated_at."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        p = dict(id=str(uuid.uuid4()), conv=conv_id, user=user, parent=parent_id, role=role,
-                 content=_text(content, "content", MAX_CONTENT_CHARS), token_ids=_pack(token_ids),
-                 stats=_json(stats, "stats"), settings=_json(settings, "settings"),
-                 status=_status(status), now=time.time())
+        p = dict(
+            id=str(uuid.uuid4()),
+            conv=conv_id,
+            user=user,
+            parent=parent_id,
+            role=role,
+            content=_text(content, "content", MAX_CONTENT_CHARS),
+            token_ids=_pack(token_ids),
+            stats=_json(stats, "stats"),
+            settings=_json(settings, "settings"),
+            status=_status(status),
+            now=time.time(),
+        )
         with self._write() as db:
             cur = db.execute(
                 "INSERT INTO messages (id, conversation_id, parent_id, role, content, token_ids,"
                 " stats, settings, status, created_at, updated_at) SELECT :id, c.id, :parent, :role,"
                 " :content, :token_ids, :stats, :settings, :status, :now, :now FROM conversations c"
                 " WHERE c.id = :conv AND c.user_id = :user AND (:parent IS NULL OR EXISTS"
-                " (SELECT 1 FROM messages m WHERE m.id = :parent AND m.conversation_id = c.id))", p)
+                " (SELECT 1 FROM messages m WHERE m.id = :parent AND m.conversation_id = c.id))",
+                p,
+            )
             if cur.rowcount != 1:
                 missing = f" or its message {parent_id!r}" if parent_id is not None else ""
                 raise NotFound(f"conversation {conv_id!r}{missing} not found")
             leaf = ", active_leaf_id = :id" if activate else ""
-            db.execute(f"UPDATE conversations SET updated_at = {_BUMP}{leaf}"
-                       " WHERE id = :conv AND user_id = :user", p)
+            db.execute(f"UPDATE conversations SET updated_at = {_BUMP}{leaf} WHERE id = :conv AND user_id = :user", p)
         return p["id"]
 
-    def update_message(self, user: str, msg_id: str, *, content: str | None = None,
-                       token_ids: Iterable[int] | None = None, stats: dict | None = None,
-                       status: str | None = None) -> None:
+    def update_message(
+        self,
+        user: str,
+        msg_id: str,
+        *,
+        content: str | None = None,
+        token_ids: Iterable[int] | None = None,
+        stats: dict | None = None,
+        status: str | None = None,
+    ) -> None:
         """Overwrite the given fields (None leaves a field as it is): streaming partial replies,
         Stop, final stats. Bumps the conversation's updated_at."""
         cols = {}
@@ -284,23 +328,29 @@ class ChatStore:
         sets = "".join(f"{k} = :{k}, " for k in cols)
         p = dict(cols, id=msg_id, user=user, now=time.time())
         with self._write() as db:
-            rows = db.execute(f"UPDATE messages SET {sets}updated_at = :now WHERE id = :id AND"
-                              " conversation_id IN (SELECT id FROM conversations WHERE user_id = :user)"
-                              " RETURNING conversation_id", p).fetchall()
+            rows = db.execute(
+                f"UPDATE messages SET {sets}updated_at = :now WHERE id = :id AND"
+                " conversation_id IN (SELECT id FROM conversations WHERE user_id = :user)"
+                " RETURNING conversation_id",
+                p,
+            ).fetchall()
             if not rows:
                 raise NotFound(f"message {msg_id!r} not found")
-            db.execute(f"UPDATE conversations SET updated_at = {_BUMP}"
-                       " WHERE id = :conv AND user_id = :user", dict(p, conv=rows[0][0]))
+            db.execute(
+                f"UPDATE conversations SET updated_at = {_BUMP} WHERE id = :conv AND user_id = :user",
+                dict(p, conv=rows[0][0]),
+            )
 
     def get_message(self, user: str, msg_id: str) -> dict:
-        return _message(self._one(_OWNED_MESSAGE.format(cols="*"), dict(id=msg_id, user=user),
-                                  f"message {msg_id!r}"))
+        return _message(self._one(_OWNED_MESSAGE.format(cols="*"), dict(id=msg_id, user=user), f"message {msg_id!r}"))
 
     def children(self, user: str, msg_id: str) -> list[dict]:
         """Replies to ``msg_id`` (its alternatives for the next turn), in creation order."""
-        rows = self._rows("SELECT m.* FROM messages m JOIN conversations c ON c.id = m.conversation_id"
-                          " WHERE m.parent_id = :id AND c.user_id = :user ORDER BY m.rowid",
-                          dict(id=msg_id, user=user))
+        rows = self._rows(
+            "SELECT m.* FROM messages m JOIN conversations c ON c.id = m.conversation_id"
+            " WHERE m.parent_id = :id AND c.user_id = :user ORDER BY m.rowid",
+            dict(id=msg_id, user=user),
+        )
         if not rows:
             self.get_message(user, msg_id)  # NotFound, or a leaf
         return [_message(r) for r in rows]
@@ -309,10 +359,12 @@ class ChatStore:
         """``msg_id`` and its alternatives (same parent, same conversation), in creation order:
         the message is number ``k`` of ``N``."""
         # NOTE: rowid order is insertion order (rows are never re-inserted), unlike wall clock time
-        rows = self._rows("SELECT s.* FROM messages m JOIN conversations c ON c.id = m.conversation_id"
-                          " JOIN messages s ON s.conversation_id = m.conversation_id AND s.parent_id IS"
-                          " m.parent_id WHERE m.id = :id AND c.user_id = :user ORDER BY s.rowid",
-                          dict(id=msg_id, user=user))
+        rows = self._rows(
+            "SELECT s.* FROM messages m JOIN conversations c ON c.id = m.conversation_id"
+            " JOIN messages s ON s.conversation_id = m.conversation_id AND s.parent_id IS"
+            " m.parent_id WHERE m.id = :id AND c.user_id = :user ORDER BY s.rowid",
+            dict(id=msg_id, user=user),
+        )
         if not rows:
             raise NotFound(f"message {msg_id!r} not found")
         return [_message(r) for r in rows]
@@ -321,9 +373,12 @@ class ChatStore:
         """Show the branch that ends at ``msg_id`` (any message of the conversation: undo moves
         the leaf up, and the branch below survives). Does not bump updated_at."""
         with self._write() as db:
-            cur = db.execute("UPDATE conversations SET active_leaf_id = :msg WHERE id = :conv AND"
-                             " user_id = :user AND EXISTS (SELECT 1 FROM messages WHERE id = :msg"
-                             " AND conversation_id = :conv)", dict(msg=msg_id, conv=conv_id, user=user))
+            cur = db.execute(
+                "UPDATE conversations SET active_leaf_id = :msg WHERE id = :conv AND"
+                " user_id = :user AND EXISTS (SELECT 1 FROM messages WHERE id = :msg"
+                " AND conversation_id = :conv)",
+                dict(msg=msg_id, conv=conv_id, user=user),
+            )
             if cur.rowcount != 1:
                 raise NotFound(f"conversation {conv_id!r} or its message {msg_id!r} not found")
 
@@ -331,25 +386,28 @@ class ChatStore:
         """Follow the newest child down from ``msg_id`` to a leaf (switching to an alternative
         shows its most recent continuation)."""
         return self._one(
-            "WITH RECURSIVE down(id, depth) AS (" + _OWNED_MESSAGE.format(cols="id, 0") +
-            " UNION ALL SELECT (SELECT ch.id FROM messages ch WHERE ch.parent_id = d.id"
+            "WITH RECURSIVE down(id, depth) AS ("
+            + _OWNED_MESSAGE.format(cols="id, 0")
+            + " UNION ALL SELECT (SELECT ch.id FROM messages ch WHERE ch.parent_id = d.id"
             " ORDER BY ch.rowid DESC LIMIT 1), d.depth + 1 FROM down d WHERE d.id IS NOT NULL)"
             " SELECT id FROM down WHERE id IS NOT NULL ORDER BY depth DESC LIMIT 1",
-            dict(id=msg_id, user=user), f"message {msg_id!r}")["id"]
+            dict(id=msg_id, user=user),
+            f"message {msg_id!r}",
+        )["id"]
 
     def path_to(self, user: str, msg_id: str) -> list[dict]:
         """Messages from the root down to ``msg_id`` (inclusive)."""
-        rows = self._rows(_PATH.format(start=_OWNED_MESSAGE.format(cols="id, 0")),
-                          dict(id=msg_id, user=user))
+        rows = self._rows(_PATH.format(start=_OWNED_MESSAGE.format(cols="id, 0")), dict(id=msg_id, user=user))
         if not rows:
             raise NotFound(f"message {msg_id!r} not found")
         return [_message(r) for r in rows]
 
     def active_path(self, user: str, conv_id: str) -> list[dict]:
         """The branch on screen: root to the active leaf ([] for an empty conversation)."""
-        rows = self._rows(_PATH.format(start="SELECT active_leaf_id, 0 FROM conversations WHERE"
-                                             " id = :id AND user_id = :user"),
-                          dict(id=conv_id, user=user))
+        rows = self._rows(
+            _PATH.format(start="SELECT active_leaf_id, 0 FROM conversations WHERE id = :id AND user_id = :user"),
+            dict(id=conv_id, user=user),
+        )
         if not rows:
             self.get_conversation(user, conv_id)  # NotFound, or empty
         return [_message(r) for r in rows]
@@ -373,11 +431,13 @@ class ChatStore:
         if result != "ok":
             raise RuntimeError(f"{self.path}: SQLite quick_check failed: {result}")
         with self._write() as db:
-            return db.execute("UPDATE messages SET status = 'interrupted', updated_at = ?"
-                              " WHERE status = 'streaming'", [time.time()]).rowcount
+            return db.execute(
+                "UPDATE messages SET status = 'interrupted', updated_at = ? WHERE status = 'streaming'", [time.time()]
+            ).rowcount
 
 
 # validation and encoding at the boundary
+
 
 def _text(value: object, what: str, max_chars: int, required: bool = False) -> str:
     if not isinstance(value, str):
@@ -387,8 +447,7 @@ def _text(value: object, what: str, max_chars: int, required: bool = False) -> s
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode text (lone surrogate at index {e.start})"
-                         ) from None
+        raise ValueError(f"{what} is not valid Unicode text (lone surrogate at index {e.start})") from None
     if required and not value.strip():
         raise ValueError(f"{what} must not be empty")
     return value
@@ -451,8 +510,9 @@ def _conversation(row: dict) -> dict:
 
 
 def _message(row: dict) -> dict:
-    return dict(row, token_ids=_unpack(row["token_ids"]), stats=json.loads(row["stats"]),
-                settings=json.loads(row["settings"]))
+    return dict(
+        row, token_ids=_unpack(row["token_ids"]), stats=json.loads(row["stats"]), settings=json.loads(row["settings"])
+    )
 
 
 assert array("i").itemsize == 4, "token ids are stored as int32"

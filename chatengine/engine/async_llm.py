@@ -1,4 +1,5 @@
 """AsyncLLM: the engine on a background thread, streaming to many asyncio callers at once."""
+
 import asyncio
 import logging
 import threading
@@ -20,7 +21,7 @@ class AsyncLLM(EngineFacade):
 
     def __init__(self, model: str | None = None, **kwargs):
         super().__init__(model, **kwargs)
-        self._inbox: deque = deque()              # ("add", req, loop, queue) | ("abort", request_id)
+        self._inbox: deque = deque()  # ("add", req, loop, queue) | ("abort", request_id)
         self._wake = threading.Condition()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
@@ -28,8 +29,7 @@ class AsyncLLM(EngineFacade):
         self._thread = threading.Thread(target=self._loop, name="chatengine-loop", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None,
-                       user: str | None = None):
+    async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None, user: str | None = None):
         """Yield cumulative RequestOutputs until finished. Closing the generator aborts the request."""
         req = self.engine.make_request(prompt, sampling_params, request_id=request_id, user=user)
         if self._stopped:
@@ -41,7 +41,7 @@ class AsyncLLM(EngineFacade):
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
-                    finished = True         # refused when added: nothing of ours to abort (the id may be another's)
+                    finished = True  # refused when added: nothing of ours to abort (the id may be another's)
                     raise item
                 finished = item.finished
                 yield item
@@ -96,7 +96,7 @@ class AsyncLLM(EngineFacade):
     def _deliver_many(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
         """Hand outputs to their callers' queues with one wake-up per event loop, not one per
         output: each wake-up is a syscall, and a step streams to up to max_num_seqs callers."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}     # loop -> [(request_id, queue, out)]
+        batches: dict[asyncio.AbstractEventLoop, list] = {}  # loop -> [(request_id, queue, out)]
         for request_id, out in items:
             target = self._queues.get(request_id)
             if target is None:
@@ -108,7 +108,7 @@ class AsyncLLM(EngineFacade):
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:      # the caller's loop has closed: nobody is listening any more
+            except RuntimeError:  # the caller's loop has closed: nobody is listening any more
                 for request_id, _, out in batch:
                     if not isinstance(out, Exception) and not out.finished:
                         self.engine.abort(request_id)
@@ -118,11 +118,11 @@ class AsyncLLM(EngineFacade):
         while True:
             idle_s = engine.config.idle_offload_s
             if not self._inbox and not engine.has_unfinished_requests():
-                self._publish_stats(force=True)          # the picture at rest is exact
+                self._publish_stats(force=True)  # the picture at rest is exact
             with self._wake:
                 while not self._inbox and not engine.has_unfinished_requests():
                     if not self._wake.wait(timeout=idle_s) and idle_s is not None:
-                        if engine.offload_cached_blocks(idle_for_s=idle_s):   # idle conversations move out
+                        if engine.offload_cached_blocks(idle_for_s=idle_s):  # idle conversations move out
                             self._publish_stats(force=True)
                 inbox, self._inbox = self._inbox, deque()
             for item in inbox:
@@ -135,11 +135,12 @@ class AsyncLLM(EngineFacade):
                     continue
                 if item[0] == "add":
                     _, req, loop, queue = item
-                    if req.request_id in self._queues:   # a duplicate id must not take over the running stream
+                    if req.request_id in self._queues:  # a duplicate id must not take over the running stream
                         try:
-                            loop.call_soon_threadsafe(queue.put_nowait, ValueError(
-                                f"request id {req.request_id!r} is already running"))
-                        except RuntimeError:   # that caller's loop has closed
+                            loop.call_soon_threadsafe(
+                                queue.put_nowait, ValueError(f"request id {req.request_id!r} is already running")
+                            )
+                        except RuntimeError:  # that caller's loop has closed
                             pass
                         continue
                     self._queues[req.request_id] = (loop, queue)
@@ -153,7 +154,7 @@ class AsyncLLM(EngineFacade):
                         self._deliver(out, item[1])
             try:
                 outputs = engine.step()
-            except Exception as e:    # a bug outside the forward: fail everything in flight, keep serving
+            except Exception as e:  # a bug outside the forward: fail everything in flight, keep serving
                 log.exception("engine step failed")
                 outputs = engine._fail(set(engine.requests), f"{type(e).__name__}: {e}")
             self._deliver_many([(out.request_id, out) for out in outputs])

@@ -7,6 +7,7 @@ per-layer elementwise ops (RMSNorm with an optional residual add, rotary embeddi
 on CPU under TRITON_INTERPRET=1 for tests): one launch per op instead of ~8 (RMSNorm), ~14 (RoPE) or
 2 (SiLU-mul) small torch kernels, which dominate a small-batch decode step.
 """
+
 import torch
 
 from chatengine.kernels import cache_ops, fused_ops, paged_attention
@@ -21,13 +22,14 @@ class TorchBackend:
     The reuse is opt-in: the model runner calls `begin_step(meta)` before each forward, and only
     calls with that very `meta` (and its `slot_mapping`) reuse the step's plan; any other call
     computes its own, so nothing stale is ever read from reused staging buffers."""
+
     name = "torch"
 
     def __init__(self):
-        self._meta = self._positions = None   # the current step's metadata and positions (begin_step)
-        self._plan = None                     # its TorchAttentionPlan, built at the first layer
-        self._store = None                    # its (cache rows, keep mask) for store_kv
-        self._rope = None                     # its (cos, sin, dtype, cos rows, signed sin rows)
+        self._meta = self._positions = None  # the current step's metadata and positions (begin_step)
+        self._plan = None  # its TorchAttentionPlan, built at the first layer
+        self._store = None  # its (cache rows, keep mask) for store_kv
+        self._rope = None  # its (cos, sin, dtype, cos rows, signed sin rows)
 
     def begin_step(self, meta, positions=None):
         self._meta, self._positions = meta, positions
@@ -39,8 +41,11 @@ class TorchBackend:
         strided layer view (~1000x slower on CPU)."""
         N, bs, H_kv, D = k_cache.shape
         width = H_kv * D
-        if (not paged_attention.torch_attention_supported(k_cache, v_cache) or k_cache.stride(0) % width
-                or k.dtype != k_cache.dtype):
+        if (
+            not paged_attention.torch_attention_supported(k_cache, v_cache)
+            or k_cache.stride(0) % width
+            or k.dtype != k_cache.dtype
+        ):
             return cache_ops.store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
         rows_per_page = k_cache.stride(0) // width
         step = self._meta is not None and slot_mapping is self._meta.slot_mapping
@@ -64,20 +69,38 @@ class TorchBackend:
 
     def attention(self, q, k_cache, v_cache, meta, scale):
         if not paged_attention.torch_attention_supported(k_cache, v_cache):
-            return paged_attention.paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                                       meta.block_tables, scale, meta.max_seqlen_q,
-                                                       meta.max_seqlen_k)
-        geometry = (k_cache.shape[1], q.shape[1], q.dtype)          # what the plan depends on
+            return paged_attention.paged_attention_ref(
+                q,
+                k_cache,
+                v_cache,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                meta.block_tables,
+                scale,
+                meta.max_seqlen_q,
+                meta.max_seqlen_k,
+            )
+        geometry = (k_cache.shape[1], q.shape[1], q.dtype)  # what the plan depends on
         if meta is self._meta and self._plan is not None and self._plan[0] == geometry:
             plan = self._plan[1]
         else:
             plan = paged_attention.plan_paged_attention_torch(
-                meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, k_cache.shape[1], q.shape[1], q.dtype)
+                meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, k_cache.shape[1], q.shape[1], q.dtype
+            )
             if meta is self._meta:
                 self._plan = (geometry, plan)
-        return paged_attention.paged_attention_torch(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                                     meta.block_tables, scale, meta.max_seqlen_q,
-                                                     meta.max_seqlen_k, plan=plan)
+        return paged_attention.paged_attention_torch(
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+            plan=plan,
+        )
 
     def rms_norm(self, x, weight, eps, residual=None):
         """RMSNorm(x), or (RMSNorm(x + residual), x + residual)."""
@@ -94,16 +117,20 @@ class TorchBackend:
         if r is None or r[0] is not cos or r[1] is not sin or r[2] != q.dtype or positions is not self._positions:
             c = cos[positions].unsqueeze(1).to(q.dtype)
             s = sin[positions].unsqueeze(1).to(q.dtype)
-            r = (cos, sin, q.dtype, c, torch.cat((-s[..., :D // 2], s[..., D // 2:]), dim=-1))
+            r = (cos, sin, q.dtype, c, torch.cat((-s[..., : D // 2], s[..., D // 2 :]), dim=-1))
             if positions is self._positions:
                 self._rope = r
         c, signed_sin = r[3], r[4]
 
         def rotate(x):
-            return x * c + torch.cat((x[..., D // 2:], x[..., :D // 2]), dim=-1) * signed_sin
+            return x * c + torch.cat((x[..., D // 2 :], x[..., : D // 2]), dim=-1) * signed_sin
 
-        if (q.stride() == k.stride() and q.stride(1) == D and k.dtype == q.dtype
-                and k.data_ptr() == q.data_ptr() + H_q * D * q.element_size()):
+        if (
+            q.stride() == k.stride()
+            and q.stride(1) == D
+            and k.dtype == q.dtype
+            and k.data_ptr() == q.data_ptr() + H_q * D * q.element_size()
+        ):
             qk = rotate(q.as_strided((T, H_q + k.shape[1], D), q.stride(), q.storage_offset()))
             return qk[:, :H_q], qk[:, H_q:]
         return rotate(q), rotate(k)
@@ -126,9 +153,18 @@ class TritonBackend:
 
     def attention(self, q, k_cache, v_cache, meta, scale):
         # num_splits: fixed by the model runner for a CUDA graph (no host-dependent launch inside it)
-        return paged_attention.paged_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                                      meta.block_tables, scale, meta.max_seqlen_q,
-                                                      meta.max_seqlen_k, getattr(meta, "num_splits", None))
+        return paged_attention.paged_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+            getattr(meta, "num_splits", None),
+        )
 
     def rms_norm(self, x, weight, eps, residual=None):
         return fused_ops.rms_norm_triton(x, weight, eps, residual)

@@ -3,6 +3,7 @@
 This is the door the app comes through: everything here is safe to call from any thread (it reads
 settings fixed at start, or validates without touching engine state).
 """
+
 from chatengine.config import EngineConfig
 from chatengine.engine.llm_engine import LLMEngine
 from chatengine.engine.tokenizer import apply_chat_template, encode

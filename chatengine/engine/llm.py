@@ -1,4 +1,5 @@
 """LLM: the synchronous facade; generate / chat block until every request has finished."""
+
 from chatengine.engine.facade import EngineFacade
 from chatengine.engine.request import Request
 from chatengine.outputs import RequestOutput
@@ -7,8 +8,11 @@ from chatengine.outputs import RequestOutput
 def _normalize_prompts(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
-                                                              for t in prompts):
+    if (
+        isinstance(prompts, (list, tuple))
+        and prompts
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+    ):
         return [list(prompts)]
     if isinstance(prompts, (list, tuple)):
         return list(prompts)
@@ -42,7 +46,7 @@ class LLM(EngineFacade):
     def _run(self, reqs: list[Request]) -> list[RequestOutput]:
         engine = self.engine
         for req in reqs:
-            req.stream = False    # only final outputs are kept: the engine builds no others
+            req.stream = False  # only final outputs are kept: the engine builds no others
             engine.add(req)
         final = {}
         try:
@@ -50,7 +54,7 @@ class LLM(EngineFacade):
                 for out in engine.step():
                     if out.finished:
                         final[out.request_id] = out
-        except BaseException:   # e.g. KeyboardInterrupt: free every block we hold
+        except BaseException:  # e.g. KeyboardInterrupt: free every block we hold
             for req in reqs:
                 engine.abort(req.request_id)
             raise

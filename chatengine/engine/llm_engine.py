@@ -8,25 +8,26 @@ and for scheduling N+1 runs while the GPU computes N+1 instead of between the tw
 scheduled on placeholders for N's tokens (their ids stay on the device); a sequence that one of
 them stops (EOS, a stop string) is found one step later, at the cost of one wasted lane.
 """
+
 import dataclasses
 import logging
 import secrets
 import time
 import uuid
 
-from chatengine.engine.kv.block_manager import BlockManager, owner_tag
 from chatengine.config import EngineConfig
+from chatengine.engine.kv.block_manager import BlockManager, owner_tag
 from chatengine.engine.kv.hashing import load_or_create_secret, model_fingerprint, user_salt
-from chatengine.engine.loader import load_model
-from chatengine.engine.model_runner import ModelRunner, resolve_device_dtype
 from chatengine.engine.kv.tiers import TieredCache
 from chatengine.engine.kv.transfers import KVTransfers
-from chatengine.outputs import CompletionOutput, RequestOutput
-from chatengine.sampling_params import SamplingParams
-from chatengine.engine.scheduler import Scheduler
+from chatengine.engine.loader import load_model
+from chatengine.engine.model_runner import ModelRunner, resolve_device_dtype
 from chatengine.engine.request import Request
+from chatengine.engine.scheduler import Scheduler
 from chatengine.engine.sequence import Sequence
 from chatengine.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode
+from chatengine.outputs import CompletionOutput, RequestOutput
+from chatengine.sampling_params import SamplingParams
 
 log = logging.getLogger("chatengine")
 KV_LAYOUT = "page-first/v1"
@@ -41,19 +42,20 @@ class LLMEngine:
         self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
         if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
-                             f"({mc.max_position_embeddings})")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context ({mc.max_position_embeddings})"
+            )
         self.runner = ModelRunner(config, loaded, device, dtype, self.max_model_len)
         self.weights_digest, self.hf_dir = loaded.weights_digest, loaded.hf_dir
         del loaded
         # the root of every block-hash chain: other weights, dtype or layout can never hit these blocks
         root = model_fingerprint(self.model_id, self.weights_digest, str(dtype), KV_LAYOUT, config.block_size)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching, root)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, root)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else device.type == "cuda")
-        self._in_flight = None                 # (SchedulerOutput, LaunchedStep) not collected yet
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+        )
+        self._in_flight = None  # (SchedulerOutput, LaunchedStep) not collected yet
         self.tiers = self._make_tiers(root)
         self.block_manager.tiers = self.tiers
         self.transfers = KVTransfers(self.runner, self.block_manager, self.tiers) if self.tiers is not None else None
@@ -63,12 +65,13 @@ class LLMEngine:
         self.secret = load_or_create_secret(secret_dir) if secret_dir else secrets.token_bytes(32)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self.personas: dict[str, list[int]] = {}    # name -> token ids of its public prefix
+        self.personas: dict[str, list[int]] = {}  # name -> token ids of its public prefix
         self.num_generated_tokens = 0
         self.num_steps = 0
         self.num_forks = 0
         if config.register_personas and self.tokenizer is not None:
             from chatengine.personas import load_personas
+
             for persona in load_personas().values():
                 self.register_persona(persona.name, persona.system_prompt)
 
@@ -77,10 +80,17 @@ class LLMEngine:
         if not config.enable_prefix_caching or (config.cpu_offload_gib == 0 and not config.kv_store_dir):
             return None
         num_host = int(config.cpu_offload_gib * 2**30) // runner.block_bytes
-        if config.kv_store_dir:   # restores go through host memory: room for at least one whole context
+        if config.kv_store_dir:  # restores go through host memory: room for at least one whole context
             num_host = max(num_host, self.block_manager.num_blocks_for(self.max_model_len) + 1)
-        return TieredCache(root, runner.kv_cache.shape[1:], runner.dtype, num_host, runner.device.type == "cuda",
-                           config.kv_store_dir, int(config.kv_store_gib * 2**30))
+        return TieredCache(
+            root,
+            runner.kv_cache.shape[1:],
+            runner.dtype,
+            num_host,
+            runner.device.type == "cuda",
+            config.kv_store_dir,
+            int(config.kv_store_gib * 2**30),
+        )
 
     def flush_kv(self) -> None:
         """Write every cached block of every tier to the disk store and wait for it."""
@@ -126,17 +136,23 @@ class LLMEngine:
 
     def public_prefix_len(self, prompt_ids: list[int]) -> int:
         """Length of the registered persona prefix this prompt starts with (0: none, all private)."""
-        return max((len(p) for p in self.personas.values() if prompt_ids[:len(p)] == p), default=0)
+        return max((len(p) for p in self.personas.values() if prompt_ids[: len(p)] == p), default=0)
 
     # ---- requests -------------------------------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                     request_id: str | None = None, user: str | None = None) -> Request:
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        user: str | None = None,
+    ) -> Request:
         """Validate and tokenize without touching engine state (safe from any thread)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.config.max_n, self.config.max_tokens_limit or self.max_model_len)
-        if 0 < params.temperature < 1e-5:   # logits / T would overflow (a denormal T is 0 in fp32): greedy, as vLLM
+        if 0 < params.temperature < 1e-5:  # logits / T would overflow (a denormal T is 0 in fp32): greedy, as vLLM
             params = dataclasses.replace(params, temperature=0.0)
         if isinstance(prompt, str):
             text, ids = prompt, encode(self.tokenizer, prompt)
@@ -144,20 +160,27 @@ class LLMEngine:
             text, ids = None, list(prompt)
             vocab = self.model_config.vocab_size
             # plain ints (the common case) are checked at C speed; anything else one by one
-            if (min(ids, default=0) < 0 or max(ids, default=0) >= vocab if set(map(type, ids)) <= {int}
-                    else any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids)):
+            if (
+                min(ids, default=0) < 0 or max(ids, default=0) >= vocab
+                if set(map(type, ids)) <= {int}
+                else any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids)
+            ):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         else:
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the context (max_model_len) is "
-                             f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} tokens")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context (max_model_len) is "
+                f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} tokens"
+            )
         need = self.block_manager.num_blocks_for(min(len(ids) + params.max_tokens, self.max_model_len))
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"this request needs {need} KV blocks but the pool has {self.block_manager.num_blocks}; "
-                             "lower max_tokens or give the engine more KV memory")
+            raise ValueError(
+                f"this request needs {need} KV blocks but the pool has {self.block_manager.num_blocks}; "
+                "lower max_tokens or give the engine more KV memory"
+            )
         if user is not None and (not isinstance(user, str) or not user):
             raise ValueError("user must be a non-empty string or None")
         request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
@@ -173,7 +196,7 @@ class LLMEngine:
     def _new_seq(self, req: Request) -> Sequence:
         i = len(req.seqs)
         seq = Sequence(req.prompt_token_ids, req.params, req.request_id, i, self.config.block_size)
-        if req.user is not None:   # single-tenant (user=None) shares everything
+        if req.user is not None:  # single-tenant (user=None) shares everything
             seq.salt = user_salt(self.secret, req.user)
             seq.public_prefix_len = self.public_prefix_len(req.prompt_token_ids)
         if req.params.seed is not None:
@@ -189,12 +212,12 @@ class LLMEngine:
         copies = []
         while len(req.seqs) < req.params.n:
             child = self._new_seq(req)
-            if parent.num_computed_tokens < num_tokens:   # preempted meanwhile: prefill from the cache
+            if parent.num_computed_tokens < num_tokens:  # preempted meanwhile: prefill from the cache
                 self.scheduler.add(child)
                 continue
             try:
                 copy = self.block_manager.fork(parent, child, num_tokens)
-            except MemoryError:        # no room now: it queues and finds the prompt in the prefix cache
+            except MemoryError:  # no room now: it queues and finds the prompt in the prefix cache
                 self.scheduler.add(child)
                 continue
             if copy is not None:
@@ -202,7 +225,7 @@ class LLMEngine:
             self.scheduler.add_running(child)
             self.num_forks += 1
         if copies:
-            if self.transfers is not None:    # a tail may land on a block evicted just now: save its page first
+            if self.transfers is not None:  # a tail may land on a block evicted just now: save its page first
                 self.transfers.copy_evictions()
             self.runner.copy_blocks(copies)
 
@@ -230,13 +253,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         launched, outputs = None, []
         if not out.seqs and self._in_flight is None and self.tiers is not None:
-            self.tiers.wait_for_loads(0.05)     # only prefixes on their way from disk: no busy loop
+            self.tiers.wait_for_loads(0.05)  # only prefixes on their way from disk: no busy loop
         if out.seqs:
             try:
                 if self.transfers is not None:
                     self.transfers.before_forward()
                 launched = (out, self.runner.launch(out.seqs, out.num_new_tokens))
-            except Exception as e:   # fail this step's requests cleanly; the engine serves the others
+            except Exception as e:  # fail this step's requests cleanly; the engine serves the others
                 log.exception("forward pass failed")
                 outputs = self._fail({seq.request_id for seq in out.seqs}, f"{type(e).__name__}: {e}")
             else:
@@ -261,11 +284,13 @@ class LLMEngine:
             token_ids = self.runner.collect(launched)
         except Exception as e:
             log.exception("forward pass failed")
-            return self._fail({seq.request_id for seq in out.seqs if not seq.is_finished},
-                              f"{type(e).__name__}: {e}")
+            return self._fail({seq.request_id for seq in out.seqs if not seq.is_finished}, f"{type(e).__name__}: {e}")
         now = time.monotonic()
-        sampled = [(seq, token_id, seq.fill_placeholder(token_id))
-                   for seq, token_id in zip(out.seqs, token_ids) if token_id is not None and not seq.is_finished]
+        sampled = [
+            (seq, token_id, seq.fill_placeholder(token_id))
+            for seq, token_id in zip(out.seqs, token_ids)
+            if token_id is not None and not seq.is_finished
+        ]
         self.scheduler.publish(out)
         if self.transfers is not None:
             self.transfers.write_behind()
@@ -285,7 +310,7 @@ class LLMEngine:
             if req.finished:
                 del self.requests[req.request_id]
                 outputs.append(self._output(req))
-            elif req.stream:      # an output copies every token list: only for those who stream
+            elif req.stream:  # an output copies every token list: only for those who stream
                 outputs.append(self._output(req))
         return outputs
 
@@ -332,14 +357,23 @@ class LLMEngine:
         completions = []
         for seq, detok in zip(req.seqs, req.detoks):
             text = detok.text
-            if seq.params.stop and not seq.is_finished:   # hold back what may become a stop string
+            if seq.params.stop and not seq.is_finished:  # hold back what may become a stop string
                 hold = max((k for s in seq.params.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-                text = text[:len(text) - hold]
-            completions.append(CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
-                                                seq.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             req.seqs[0].num_cached_tokens, final or req.finished, req.error,
-                             req.arrival_time, req.first_token_time)
+                text = text[: len(text) - hold]
+            completions.append(
+                CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
+            )
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            completions,
+            req.seqs[0].num_cached_tokens,
+            final or req.finished,
+            req.error,
+            req.arrival_time,
+            req.first_token_time,
+        )
 
     # ---- introspection --------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -347,8 +381,11 @@ class LLMEngine:
         self.block_manager.check_invariants(live)
 
     def stats(self) -> dict:
-        tiers = (self.tiers.stats() if self.tiers is not None else
-                 {"cpu_blocks_total": 0, "cpu_blocks_used": 0, "disk_blocks": 0, "disk_bytes": 0})
+        tiers = (
+            self.tiers.stats()
+            if self.tiers is not None
+            else {"cpu_blocks_total": 0, "cpu_blocks_used": 0, "disk_blocks": 0, "disk_bytes": 0}
+        )
         return {
             **self.block_manager.stats(),
             **tiers,

@@ -5,6 +5,7 @@ de-quantisation through transformers takes ~15 s, so the first load converts it 
 HF directory (config.json + model.safetensors + tokenizer) under the cache dir and later loads read
 that. Nothing here touches the network.
 """
+
 import hashlib
 import importlib.util
 import json
@@ -21,23 +22,83 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 
 # Named shapes for random weights (GPU benchmarks, tests). Values follow the public configs.
 DUMMY_SHAPES = {
-    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
-                         num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                         max_position_embeddings=131072, tie_word_embeddings=True, attention_bias=False),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                         num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                         max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=True),
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-                         max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False),
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                 max_position_embeddings=2048, tie_word_embeddings=True, attention_bias=False),
-    "tiny-qwen": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      max_position_embeddings=2048, tie_word_embeddings=False, attention_bias=True),
+    "llama-3.2-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    ),
+    "qwen2.5-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    ),
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    ),
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    ),
+    "tiny-qwen": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        attention_bias=True,
+    ),
 }
 
 
@@ -54,19 +115,19 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool                 # Qwen2: biases on q/k/v projections
+    attention_bias: bool  # Qwen2: biases on q/k/v projections
     rope_scaling: dict | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class LoadedModel:
-    model_id: str                        # what the user asked for, normalised
+    model_id: str  # what the user asked for, normalised
     config: ModelConfig
-    state_dict: dict                     # HF parameter names -> tensors (CPU)
-    tokenizer: object | None             # a transformers tokenizer, None for dummy weights
-    weights_digest: str                  # identifies the weights (for the prefix-cache fingerprint)
-    hf_dir: str | None = None            # the HF directory the weights came from, if any
+    state_dict: dict  # HF parameter names -> tensors (CPU)
+    tokenizer: object | None  # a transformers tokenizer, None for dummy weights
+    weights_digest: str  # identifies the weights (for the prefix-cache fingerprint)
+    hf_dir: str | None = None  # the HF directory the weights came from, if any
 
 
 def cache_dir() -> Path:
@@ -102,20 +163,27 @@ def _config_from_hf(cfg) -> ModelConfig:
     eos = cfg.eos_token_id
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return ModelConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=head_dim,
-        rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta),
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=float(theta),
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         attention_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
         rope_scaling=None if rope_type == "default" else rope,
-        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+    )
 
 
 def _load_hf_dir(path: Path, digest: str | None = None, model_id: str | None = None) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
+
     try:
         hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
@@ -132,7 +200,9 @@ def _load_hf_dir(path: Path, digest: str | None = None, model_id: str | None = N
         for shard in shards:
             h.update(shard.name.encode() + str(shard.stat().st_size).encode())
             with open(shard, "rb") as f:
-                h.update(f.read(1 << 20)); f.seek(max(0, shard.stat().st_size - (1 << 20))); h.update(f.read())
+                h.update(f.read(1 << 20))
+                f.seek(max(0, shard.stat().st_size - (1 << 20)))
+                h.update(f.read())
         digest = h.hexdigest()
     has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer else None
@@ -154,6 +224,7 @@ def _convert_gguf(gguf: Path, digest: str) -> Path:
         return out
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -170,7 +241,7 @@ def _convert_gguf(gguf: Path, digest: str) -> Path:
             sd.pop("lm_head.weight", None)
         save_file(sd, tmp / "model.safetensors")
         tokenizer.save_pretrained(tmp)
-        if (out / "model.safetensors").is_file():   # another process won the race
+        if (out / "model.safetensors").is_file():  # another process won the race
             shutil.rmtree(tmp)
         else:
             shutil.rmtree(out, ignore_errors=True)
@@ -184,7 +255,9 @@ def _convert_gguf(gguf: Path, digest: str) -> Path:
 def _gguf_digest(path: Path) -> str:
     # sha256 of a 100 MB file costs ~0.3 s; remember it per (path, size, mtime)
     st = path.stat()
-    memo = cache_dir() / "digests" / hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    memo = (
+        cache_dir() / "digests" / hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    )
     if memo.is_file():
         return memo.read_text().strip()
     digest = _sha256(path)
@@ -223,8 +296,9 @@ def _dummy(shape: str, seed: int, dtype: torch.dtype, device: str) -> LoadedMode
     return LoadedModel(f"dummy:{shape}", config, sd, None, f"dummy:{shape}:seed={seed}")
 
 
-def load_model(model: str | None, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> LoadedModel:
+def load_model(
+    model: str | None, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> LoadedModel:
     """Resolve `model` (None, a .gguf path, an HF directory or "dummy:<shape>") and load it on the CPU
     (dummy weights are made directly on `device` in `dtype`)."""
     if model is not None and not isinstance(model, str):
@@ -233,8 +307,10 @@ def load_model(model: str | None, *, seed: int = 0, dtype: torch.dtype = torch.f
         return _dummy(model.removeprefix("dummy:"), seed, dtype, device)
     path = default_gguf_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist; give a .gguf file, a Hugging Face "
-                         f"model directory, 'dummy:<shape>' ({', '.join(DUMMY_SHAPES)}) or None for the default")
+        raise ValueError(
+            f"model path {str(path)!r} does not exist; give a .gguf file, a Hugging Face "
+            f"model directory, 'dummy:<shape>' ({', '.join(DUMMY_SHAPES)}) or None for the default"
+        )
     if path.is_dir():
         return _load_hf_dir(path)
     with open(path, "rb") as f:

@@ -17,6 +17,7 @@ The CUDA fast path (bf16 by default):
   placeholders for tokens step N sampled: those ids are copied on the device from N's samples.
 `enforce_eager=True`, the torch attention backend, or a CPU device take the eager path.
 """
+
 import itertools
 import logging
 import random
@@ -25,19 +26,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chatengine.engine.attention import get_backend
-from chatengine.kernels import cache_ops, paged_attention
-from chatengine.kernels import sampling as sampling_ops
 from chatengine.config import EngineConfig
+from chatengine.engine.attention import get_backend
 from chatengine.engine.loader import LoadedModel
 from chatengine.engine.models.llama import AttentionMetadata, LlamaModel
 from chatengine.engine.sampler import Sampler
-from chatengine.sampling_params import SamplingParams
 from chatengine.engine.sequence import Sequence
+from chatengine.kernels import cache_ops, paged_attention
+from chatengine.kernels import sampling as sampling_ops
+from chatengine.sampling_params import SamplingParams
 
 log = logging.getLogger("chatengine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ALIGN = 32                     # staging regions start at multiples of 32 int32 (128 bytes)
+ALIGN = 32  # staging regions start at multiples of 32 int32 (128 bytes)
 
 
 def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
@@ -57,23 +58,32 @@ def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
 
 @dataclass
 class StepMetadata(AttentionMetadata):
-    num_splits: int | None = None       # decode: split-KV count fixed for a CUDA graph; None: heuristic
+    num_splits: int | None = None  # decode: split-KV count fixed for a CUDA graph; None: heuristic
 
 
 @dataclass
 class LaunchedStep:
     """A queued step: which sequences sample, and where their token ids land."""
+
     samples: list[bool]
-    token_ids: torch.Tensor | None = None   # (S,) int64 on the host (pinned on CUDA); None: nothing sampled
-    done: object = None                     # CUDA event after the copy into token_ids
+    token_ids: torch.Tensor | None = None  # (S,) int64 on the host (pinned on CUDA); None: nothing sampled
+    done: object = None  # CUDA event after the copy into token_ids
 
 
 def _layout(T: int, B: int, S: int, W: int) -> dict[str, tuple[int, int]]:
     """(offset, length) of each index array in the int32 staging buffer, regions 128-byte aligned."""
-    sizes = {"input_ids": T, "positions": T, "slot_mapping": T, "seq_lens": B, "cu_seqlens_q": B + 1,
-             "logits_indices": S, "block_tables": B * W,
-             "temperatures": S,                        # float32 bits: the fused sampler's
-             "pending_dst": B, "pending_src": B}       # placeholder tokens: input row <- last step's sample row
+    sizes = {
+        "input_ids": T,
+        "positions": T,
+        "slot_mapping": T,
+        "seq_lens": B,
+        "cu_seqlens_q": B + 1,
+        "logits_indices": S,
+        "block_tables": B * W,
+        "temperatures": S,  # float32 bits: the fused sampler's
+        "pending_dst": B,
+        "pending_src": B,
+    }  # placeholder tokens: input row <- last step's sample row
     out, offset = {}, 0
     for name, n in sizes.items():
         out[name] = (offset, n)
@@ -89,7 +99,7 @@ class Staging:
     def __init__(self, offsets: dict[str, tuple[int, int]], dev: torch.Tensor):
         self.offsets = offsets
         self.end = offsets["_end"][0]
-        self.views = {name: dev[off:off + n] for name, (off, n) in offsets.items() if name != "_end"}
+        self.views = {name: dev[off : off + n] for name, (off, n) in offsets.items() if name != "_end"}
 
     def __getitem__(self, name: str) -> tuple[int, int]:
         return self.offsets[name]
@@ -106,15 +116,15 @@ class BlockTableRows:
 
     def __init__(self, num_rows: int, width: int):
         self.rows = np.full((num_rows, width), -1, np.int32)
-        self.lists: list[list | None] = [None] * num_rows    # the list object each row mirrors
+        self.lists: list[list | None] = [None] * num_rows  # the list object each row mirrors
         self.lens = [0] * num_rows
         self.last_step = [0] * num_rows
-        self.row_of: dict[int, int] = {}                      # seq_id -> row
+        self.row_of: dict[int, int] = {}  # seq_id -> row
         self.free = list(range(num_rows - 1, -1, -1))
         self.step = 0
 
     def _row(self, seq_id: int) -> int:
-        if not self.free:        # forget every sequence not in this step (the batch fits by construction)
+        if not self.free:  # forget every sequence not in this step (the batch fits by construction)
             for sid, r in list(self.row_of.items()):
                 if self.last_step[r] < self.step:
                     del self.row_of[sid]
@@ -144,12 +154,13 @@ class BlockTableRows:
                 rows[r, m:n] = table[m:]
             lens[r], self.last_step[r] = n, self.step
             idx[i] = r
-        out[:] = rows[idx, :out.shape[1]]
+        out[:] = rows[idx, : out.shape[1]]
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int):
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_model_len: int
+    ):
         self.config, self.device, self.dtype = config, device, dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -162,7 +173,7 @@ class ModelRunner:
         self.model = model.to(dtype).eval()
         self.model.rope.build()
         self.sampler = Sampler(device, config.seed)
-        self._sample_seeds = random.Random(config.seed)          # per-step seeds of the fused sampler
+        self._sample_seeds = random.Random(config.seed)  # per-step seeds of the fused sampler
         self.fused_sampling = device.type == "cuda" and self.backend.name == "triton"
         # staging: sized for the largest step (a full token budget, or max_num_seqs decodes)
         self.max_num_pages = -(-max_model_len // self.block_size) + 1  # block-table width (graphs)
@@ -175,30 +186,33 @@ class ModelRunner:
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(size, dtype=torch.int32, device=device) if pin else self._host
         self._uploaded = torch.cuda.Event() if pin else None
-        self._stagings: dict[tuple[int, int, int, int], Staging] = {}   # (T, B, S, W) -> its Staging
+        self._stagings: dict[tuple[int, int, int, int], Staging] = {}  # (T, B, S, W) -> its Staging
         self._tables = BlockTableRows(2 * max_b, -(-self.max_num_pages // 16) * 16)
         # sampled ids come back through two pinned buffers in turn: one step is in flight while the
         # engine reads the one before
         self._token_host = [torch.zeros(max_b, dtype=torch.int64, pin_memory=True) for _ in range(2)] if pin else None
         self._flip = 0
-        self._last_tokens: torch.Tensor | None = None   # the last launched step's samples, on the device
-        self._last_rows: dict[int, int] = {}            # seq_id -> its row in _last_tokens
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # batch size -> (graph, logits)
-        self.num_graph_steps = 0                                                  # decode steps replayed
-        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # padded T -> ...
-        self.num_prefill_graph_steps = 0                                          # one-sequence chunks replayed
+        self._last_tokens: torch.Tensor | None = None  # the last launched step's samples, on the device
+        self._last_rows: dict[int, int] = {}  # seq_id -> its row in _last_tokens
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
+        self.num_graph_steps = 0  # decode steps replayed
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # padded T -> ...
+        self.num_prefill_graph_steps = 0  # one-sequence chunks replayed
         self.block_bytes = mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
         self.num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         if self.num_blocks < 2:
-            raise ValueError(f"the KV budget holds only {self.num_blocks} blocks of {self.block_bytes} bytes; "
-                             "raise kv_cache_gib / gpu_memory_utilization or set num_kv_blocks")
+            raise ValueError(
+                f"the KV budget holds only {self.num_blocks} blocks of {self.block_bytes} bytes; "
+                "raise kv_cache_gib / gpu_memory_utilization or set num_kv_blocks"
+            )
         # page-first: one block is one contiguous span (all layers, K and V)
-        self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads,
-                                    mc.head_dim, dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(
+            self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device
+        )
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.name == "triton":
                 self._capture_graphs()
-            else:   # the torch reference syncs (boolean masks, data-dependent shapes): not capturable
+            else:  # the torch reference syncs (boolean masks, data-dependent shapes): not capturable
                 log.info("CUDA graphs are off: the %r attention backend cannot be captured", self.backend.name)
 
     def _num_blocks_from_budget(self) -> int:
@@ -212,8 +226,16 @@ class ModelRunner:
         lens = [min(self.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.max_model_len)]
         pages = [-(-n // self.block_size) for n in lens]
         mc = self.model_config
-        self.kv_cache = torch.zeros(sum(pages), mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(
+            sum(pages),
+            mc.num_layers,
+            2,
+            self.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         seqs, first = [], 0
         for n, k in zip(lens, pages):
             seqs.append(Sequence([0] * n, SamplingParams(), block_size=self.block_size))
@@ -230,8 +252,9 @@ class ModelRunner:
         return max(int(budget) // self.block_bytes, 0)
 
     # ---- batch tensors ------------------------------------------------------------------------
-    def _stage(self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: int | None = None,
-               pad_tokens: int | None = None):
+    def _stage(
+        self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: int | None = None, pad_tokens: int | None = None
+    ):
         """Fill the staging buffer for this step; returns (layout, samples, max_seqlen_q, max_seqlen_k, T,
         num_pending): num_pending input tokens are placeholders that _upload fills on the device.
 
@@ -268,22 +291,27 @@ class ModelRunner:
 
         def view(name):
             off, length = lay[name]
-            return h[off:off + length]
+            return h[off : off + length]
 
         ids, pos, slots = view("input_ids"), view("positions"), view("slot_mapping")
-        if T == B:                                      # one token each: no slicing
+        if T == B:  # one token each: no slicing
             ids[:B] = np.fromiter((s.token_ids[c] for s, c in zip(seqs, start.tolist())), np.int32, B)
         else:
-            ids[:T] = np.fromiter(itertools.chain.from_iterable(
-                s.token_ids[c:c + k] for s, c, k in zip(seqs, start.tolist(), n.tolist())), np.int32, T)
+            ids[:T] = np.fromiter(
+                itertools.chain.from_iterable(
+                    s.token_ids[c : c + k] for s, c, k in zip(seqs, start.tolist(), n.tolist())
+                ),
+                np.int32,
+                T,
+            )
         bt = view("block_tables").reshape(Bp, W)
         self._tables.gather(seqs, bt[:B])
         bt[B:] = -1
         cu = view("cu_seqlens_q")
         cu[0] = 0
-        np.cumsum(n, out=cu[1:B + 1])
-        token_seq = np.repeat(np.arange(B), n)          # (T,) the sequence of each token
-        pending = np.flatnonzero(ids[:T] < 0)           # placeholders: sampled by the last step, on the device
+        np.cumsum(n, out=cu[1 : B + 1])
+        token_seq = np.repeat(np.arange(B), n)  # (T,) the sequence of each token
+        pending = np.flatnonzero(ids[:T] < 0)  # placeholders: sampled by the last step, on the device
         if pending.size:
             self._stage_pending(seqs, token_seq[pending], pending, view("pending_dst"), view("pending_src"))
             ids[pending] = 0
@@ -291,19 +319,19 @@ class ModelRunner:
         pos[:T] = p
         slots[:T] = bt[token_seq, p // bs] * bs + p % bs
         view("seq_lens")[:B] = seq_lens
-        if pad_tokens is not None:                      # padded prefill tokens
+        if pad_tokens is not None:  # padded prefill tokens
             ids[T:], pos[T:], slots[T:] = 0, 0, -1
             view("logits_indices")[:] = max(T - 1, 0)
         elif pad_to is None:
-            view("logits_indices")[:] = (cu[1:B + 1] - 1)[samples]
-        else:                                           # padded decode lanes
+            view("logits_indices")[:] = (cu[1 : B + 1] - 1)[samples]
+        else:  # padded decode lanes
             ids[B:], pos[B:], slots[B:] = 0, 0, -1
             view("seq_lens")[B:] = 0
-            cu[B + 1:] = np.arange(T + 1, T + 1 + Bp - B, dtype=np.int32)
+            cu[B + 1 :] = np.arange(T + 1, T + 1 + Bp - B, dtype=np.int32)
             view("logits_indices")[:] = np.arange(Bp, dtype=np.int32)
         if self.fused_sampling:
             temps = view("temperatures").view(np.float32)
-            temps[:int(samples.sum())] = [s.params.temperature for s, m in zip(seqs, samples.tolist()) if m]
+            temps[: int(samples.sum())] = [s.params.temperature for s, m in zip(seqs, samples.tolist()) if m]
         return lay, samples, int(n.max(initial=1)), int(seq_lens.max(initial=0)), T, int(pending.size)
 
     def _stage_pending(self, seqs, lanes, dst, dst_view, src_view) -> None:
@@ -313,8 +341,8 @@ class ModelRunner:
             src = [rows[seqs[i].seq_id] for i in lanes.tolist()]
         except KeyError:
             raise RuntimeError("a placeholder token that the last launched step did not sample") from None
-        dst_view[:len(src)] = dst
-        src_view[:len(src)] = src
+        dst_view[: len(src)] = dst
+        src_view[: len(src)] = src
 
     def _staging(self, T: int, B: int, S: int, W: int) -> Staging:
         """The Staging of a step shape, built once: the same few shapes come back step after step."""
@@ -329,8 +357,8 @@ class ModelRunner:
         """One non-blocking copy of the staged prefix, then the placeholder ids from the last step's
         samples (on the device: no sync); device views by name."""
         if self._dev is not self._host:
-            self._dev[:lay.end].copy_(self._host[:lay.end], non_blocking=True)
-            self._uploaded.record()     # the next _stage must not overwrite _host before this copy ran
+            self._dev[: lay.end].copy_(self._host[: lay.end], non_blocking=True)
+            self._uploaded.record()  # the next _stage must not overwrite _host before this copy ran
         d = lay.views
         if num_pending:
             src = self._last_tokens[d["pending_src"][:num_pending]]
@@ -344,9 +372,14 @@ class ModelRunner:
         lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens)
         d = self._upload(lay, num_pending)
         B = len(seqs)
-        meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
-                            seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(B, -1),
-                            max_seqlen_q=max_q, max_seqlen_k=max_k)
+        meta = StepMetadata(
+            slot_mapping=d["slot_mapping"],
+            cu_seqlens_q=d["cu_seqlens_q"],
+            seq_lens=d["seq_lens"],
+            block_tables=d["block_tables"].view(B, -1),
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+        )
         return d["input_ids"], d["positions"], meta, d["logits_indices"], samples.tolist(), d
 
     # ---- CUDA graphs (decode; one-sequence prefill) ---------------------------------------------------------------
@@ -363,11 +396,17 @@ class ModelRunner:
         """Capture one forward over the staged layout `lay` (all padding: nothing read or stored);
         its replays read whatever a later _stage writes there. Returns (graph, logits)."""
         d = self._upload(lay)
-        meta = StepMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"], seq_lens=d["seq_lens"],
-                            block_tables=d["block_tables"].view(B, self.max_num_pages), max_seqlen_q=max_seqlen_q,
-                            max_seqlen_k=self.max_model_len, num_splits=num_splits)
+        meta = StepMetadata(
+            slot_mapping=d["slot_mapping"],
+            cu_seqlens_q=d["cu_seqlens_q"],
+            seq_lens=d["seq_lens"],
+            block_tables=d["block_tables"].view(B, self.max_num_pages),
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=self.max_model_len,
+            num_splits=num_splits,
+        )
         args = (d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
-        self.model(*args)                               # compiles the kernels outside the capture
+        self.model(*args)  # compiles the kernels outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
@@ -377,23 +416,30 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         mc, sms, pool = self.model_config, paged_attention.num_sms(self.device), None
-        for bs in reversed(self.graph_batch_sizes()):   # largest first: the others reuse its pool
-            lay, *_ = self._stage([], [], pad_to=bs)     # all lanes padded: reads and writes nothing
-            block_d = 1 << (mc.head_dim - 1).bit_length()        # the kernel's padded head_dim
+        for bs in reversed(self.graph_batch_sizes()):  # largest first: the others reuse its pool
+            lay, *_ = self._stage([], [], pad_to=bs)  # all lanes padded: reads and writes nothing
+            block_d = 1 << (mc.head_dim - 1).bit_length()  # the kernel's padded head_dim
             splits = paged_attention._decode_splits(bs * mc.num_kv_heads, self.max_model_len, sms, block_d)
             self.graphs[bs] = self._capture(lay, bs, 1, splits, pool)
             pool = self.graphs[bs][0].pool()
         for Tp in reversed(self.prefill_graph_sizes()):
-            lay = self._staging(Tp, 1, 1, self.max_num_pages)   # an empty sequence: no keys, nothing stored
+            lay = self._staging(Tp, 1, 1, self.max_num_pages)  # an empty sequence: no keys, nothing stored
             h = self._host_np
-            for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0),
-                                ("block_tables", -1), ("logits_indices", Tp - 1)):
+            for name, value in (
+                ("input_ids", 0),
+                ("positions", 0),
+                ("slot_mapping", -1),
+                ("seq_lens", 0),
+                ("block_tables", -1),
+                ("logits_indices", Tp - 1),
+            ):
                 off, n = lay[name]
-                h[off:off + n] = value
+                h[off : off + n] = value
             off, _ = lay["cu_seqlens_q"]
-            h[off:off + 2] = (0, Tp)
-            splits = paged_attention._prefill_splits(1, Tp, mc.num_heads // mc.num_kv_heads, mc.num_kv_heads,
-                                                     self.max_model_len, sms)
+            h[off : off + 2] = (0, Tp)
+            splits = paged_attention._prefill_splits(
+                1, Tp, mc.num_heads // mc.num_kv_heads, mc.num_kv_heads, self.max_model_len, sms
+            )
             self.prefill_graphs[Tp] = self._capture(lay, 1, Tp, splits, pool)
             pool = self.prefill_graphs[Tp][0].pool()
         torch.cuda.synchronize(self.device)
@@ -413,7 +459,7 @@ class ModelRunner:
             graph.replay()
             self.num_graph_steps += 1
             logits = logits[:B]
-            if not samples.all():                       # a 1-token chunk that does not end its prompt
+            if not samples.all():  # a 1-token chunk that does not end its prompt
                 logits = logits[torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
             return logits, samples.tolist(), d
         if self.prefill_graphs and B == 1 and num_new_tokens[0] <= self._prefill_sizes[-1]:
@@ -425,18 +471,19 @@ class ModelRunner:
             self.num_prefill_graph_steps += 1
             return (logits if samples.all() else logits[:0]), samples.tolist(), d
         input_ids, positions, meta, logits_indices, samples, d = self.prepare(seqs, num_new_tokens)
-        if hasattr(self.backend, "begin_step"):         # torch backend: per-step plan shared by the layers
+        if hasattr(self.backend, "begin_step"):  # torch backend: per-step plan shared by the layers
             self.backend.begin_step(meta, positions)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices), samples, d
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
         """Sampled ids (len(seqs),) int64 on the device, without a host sync."""
         params = [s.params for s in seqs]
-        if self.fused_sampling and all(s.generator is None and p.top_k == 0 and p.top_p >= 1
-                                       for s, p in zip(seqs, params)):
+        if self.fused_sampling and all(
+            s.generator is None and p.top_k == 0 and p.top_p >= 1 for s, p in zip(seqs, params)
+        ):
             if all(p.temperature == 0 for p in params):
                 return sampling_ops.greedy_triton(logits)
-            temps = temps.view(torch.float32)[:len(seqs)]   # staged with the step's inputs
+            temps = temps.view(torch.float32)[: len(seqs)]  # staged with the step's inputs
             return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31))
         return self.sampler(logits.float(), params, [s.generator for s in seqs])
 
@@ -449,11 +496,11 @@ class ModelRunner:
         if not sampling:
             return LaunchedStep(samples)
         tokens = self._sample(logits, sampling, d["temperatures"])
-        self._last_tokens = tokens                      # the next step's placeholders read these
+        self._last_tokens = tokens  # the next step's placeholders read these
         self._last_rows = {seq.seq_id: i for i, seq in enumerate(sampling)}
         if self._token_host is None:
             return LaunchedStep(samples, tokens)
-        host = self._token_host[self._flip][:len(sampling)]
+        host = self._token_host[self._flip][: len(sampling)]
         self._flip ^= 1
         host.copy_(tokens, non_blocking=True)
         return LaunchedStep(samples, host, self._record())
@@ -535,4 +582,3 @@ class ModelRunner:
             done.record()
         torch.cuda.current_stream(self.device).wait_event(done)
         return done
-

@@ -1,4 +1,5 @@
 """A request: one prompt, its sampling parameters and its n sequences (samples)."""
+
 import time
 
 from chatengine.engine.sequence import Sequence
@@ -9,8 +10,9 @@ from chatengine.sampling_params import SamplingParams
 class Request:
     """One prompt and its n samples (sequences)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 user: str | None):
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, user: str | None
+    ):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.user = params, user
         self.seqs: list[Sequence] = []
@@ -18,8 +20,8 @@ class Request:
         self.error: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
-        self.num_finished = 0             # sequences finished so far (counted by LLMEngine._finish)
-        self.stream = True                # False: step() returns its output only once it has finished
+        self.num_finished = 0  # sequences finished so far (counted by LLMEngine._finish)
+        self.stream = True  # False: step() returns its output only once it has finished
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,15 +12,16 @@ sort is a `topk` of a few hundred candidates (a full sort of 49k logits costs ~1
 full sort only for rows whose nucleus is not inside the candidates; on CUDA the sort stays full, so
 nothing depends on the data on the host.
 """
+
 import torch
 
-CANDIDATES = 256        # CPU: top-p candidates per row before falling back to a full sort
+CANDIDATES = 256  # CPU: top-p candidates per row before falling back to a full sort
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
-        self.generator = torch.Generator(device=device).manual_seed(seed)   # for unseeded sequences
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for unseeded sequences
 
     def make_generator(self, seed: int, index: int) -> torch.Generator:
         # sample i of a seeded request: reproducible, and different from sample j
@@ -33,8 +34,9 @@ class Sampler:
             return greedy(logits)
         N, V = logits.shape
         dev = logits.device
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             device=dev, dtype=torch.float32)
+        temps = torch.tensor(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev, dtype=torch.float32
+        )
         logits = logits / temps[:, None]
         # one uniform per row: seeded rows from their own generator, the others from the shared one
         u = torch.empty(N, device=dev, dtype=torch.float32)
@@ -67,12 +69,12 @@ class Sampler:
         N, V = logits.shape
         dev = logits.device
         top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
-        needs_p = [k == V for k in top_k]                 # top-p alone: candidates beyond any top_k
+        needs_p = [k == V for k in top_k]  # top-p alone: candidates beyond any top_k
         K = V if logits.is_cuda else min(V, max([k for k in top_k if k < V] + [CANDIDATES] * any(needs_p)))
         if K == V:
             vals, ids = logits.sort(dim=-1, descending=True)
         else:
-            vals, ids = logits.topk(K, dim=-1)            # sorted, descending
+            vals, ids = logits.topk(K, dim=-1)  # sorted, descending
         rank = torch.arange(K, device=dev)[None, :]
         vals = vals.masked_fill(rank >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
         # probabilities over the kept tokens: the top-k ones, or (top-p alone) the whole row
@@ -81,12 +83,12 @@ class Sampler:
             full_norm = logits.logsumexp(dim=-1, keepdim=True)
             norm = torch.where(torch.tensor(needs_p, device=dev)[:, None], full_norm, norm)
         probs = (vals - norm).exp()
-        before = probs.cumsum(dim=-1) - probs             # mass ranked above each token
+        before = probs.cumsum(dim=-1) - probs  # mass ranked above each token
         top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)[:, None]
         # drop a token when the tokens ranked above it already reach top_p (the top one always stays;
         # top_p = 1 drops nothing, though the float32 cumsum reaches 1 before the tail)
         vals = vals.masked_fill((before >= top_p) & (top_p < 1), float("-inf"))
-        if K < V:   # top-p rows whose nucleus may reach past the K candidates: sort the whole row
+        if K < V:  # top-p rows whose nucleus may reach past the K candidates: sort the whole row
             short = torch.nonzero(torch.tensor(needs_p, device=dev) & (before[:, -1] + probs[:, -1] < top_p[:, 0]))
             if short.numel():
                 rows = short[:, 0].tolist()
@@ -121,8 +123,8 @@ def greedy(logits: torch.Tensor, chunks: int = 32) -> torch.Tensor:
     N, V = logits.shape
     if N * chunks > 4096 or V % chunks:
         return logits.argmax(dim=-1)
-    vals, idx = logits.view(N, chunks, V // chunks).max(dim=-1)     # (N, chunks): first max per chunk
-    best = vals.argmax(dim=-1, keepdim=True)                          # the first chunk with the max
+    vals, idx = logits.view(N, chunks, V // chunks).max(dim=-1)  # (N, chunks): first max per chunk
+    best = vals.argmax(dim=-1, keepdim=True)  # the first chunk with the max
     return best.squeeze(1) * (V // chunks) + idx.gather(1, best).squeeze(1)
 
 

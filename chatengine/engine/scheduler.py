@@ -12,18 +12,19 @@ are placeholders (sequence.PLACEHOLDER) whose KV the next step computes from the
 sequence whose pending token ends it by length is not scheduled again; one that a pending token ends
 by EOS or a stop string costs one wasted lane, found when the values arrive.
 """
+
 from collections import deque
 from dataclasses import dataclass, field
 
-from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.config import EngineConfig
+from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)   # tokens to compute per sequence
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens to compute per sequence
     num_preempted: int = 0
 
     @property
@@ -38,7 +39,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []     # admission order: oldest first
+        self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0
         # keep ~1% of the pool free at admission so a new prompt does not force a preemption at once
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
@@ -63,13 +64,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and (seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
-                                    or seq.num_tokens >= self.max_model_len):
-                i += 1                                  # its pending token ends it (length): nothing to compute
+            if seq.num_pending and (
+                seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+            ):
+                i += 1  # its pending token ends it (length): nothing to compute
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not bm.allocate(seq, num_new):
-                victim = self.running.pop()             # the newest
+                victim = self.running.pop()  # the newest
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:

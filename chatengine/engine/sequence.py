@@ -3,12 +3,13 @@
 The scheduler and the block manager read and write `block_table`, `num_computed_tokens` and
 `status`; the model runner reads them to build the batch. That is where the two sides meet.
 """
+
 from enum import Enum, auto
 from itertools import count
 
 from chatengine.sampling_params import SamplingParams
 
-PLACEHOLDER = -1      # a sampled token whose value is still on the device (async scheduling)
+PLACEHOLDER = -1  # a sampled token whose value is still on the device (async scheduling)
 
 
 class SequenceStatus(Enum):
@@ -20,8 +21,9 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, request_id: str = "", index: int = 0,
-                 block_size: int = 16):
+    def __init__(
+        self, token_ids: list[int], params: SamplingParams, request_id: str = "", index: int = 0, block_size: int = 16
+    ):
         self.seq_id = next(Sequence._ids)
         self.request_id, self.index = request_id, index
         self.token_ids = list(token_ids)
@@ -30,17 +32,17 @@ class Sequence:
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.num_computed_tokens = 0      # tokens whose KV is in the cache
-        self.num_cached_tokens = 0        # of those, how many came from the prefix cache at admission
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.num_preemptions = 0
-        self.salt = b""                   # per-user salt for prefix hashing (set by the engine)
-        self.public_prefix_len = 0        # leading tokens shared with everyone (a public persona)
+        self.salt = b""  # per-user salt for prefix hashing (set by the engine)
+        self.public_prefix_len = 0  # leading tokens shared with everyone (a public persona)
         self.block_hashes: list[bytes] = []  # hashes of full blocks, computed lazily by the block manager
-        self.num_published_blocks = 0     # blocks cache_full_blocks has looked at (it only looks further on)
-        self.num_pending = 0              # trailing PLACEHOLDER tokens: sampled by a step still in flight
+        self.num_published_blocks = 0  # blocks cache_full_blocks has looked at (it only looks further on)
+        self.num_pending = 0  # trailing PLACEHOLDER tokens: sampled by a step still in flight
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.generator = None             # per-sequence RNG for seeded sampling (owned by the runner)
+        self.generator = None  # per-sequence RNG for seeded sampling (owned by the runner)
 
     def __len__(self):
         return len(self.token_ids)
@@ -60,7 +62,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_pending]
 
     @property
     def last_token(self) -> int:
@@ -75,7 +77,7 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def block_tokens(self, i: int) -> list[int]:
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -95,9 +97,11 @@ class Sequence:
     def drop_placeholders(self) -> None:
         """Finished with tokens still pending (a stop seen one step late): they were never its output."""
         if self.num_pending:
-            del self.token_ids[-self.num_pending:]
+            del self.token_ids[-self.num_pending :]
             self.num_pending = 0
 
     def __repr__(self):
-        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.index}, {self.status.name}, "
-                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.index}, {self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -4,6 +4,7 @@ Decoding one token at a time breaks multi-byte characters that span tokens (a by
 may hold half an emoji). The detokenizer decodes a small window and holds text back while it ends
 in U+FFFD, so streamed deltas are always whole characters.
 """
+
 ROLES = ("system", "user", "assistant")
 
 
@@ -34,9 +35,10 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     """Token ids of a conversation rendered with the model's own chat template."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer (dummy weights): pass token ids, not text")
-    ids = tokenizer.apply_chat_template(validate_messages(messages), add_generation_prompt=add_generation_prompt,
-                                        tokenize=True)
-    if hasattr(ids, "keys"):          # transformers may return a BatchEncoding
+    ids = tokenizer.apply_chat_template(
+        validate_messages(messages), add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
 
@@ -53,8 +55,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
-        self.prefix_offset = 0          # window start: decoded again for context
-        self.read_offset = 0            # tokens before this are already in `text`
+        self.prefix_offset = 0  # window start: decoded again for context
+        self.read_offset = 0  # tokens before this are already in `text`
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -63,22 +65,22 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the new complete text (possibly "")."""
         self.token_ids.append(token_id)
-        if self.tokenizer is None:      # dummy weights have no text: skip slicing the growing id list
+        if self.tokenizer is None:  # dummy weights have no text: skip slicing the growing id list
             return ""
-        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""                   # nothing yet, or an unfinished multi-byte character
-        delta = full[len(prefix):]
+            return ""  # nothing yet, or an unfinished multi-byte character
+        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.text += delta
         return delta
 
     def flush(self) -> str:
         """At the end: whatever is held back (a truly invalid byte sequence decodes as U+FFFD)."""
-        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
-        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta

@@ -8,21 +8,38 @@ kv_heads, head_dim]`. A slot is `block_id * block_size + offset`; slot -1 means 
 Backends as in `paged_attention`: Triton on CUDA tensors, the reference elsewhere, unless the
 `backend` argument or $CHATENGINE_KERNELS says otherwise.
 """
+
 import torch
 
 from .paged_attention import check_device, jit, resolve_backend, tl, triton
 
 
 @jit
-def _store_kv_kernel(Key, Value, KCache, VCache, slot_mapping,
-                     stride_kt, stride_kh, stride_vt, stride_vh,          # head_dim strides are 1
-                     stride_kcb, stride_kcs, stride_kch,                  # (block, slot, head)
-                     stride_vcb, stride_vcs, stride_vch,
-                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    t = tl.program_id(0)                            # one token: all its KV heads
-    slot = tl.load(slot_mapping + t).to(tl.int64)   # int64: block * block stride can pass 2**31
-    if slot < 0:                                    # padding lane
+def _store_kv_kernel(
+    Key,
+    Value,
+    KCache,
+    VCache,
+    slot_mapping,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,  # head_dim strides are 1
+    stride_kcb,
+    stride_kcs,
+    stride_kch,  # (block, slot, head)
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)  # one token: all its KV heads
+    slot = tl.load(slot_mapping + t).to(tl.int64)  # int64: block * block stride can pass 2**31
+    if slot < 0:  # padding lane
         return
     block = slot // PAGE_SIZE
     offset = slot % PAGE_SIZE
@@ -31,15 +48,17 @@ def _store_kv_kernel(Key, Value, KCache, VCache, slot_mapping,
     mask = (h < NUM_HEADS) & (d < HEAD_DIM)
     k = tl.load(Key + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(Value + t * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(KCache + block * stride_kcb + offset * stride_kcs + h * stride_kch + d,
-             k.to(KCache.dtype.element_ty), mask=mask)
-    tl.store(VCache + block * stride_vcb + offset * stride_vcs + h * stride_vch + d,
-             v.to(VCache.dtype.element_ty), mask=mask)
+    tl.store(
+        KCache + block * stride_kcb + offset * stride_kcs + h * stride_kch + d, k.to(KCache.dtype.element_ty), mask=mask
+    )
+    tl.store(
+        VCache + block * stride_vcb + offset * stride_vcs + h * stride_vch + d, v.to(VCache.dtype.element_ty), mask=mask
+    )
 
 
 @jit
 def _copy_blocks_kernel(Cache, src, dst, page_numel, BLOCK: tl.constexpr):
-    pair = tl.program_id(0)                         # one (src, dst) pair, BLOCK elements of the page
+    pair = tl.program_id(0)  # one (src, dst) pair, BLOCK elements of the page
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < page_numel
     src_page = tl.load(src + pair).to(tl.int64)
@@ -48,8 +67,9 @@ def _copy_blocks_kernel(Cache, src, dst, page_numel, BLOCK: tl.constexpr):
     tl.store(Cache + dst_page * page_numel + offs, x, mask=mask)
 
 
-def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv_triton(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Triton `store_kv_ref`: one program per token; slots < 0 are skipped in the kernel (no sync)."""
     check_device(key)
     T, H, D = key.shape
@@ -57,12 +77,28 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     if T == 0:
         return
     _store_kv_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=H, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
-        PAGE_SIZE=k_cache.shape[1], num_warps=4)
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_HEADS=H,
+        HEAD_DIM=D,
+        BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_D=triton.next_power_of_2(D),
+        PAGE_SIZE=k_cache.shape[1],
+        num_warps=4,
+    )
 
 
 def copy_blocks_triton(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -76,13 +112,15 @@ def copy_blocks_triton(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Ten
     if src.numel() == 0:
         return
     page_numel = kv_cache[0].numel()
-    block = 2048                                    # elements per program: 8 KiB of fp32, 4 of bf16
+    block = 2048  # elements per program: 8 KiB of fp32, 4 of bf16
     _copy_blocks_kernel[(src.numel(), triton.cdiv(page_numel, block))](
-        kv_cache, src, dst, page_numel, BLOCK=block, num_warps=4)
+        kv_cache, src, dst, page_numel, BLOCK=block, num_warps=4
+    )
 
 
-def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+def store_kv_ref(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write key/value [T, kv_heads, head_dim] into the slots given by slot_mapping [T]."""
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
@@ -135,7 +173,7 @@ def copy_pages(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids
     the device cache: one contiguous copy per run of consecutive ids, nothing staged in between
     (non-blocking: host -> device from pinned memory is an async DMA on the current stream)."""
     for s, d, n in page_runs(src_ids, dst_ids):
-        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
 
 
 # A page is one contiguous span of the page-first cache, so on the GPU the torch reference already

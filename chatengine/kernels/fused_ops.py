@@ -11,6 +11,7 @@ op, so they are within a bf16 ulp or two of it and closer to the float64 result.
 
 Ideas from lightllm's `rmsnorm.py` (one program per row) and vLLM's fused add+RMSNorm.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -20,22 +21,34 @@ from .paged_attention import check_device, jit, tl, triton
 
 # ---------------------------------------------------------------------------- RMSNorm (+ residual)
 @jit
-def _rms_norm_kernel(X, Res, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_kernel(
+    X,
+    Res,
+    W,
+    Out,
+    ResOut,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:                                 # x + residual, rounded as torch's add rounds
-        x = (x.to(tl.float32) + tl.load(Res + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+    if HAS_RESIDUAL:  # x + residual, rounded as torch's add rounds
+        x = x.to(tl.float32) + tl.load(Res + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         x = x.to(ResOut.dtype.element_ty)
         tl.store(ResOut + row * stride_ro + cols, x, mask=ok)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / N
-    y = (xf * tl.rsqrt(var + eps)).to(Out.dtype.element_ty)          # HF: normalise in fp32, cast
+    y = (xf * tl.rsqrt(var + eps)).to(Out.dtype.element_ty)  # HF: normalise in fp32, cast
     w = tl.load(W + cols, mask=ok, other=0.0)
-    tl.store(Out + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty),
-             mask=ok)
+    tl.store(Out + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -47,9 +60,22 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     res_out = torch.empty_like(x) if residual is not None else out
     if T:
         r = residual if residual is not None else x
-        _rms_norm_kernel[(T,)](x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0),
-                               res_out.stride(0), N, eps, HAS_RESIDUAL=residual is not None,
-                               BLOCK_N=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8)
+        _rms_norm_kernel[(T,)](
+            x,
+            r,
+            weight,
+            out,
+            res_out,
+            x.stride(0),
+            r.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            N,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_N=triton.next_power_of_2(N),
+            num_warps=4 if N <= 4096 else 8,
+        )
     return out if residual is None else (out, res_out)
 
 
@@ -99,17 +125,30 @@ def _rotate_heads(X, t, stride_t, stride_h, c, s, H: tl.constexpr, BLOCK_H: tl.c
 
 
 @jit
-def _rotary_kernel(Q, K, Cos, Sin, Positions, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                   H_Q: tl.constexpr, H_KV: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                   HALF: tl.constexpr):
+def _rotary_kernel(
+    Q,
+    K,
+    Cos,
+    Sin,
+    Positions,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_c,
+    H_Q: tl.constexpr,
+    H_KV: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    HALF: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     c, s = _rope_row(Cos, Sin, Positions, t, stride_c, Q, HALF)
     _rotate_heads(Q, t, stride_qt, stride_qh, c, s, H_Q, BLOCK_HQ, HALF)
     _rotate_heads(K, t, stride_kt, stride_kh, c, s, H_KV, BLOCK_HKV, HALF)
 
 
-def rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor):
+def rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotate q (T, H_q, D) and k (T, H_kv, D) in place by the tables' rows `positions`; returns (q, k)."""
     check_device(q)
     T, H_q, D = q.shape
@@ -117,9 +156,24 @@ def rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
     assert q.stride(2) == k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
     assert D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2, "head_dim / 2 must be a power of two"
     if T:
-        _rotary_kernel[(T,)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                             cos.stride(0), H_Q=H_q, H_KV=H_kv, BLOCK_HQ=triton.next_power_of_2(H_q),
-                             BLOCK_HKV=triton.next_power_of_2(H_kv), HALF=D // 2, num_warps=4)
+        _rotary_kernel[(T,)](
+            q,
+            k,
+            cos,
+            sin,
+            positions,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            H_Q=H_q,
+            H_KV=H_kv,
+            BLOCK_HQ=triton.next_power_of_2(H_q),
+            BLOCK_HKV=triton.next_power_of_2(H_kv),
+            HALF=D // 2,
+            num_warps=4,
+        )
     return q, k
 
 
@@ -130,21 +184,47 @@ def rotary_ref(positions, q, k, cos, sin):
     def rotate_half(x):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
+
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 # ---------------------------------------------------------------------------- RoPE + KV store
 @jit
-def _rotary_store_kv_kernel(Q, K, V, Cos, Sin, Positions, slot_mapping, KCache, VCache,
-                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
-                            stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                            H_Q: tl.constexpr, H_KV: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                            BLOCK_HKV: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)              # one token: its q heads, k heads and v heads
+def _rotary_store_kv_kernel(
+    Q,
+    K,
+    V,
+    Cos,
+    Sin,
+    Positions,
+    slot_mapping,
+    KCache,
+    VCache,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_c,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    H_Q: tl.constexpr,
+    H_KV: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)  # one token: its q heads, k heads and v heads
     c, s = _rope_row(Cos, Sin, Positions, t, stride_c, Q, HALF)
     _rotate_heads(Q, t, stride_qt, stride_qh, c, s, H_Q, BLOCK_HQ, HALF)
-    slot = tl.load(slot_mapping + t).to(tl.int64)   # int64: block * block stride can pass 2**31
-    if slot >= 0:                                   # < 0: a padding lane, nothing to store
+    slot = tl.load(slot_mapping + t).to(tl.int64)  # int64: block * block stride can pass 2**31
+    if slot >= 0:  # < 0: a padding lane, nothing to store
         block = slot // PAGE_SIZE
         offset = slot % PAGE_SIZE
         r1, r2, h, d, ok = _rotated(K, t, stride_kt, stride_kh, c, s, H_KV, BLOCK_HKV, HALF)
@@ -158,9 +238,17 @@ def _rotary_store_kv_kernel(Q, K, V, Cos, Sin, Positions, slot_mapping, KCache, 
         tl.store(pvc + HALF, tl.load(pv + HALF, mask=ok).to(VCache.dtype.element_ty), mask=ok)
 
 
-def rotary_store_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> torch.Tensor:
+def rotary_store_kv_triton(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
     """`rotary_store_kv_ref` in one launch (was two: rotary, then store_kv): q rotates in place and is
     returned; rotated k and v go straight to the cache slots (slot < 0: skipped); k itself is left as
     it was (attention reads keys from the cache)."""
@@ -172,12 +260,36 @@ def rotary_store_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
     assert D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2, "head_dim / 2 must be a power of two"
     if T:
         _rotary_store_kv_kernel[(T,)](
-            q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            H_Q=H_q, H_KV=H_kv, BLOCK_HQ=triton.next_power_of_2(H_q), BLOCK_HKV=triton.next_power_of_2(H_kv),
-            HALF=D // 2, PAGE_SIZE=k_cache.shape[1], num_warps=4)
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            positions,
+            slot_mapping,
+            k_cache,
+            v_cache,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            cos.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            H_Q=H_q,
+            H_KV=H_kv,
+            BLOCK_HQ=triton.next_power_of_2(H_q),
+            BLOCK_HKV=triton.next_power_of_2(H_kv),
+            HALF=D // 2,
+            PAGE_SIZE=k_cache.shape[1],
+            num_warps=4,
+        )
     return q
 
 
@@ -208,8 +320,9 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, I, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         block = min(1024, triton.next_power_of_2(I))
-        _silu_mul_kernel[(T, triton.cdiv(I, block))](gate_up, out, gate_up.stride(0), out.stride(0), I,
-                                                      BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(T, triton.cdiv(I, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), I, BLOCK=block, num_warps=4
+        )
     return out
 
 

@@ -22,6 +22,7 @@ per-key page lookup and the two-stage split-KV decode (partial outputs + log-sum
 SGLang/lightllm's `decode_attention` as kept in vLLM; packing the query heads of one KV head into the
 rows of one program (GQA) from vLLM's `triton_unified_attention`.
 """
+
 import functools
 import os
 from dataclasses import dataclass
@@ -31,22 +32,28 @@ import torch
 try:
     import triton
     import triton.language as tl
+
     jit = triton.jit
-except ImportError:                      # CPU-only installs: the torch references still work
+except ImportError:  # CPU-only installs: the torch references still work
     triton, jit = None, (lambda fn: fn)
 
-    class tl:                            # just enough for the kernel signatures to be defined
+    class tl:  # just enough for the kernel signatures to be defined
         constexpr = None
-try:                                     # programmatic dependent launch (sm_90+), triton >= 3.4
+
+
+try:  # programmatic dependent launch (sm_90+), triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
 
 def resolve_backend(device: torch.device, backend: str | None = None) -> str:
-    """"triton" or "ref": the argument, else $CHATENGINE_KERNELS, else Triton on CUDA, ref elsewhere."""
-    backend = backend or os.environ.get("CHATENGINE_KERNELS") or (
-        "triton" if device.type == "cuda" and triton is not None else "ref")
+    """ "triton" or "ref": the argument, else $CHATENGINE_KERNELS, else Triton on CUDA, ref elsewhere."""
+    backend = (
+        backend
+        or os.environ.get("CHATENGINE_KERNELS")
+        or ("triton" if device.type == "cuda" and triton is not None else "ref")
+    )
     if backend not in ("triton", "ref"):
         raise ValueError(f"kernel backend must be 'triton' or 'ref', not {backend!r}")
     if backend == "triton" and triton is None:
@@ -56,29 +63,44 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
 
 @jit
 def _paged_attention_kernel(
-    Q, K, V, Out, PartialOut, PartialLse,           # PartialOut/Lse: (T, H_q, NUM_SPLITS, [D]) fp32
-    cu_seqlens_q, seq_lens, block_tables,
-    scale_log2,                                     # softmax scale * log2(e): we use exp2
+    Q,
+    K,
+    V,
+    Out,
+    PartialOut,
+    PartialLse,  # PartialOut/Lse: (T, H_q, NUM_SPLITS, [D]) fp32
+    cu_seqlens_q,
+    seq_lens,
+    block_tables,
+    scale_log2,  # softmax scale * log2(e): we use exp2
     num_kv_heads,
-    stride_qt, stride_qh, stride_ot, stride_oh,     # head_dim strides are 1 everywhere
-    stride_kb, stride_ks, stride_kh,                # (block, slot, head): the block stride is large
-    stride_vb, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,  # head_dim strides are 1 everywhere
+    stride_kb,
+    stride_ks,
+    stride_kh,  # (block, slot, head): the block stride is large
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    GROUP: tl.constexpr,                            # query heads per KV head
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,                          # rows = BLOCK_Q query tokens x GROUP heads
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows = BLOCK_Q query tokens x GROUP heads
     BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,                          # keys per step; may span several pages
+    BLOCK_N: tl.constexpr,  # keys per step; may span several pages
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,                       # > 1: split the keys, write partials + lse
-    PDL: tl.constexpr,                              # programmatic dependent launch (see launcher)
-    DOT_DTYPE: tl.constexpr,                        # tl.dot operand dtype: the input's, but see launcher
-    DOT_PRECISION: tl.constexpr,                    # "ieee" for fp32 operands (no TF32), else None
+    NUM_SPLITS: tl.constexpr,  # > 1: split the keys, write partials + lse
+    PDL: tl.constexpr,  # programmatic dependent launch (see launcher)
+    DOT_DTYPE: tl.constexpr,  # tl.dot operand dtype: the input's, but see launcher
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no TF32), else None
 ):
     if PDL:
-        gdc_launch_dependents()                     # the merge kernel's programs may get resident now
-        gdc_wait()                                  # if launched early: until our predecessor is done
-    seq = tl.program_id(0) // num_kv_heads          # axis 0: B * H_kv can pass the 65535 of axis 1
+        gdc_launch_dependents()  # the merge kernel's programs may get resident now
+        gdc_wait()  # if launched early: until our predecessor is done
+    seq = tl.program_id(0) // num_kv_heads  # axis 0: B * H_kv can pass the 65535 of axis 1
     kv_head = tl.program_id(0) % num_kv_heads
     q_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,18 +110,21 @@ def _paged_attention_kernel(
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens + seq)
-    ctx_len = seq_len - q_len                       # cached prefix before the new queries
+    ctx_len = seq_len - q_len  # cached prefix before the new queries
 
     rows = tl.arange(0, BLOCK_M)
-    q_idx = q_block * BLOCK_Q + rows // GROUP       # query token within the sequence
+    q_idx = q_block * BLOCK_Q + rows // GROUP  # query token within the sequence
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
-    q_pos = ctx_len + q_idx                         # absolute position: sees keys <= q_pos
+    q_pos = ctx_len + q_idx  # absolute position: sees keys <= q_pos
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     t = q_start + q_idx
-    q = tl.load(Q + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)    # (M, D)
+    q = tl.load(
+        Q + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)  # (M, D)
 
     # keys of this program: its split of [0, seq_len), cut at the block's last query (causal)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -114,30 +139,37 @@ def _paged_attention_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
         page = tl.load(block_tables + seq * stride_bt + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-        page = page.to(tl.int64)                    # page * block stride can pass 2**31
+        page = page.to(tl.int64)  # page * block stride can pass 2**31
         slot = offs_n % PAGE_SIZE
-        k = tl.load(K + page[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh
-                    + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)    # (D, N)
+        k = tl.load(
+            K + page[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # (D, N)
         k = k.to(DOT_DTYPE)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2                 # (M, N)
-        s = tl.where(row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]),
-                     s, float("-inf"))
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # (M, N)
+        s = tl.where(row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)    # (N, D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                            input_precision=DOT_PRECISION)
+        v = tl.load(
+            V + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # (N, D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        tl.store(Out + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 acc.to(Out.dtype.element_ty), mask=mask)
+        tl.store(
+            Out + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            acc.to(Out.dtype.element_ty),
+            mask=mask,
+        )
     else:
         row = ((t * num_kv_heads * GROUP + head) * NUM_SPLITS + split).to(tl.int64)
         tl.store(PartialOut + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
@@ -146,33 +178,50 @@ def _paged_attention_kernel(
 
 
 @jit
-def _merge_splits_kernel(Out, PartialOut, PartialLse, num_q_heads, stride_ot, stride_oh,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _merge_splits_kernel(
+    Out,
+    PartialOut,
+    PartialLse,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Out[t, h] = the splits' partial outputs weighted by their softmax mass, for BLOCK_H query
     heads h of token t (one (H, S, D) tile: a few heads per program, see _merge_heads)."""
     if PDL:
-        gdc_launch_dependents()                     # the next kernel may get resident (it must wait)
-        gdc_wait()                                  # launched while the attention kernel runs: wait for it
+        gdc_launch_dependents()  # the next kernel may get resident (it must wait)
+        gdc_wait()  # launched while the attention kernel runs: wait for it
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < num_q_heads
     hs_ok = h_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
-    rows = (t * num_q_heads + offs_h).to(tl.int64)[:, None] * NUM_SPLITS + offs_s[None, :]      # (H, S)
+    rows = (t * num_q_heads + offs_h).to(tl.int64)[:, None] * NUM_SPLITS + offs_s[None, :]  # (H, S)
     # both loads before any use: in flight together, one L2 round trip after the wait instead of two
     lse = tl.load(PartialLse + rows, mask=hs_ok, other=float("-inf"))
-    part = tl.load(PartialOut + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                   mask=hs_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0)      # (H, S, D)
+    part = tl.load(
+        PartialOut + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+        mask=hs_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
+        other=0.0,
+    )  # (H, S, D)
     # every split is empty only for a padded lane (seq_len 0, CUDA graphs): write 0 there, not NaN
     m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m[:, None])                                                               # (H, S)
+    w = tl.exp2(lse - m[:, None])  # (H, S)
     w_sum = tl.sum(w, 1)
-    out = tl.sum(w[:, :, None] * part, 1) / tl.where(w_sum > 0, w_sum, 1.0)[:, None]          # (H, D)
-    tl.store(Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=h_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    out = tl.sum(w[:, :, None] * part, 1) / tl.where(w_sum > 0, w_sum, 1.0)[:, None]  # (H, D)
+    tl.store(
+        Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=h_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
 
 
 def _merge_heads(num_tokens: int, num_q_heads: int, sms: int = 132) -> int:
@@ -188,8 +237,9 @@ def _merge_heads(num_tokens: int, num_q_heads: int, sms: int = 132) -> int:
 
 def check_device(x: torch.Tensor) -> None:
     if not (x.is_cuda or interpreting()):
-        raise RuntimeError("Triton kernels take CPU tensors only under TRITON_INTERPRET=1, "
-                           "set before triton is first imported")
+        raise RuntimeError(
+            "Triton kernels take CPU tensors only under TRITON_INTERPRET=1, set before triton is first imported"
+        )
 
 
 def interpreting() -> bool:
@@ -197,7 +247,7 @@ def interpreting() -> bool:
     triton is first imported in the process. Only then can they take CPU tensors."""
     if triton is None:
         return False
-    compiled = (_paged_attention_kernel, tl.cdiv)   # ours, and Triton's own (defined at its import)
+    compiled = (_paged_attention_kernel, tl.cdiv)  # ours, and Triton's own (defined at its import)
     return not any(isinstance(f, triton.runtime.JITFunction) for f in compiled)
 
 
@@ -208,7 +258,7 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -231,8 +281,7 @@ def _decode_splits(num_programs: int, max_seqlen_k: int, sms: int = 132, block_d
     return max(1, min(want, max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
-def _prefill_splits(B: int, max_seqlen_q: int, group: int, num_kv_heads: int, max_seqlen_k: int,
-                    sms: int = 132) -> int:
+def _prefill_splits(B: int, max_seqlen_q: int, group: int, num_kv_heads: int, max_seqlen_k: int, sms: int = 132) -> int:
     """Key splits for a prefill launch. A short chunk on a long cached prefix (a new chat turn: 128
     tokens after 2k) makes few programs (B x kv_heads x query blocks), each walking every key:
     64 programs on 132 multiprocessors left the GPU half idle (76 us a layer for 128 x 2176).
@@ -246,6 +295,7 @@ def _prefill_splits(B: int, max_seqlen_q: int, group: int, num_kv_heads: int, ma
         return 1
     return max(1, min(-(-2 * sms // programs), max_seqlen_k // MIN_SPLIT_KEYS, MAX_PREFILL_SPLITS))
 
+
 MAX_PREFILL_SPLITS = 16
 MIN_SPLIT_KEYS = 128
 MAX_SPLITS = 64
@@ -253,16 +303,17 @@ MAX_SPLITS = 64
 # loop step (may span pages). `benchmarks/gpu_bench.py --part sweep` measures alternatives
 # (benchmarks/NOTES.md). Registers bound head_dim >= 128: each K/V tile holds one 64-bit pointer per
 # element, so 64 keys at head_dim 128, or 4 warps at head_dim >= 128, spill (ptxas, sm_90).
-DECODE_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}   # 64: H200 sweep, NOTES.md v1
-PREFILL_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}   # 64: H200 prefill sweep (6 configs)
+DECODE_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}  # 64: H200 sweep, NOTES.md v1
+PREFILL_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}  # 64: H200 prefill sweep (6 configs)
 
 
 def _launch(table: dict, block_d: int) -> tuple[int, int, int]:
     return table[max(64, block_d)] if max(64, block_d) in table else table[256]
 
 
-def _decode_launch(num_programs: int, num_splits: int, max_seqlen_k: int | None, block_d: int,
-                   sms: int = 132) -> tuple[tuple[int, int, int], bool]:
+def _decode_launch(
+    num_programs: int, num_splits: int, max_seqlen_k: int | None, block_d: int, sms: int = 132
+) -> tuple[tuple[int, int, int], bool]:
     """((BLOCK_N, num_warps, num_stages), PDL) for a decode launch of num_programs = batch x kv_heads.
 
     Head_dim 64 (H200, NOTES.md v8, v12, v14): split decodes whose programs all fit in one wave (<= 4
@@ -284,13 +335,22 @@ def _decode_launch(num_programs: int, num_splits: int, max_seqlen_k: int | None,
         return (128, 4, 3), False
     return DECODE_LAUNCH[64], False
 
-def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                           block_tables: torch.Tensor, scale: float, max_seqlen_q: int | None = None,
-                           max_seqlen_k: int | None = None, num_splits: int | None = None,
-                           out: torch.Tensor | None = None,
-                           launch: tuple[int, int, int] | None = None,
-                           pdl: bool | str | None = None) -> torch.Tensor:
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    launch: tuple[int, int, int] | None = None,
+    pdl: bool | str | None = None,
+) -> torch.Tensor:
     """Triton varlen paged attention, same contract as `paged_attention_ref`; writes `out` if given.
 
     Decode-only batches (max_seqlen_q == 1) put the GQA group of one KV head in one program and
@@ -317,14 +377,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = H_q // H_kv
     block_d = triton.next_power_of_2(D)
     if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())         # host sync
-    if max_seqlen_q == 1:                           # decode: one token, the GQA group in the rows
-        block_m, block_q = max(16, triton.next_power_of_2(group)), 1          # tl.dot needs M >= 16
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # host sync
+    if max_seqlen_q == 1:  # decode: one token, the GQA group in the rows
+        block_m, block_q = max(16, triton.next_power_of_2(group)), 1  # tl.dot needs M >= 16
         if num_splits is None:
             max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
             num_splits = _decode_splits(B * H_kv, max_seqlen_k, num_sms(q.device), block_d)
         rule_launch, rule_pdl = _decode_launch(B * H_kv, num_splits, max_seqlen_k, block_d, num_sms(q.device))
-    else:                                           # prefill chunks (mixed with decodes)
+    else:  # prefill chunks (mixed with decodes)
         block_m = max(64, triton.next_power_of_2(group))
         block_q = block_m // group
         if num_splits is None:
@@ -335,44 +395,94 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     pdl = (rule_pdl if pdl is None else pdl) if pdl_supported(q.device) else False
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q.dtype]
     if interpreting() and q.dtype == torch.bfloat16:
-        dot_dtype = tl.float32                      # triton 3.9's interpreter multiplies bf16 bit patterns
+        dot_dtype = tl.float32  # triton 3.9's interpreter multiplies bf16 bit patterns
     if num_splits > 1:
         partial = torch.empty(T, H_q, num_splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, H_q, num_splits, dtype=torch.float32, device=q.device)
     else:
-        partial = lse = out                         # unused
+        partial = lse = out  # unused
     grid = (B * H_kv, triton.cdiv(max_seqlen_q, block_q), num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, partial, lse, cu_seqlens_q, seq_lens, block_tables,
-        scale * 1.4426950408889634, H_kv,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),   # page-first: (block, slot, head)
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        partial,
+        lse,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale * 1.4426950408889634,
+        H_kv,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),  # page-first: (block, slot, head)
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, PDL=bool(pdl),
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
-        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl is True else {}))
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        PDL=bool(pdl),
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **({"launch_pdl": True} if pdl is True else {}),
+    )
     if num_splits > 1:
         heads = _merge_heads(T, H_q, num_sms(q.device))
         _merge_splits_kernel[(T, triton.cdiv(H_q, heads))](
-            out, partial, lse, H_q, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_H=heads, HEAD_DIM=D, BLOCK_D=block_d,
-            PDL=bool(pdl), num_warps=4, **({"launch_pdl": True} if pdl else {}))
+            out,
+            partial,
+            lse,
+            H_q,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_H=heads,
+            HEAD_DIM=D,
+            BLOCK_D=block_d,
+            PDL=bool(pdl),
+            num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
+        )
     return out
 
 
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: compiled kernels (not the interpreter) on sm_90+, with a triton
     that has griddepcontrol (tl.extra.cuda.gdc_*, triton >= 3.4)."""
-    return (gdc_wait is not None and device.type == "cuda" and not interpreting()
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    return (
+        gdc_wait is not None
+        and device.type == "cuda"
+        and not interpreting()
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
 
 
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                        scale: float, max_seqlen_q: int | None = None,
-                        max_seqlen_k: int | None = None) -> torch.Tensor:
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
     """Reference varlen paged attention (prefill chunks and decodes mixed). Returns [T, H_q, D]."""
     T, H_q, D = q.shape
     B = seq_lens.shape[0]
@@ -385,9 +495,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_pages = (max_seqlen_k + block_size - 1) // block_size
     pages = block_tables[:, :num_pages].clamp(min=0).long().reshape(-1)  # (B*P,); padding reads page 0
     # index_select, not k_cache[pages]: advanced indexing of the strided view is ~1000x slower on CPU
-    k = k_cache.index_select(0, pages).reshape(B, num_pages * block_size, H_kv, D)   # (B, S, H_kv, D)
+    k = k_cache.index_select(0, pages).reshape(B, num_pages * block_size, H_kv, D)  # (B, S, H_kv, D)
     v = v_cache.index_select(0, pages).reshape(B, num_pages * block_size, H_kv, D)
-    if H_q != H_kv:   # GQA: expand KV heads (SDPA's enable_gqa takes a slow path on CPU)
+    if H_q != H_kv:  # GQA: expand KV heads (SDPA's enable_gqa takes a slow path on CPU)
         k = k.repeat_interleave(H_q // H_kv, dim=2)
         v = v.repeat_interleave(H_q // H_kv, dim=2)
 
@@ -398,17 +508,21 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     qp[batch_idx, pos_in_seq] = q
 
     # mask[b, i, j]: key j is real and not after query i's absolute position
-    q_abs = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=q.device)[None, :]   # (B, Q)
+    q_abs = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=q.device)[None, :]  # (B, Q)
     key_pos = torch.arange(num_pages * block_size, device=q.device)
     mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
-    mask[:, :, 0] = True                                                 # padded query rows: avoid NaN
+    mask[:, :, 0] = True  # padded query rows: avoid NaN
 
     # an additive float mask and contiguous inputs: with a bool mask or strided inputs CPU SDPA
     # falls back to a path ~50x slower
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     out = torch.nn.functional.scaled_dot_product_attention(
-        qp.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
-        attn_mask=bias[:, None], scale=scale)                            # (B, H_q, Q, D)
+        qp.transpose(1, 2).contiguous(),
+        k.transpose(1, 2).contiguous(),
+        v.transpose(1, 2).contiguous(),
+        attn_mask=bias[:, None],
+        scale=scale,
+    )  # (B, H_q, Q, D)
     return out.transpose(1, 2)[batch_idx, pos_in_seq]
 
 
@@ -425,17 +539,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # index_select of whole pages (sequential copies: ~1.5x faster than gathering rows per head) into
 # (batch, key, head, dim); SDPA takes its (batch, head, key, dim) transpose without a copy.
 
+
 @dataclass
 class AttentionGroup:
     """Sequences of one kind (decodes, or prefill chunks) attended together."""
+
     decode: bool
-    rows: torch.Tensor | None      # (T_g,) their tokens' rows of q; None: all of q, in order
-    dest: torch.Tensor | None      # prefill: padded row (b * Q + i) of each token; None: no padding
-    pages: torch.Tensor            # (B_g * P,) int64 page ids (table padding -1 -> page 0, masked)
-    bias: torch.Tensor             # (B_g, 1, 1 or Q, P * block_size) additive mask: 0 or -inf
-    batch: int                     # B_g
-    max_q: int                     # Q: padded queries per sequence (1 for decodes)
-    num_pages: int                 # P: pages gathered per sequence
+    rows: torch.Tensor | None  # (T_g,) their tokens' rows of q; None: all of q, in order
+    dest: torch.Tensor | None  # prefill: padded row (b * Q + i) of each token; None: no padding
+    pages: torch.Tensor  # (B_g * P,) int64 page ids (table padding -1 -> page 0, masked)
+    bias: torch.Tensor  # (B_g, 1, 1 or Q, P * block_size) additive mask: 0 or -inf
+    batch: int  # B_g
+    max_q: int  # Q: padded queries per sequence (1 for decodes)
+    num_pages: int  # P: pages gathered per sequence
 
 
 @dataclass
@@ -456,13 +572,21 @@ def torch_attention_supported(k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     """Whether the caches have the layout `paged_attention_torch` (and `_page_view`) indexes: each
     page's (slot, head, dim) contiguous; any page stride."""
     N, bs, H_kv, D = k_cache.shape
-    return (k_cache.stride()[1:] == (H_kv * D, D, 1) and v_cache.shape == k_cache.shape
-            and v_cache.stride() == k_cache.stride())
+    return (
+        k_cache.stride()[1:] == (H_kv * D, D, 1)
+        and v_cache.shape == k_cache.shape
+        and v_cache.stride() == k_cache.stride()
+    )
 
 
-def plan_paged_attention_torch(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                               block_tables: torch.Tensor, block_size: int, num_q_heads: int,
-                               dtype: torch.dtype) -> TorchAttentionPlan:
+def plan_paged_attention_torch(
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_q_heads: int,
+    dtype: torch.dtype,
+) -> TorchAttentionPlan:
     """Indices and masks of one step for `paged_attention_torch`, the same for every layer
     (computed on the host: a sync on CUDA)."""
     device = block_tables.device
@@ -481,37 +605,53 @@ def plan_paged_attention_torch(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tenso
         P = max(-(-int(sl.max()) // block_size), 1)
         S = P * block_size
         # token rows of q: sequence b owns rows cu[b] .. cu[b+1]-1
-        b_of = torch.repeat_interleave(torch.arange(B_g), ql)                     # (T_g,)
-        i_of = torch.arange(b_of.numel()) - (torch.cumsum(ql, 0) - ql)[b_of]    # index within its chunk
+        b_of = torch.repeat_interleave(torch.arange(B_g), ql)  # (T_g,)
+        i_of = torch.arange(b_of.numel()) - (torch.cumsum(ql, 0) - ql)[b_of]  # index within its chunk
         rows = cu[:-1][sel][b_of] + i_of
         all_rows = rows.numel() == T and bool((rows == torch.arange(T)).all())
         # mask[b, i, s]: key s is real (< seq_len) and not after query i's absolute position
         s = torch.arange(S)
-        q_abs = (sl - ql)[:, None] + torch.arange(Q)[None, :]                     # (B_g, Q)
+        q_abs = (sl - ql)[:, None] + torch.arange(Q)[None, :]  # (B_g, Q)
         ok = (s[None, None, :] <= q_abs[:, :, None]) & (s[None, None, :] < sl[:, None, None])
-        ok[:, :, 0] |= ~ok.any(-1)                                                # padded rows: no NaN
+        ok[:, :, 0] |= ~ok.any(-1)  # padded rows: no NaN
         bias = torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf"))[:, None]
         dest = None if (decode or B_g == 1) else b_of * Q + i_of
-        groups.append(AttentionGroup(
-            decode=decode, rows=None if all_rows else rows.to(device),
-            dest=None if dest is None else dest.to(device),
-            pages=tables[sel, :P].reshape(-1).to(device), bias=bias.to(device),
-            batch=B_g, max_q=Q, num_pages=P))
+        groups.append(
+            AttentionGroup(
+                decode=decode,
+                rows=None if all_rows else rows.to(device),
+                dest=None if dest is None else dest.to(device),
+                pages=tables[sel, :P].reshape(-1).to(device),
+                bias=bias.to(device),
+                batch=B_g,
+                max_q=Q,
+                num_pages=P,
+            )
+        )
     return TorchAttentionPlan(num_tokens=T, num_q_heads=num_q_heads, groups=groups)
 
 
-def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                          scale: float, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                          plan: TorchAttentionPlan | None = None) -> torch.Tensor:
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    plan: TorchAttentionPlan | None = None,
+) -> torch.Tensor:
     """`paged_attention_ref`'s function, vectorised for CPU; pass the step's `plan`
     (`plan_paged_attention_torch`) to share it between layers. Returns [T, H_q, D]."""
     T, H_q, D = q.shape
     _, bs, H_kv, _ = k_cache.shape
     G = H_q // H_kv
     if not torch_attention_supported(k_cache, v_cache):
-        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                                   max_seqlen_q, max_seqlen_k)
+        return paged_attention_ref(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k
+        )
     if plan is None:
         plan = plan_paged_attention_torch(cu_seqlens_q, seq_lens, block_tables, bs, H_q, q.dtype)
     k_pages, v_pages = _page_view(k_cache), _page_view(v_cache)
@@ -521,18 +661,28 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         B, Q, S = g.batch, g.max_q, g.num_pages * bs
         k = k_pages.index_select(0, g.pages).view(B, S, H_kv, D)
         v = v_pages.index_select(0, g.pages).view(B, S, H_kv, D)
-        qg = q if g.rows is None else q.index_select(0, g.rows)                  # (T_g, H_q, D)
+        qg = q if g.rows is None else q.index_select(0, g.rows)  # (T_g, H_q, D)
         if g.decode:
-            o = sdpa(qg.reshape(B, H_kv, G, D), k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.bias,
-                     scale=scale).reshape(B, H_q, D)          # a view on CPU; CUDA may permute
+            o = sdpa(
+                qg.reshape(B, H_kv, G, D), k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.bias, scale=scale
+            ).reshape(B, H_q, D)  # a view on CPU; CUDA may permute
         else:
-            if g.dest is not None:                                                 # pad to (B, Q)
+            if g.dest is not None:  # pad to (B, Q)
                 qg = qg.new_zeros(B * Q, H_q, D).index_copy_(0, g.dest, qg)
-            if G > 1:   # SDPA's enable_gqa takes a slow path on CPU
+            if G > 1:  # SDPA's enable_gqa takes a slow path on CPU
                 k = k[:, :, :, None].expand(B, S, H_kv, G, D).reshape(B, S, H_q, D)
                 v = v[:, :, :, None].expand(B, S, H_kv, G, D).reshape(B, S, H_q, D)
-            o = sdpa(qg.reshape(B, Q, H_q, D).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                     attn_mask=g.bias, scale=scale).transpose(1, 2).reshape(B * Q, H_q, D)
+            o = (
+                sdpa(
+                    qg.reshape(B, Q, H_q, D).transpose(1, 2),
+                    k.transpose(1, 2),
+                    v.transpose(1, 2),
+                    attn_mask=g.bias,
+                    scale=scale,
+                )
+                .transpose(1, 2)
+                .reshape(B * Q, H_q, D)
+            )
             if g.dest is not None:
                 o = o.index_select(0, g.dest)
         outs.append((g.rows, o))

@@ -12,6 +12,7 @@ exactly on greedy rows and in distribution on sampled rows (tests/test_kernels.p
 Top-k / top-p and per-request seeded generators stay in chatengine/sampler.py. `greedy_triton` is
 the all-greedy step's argmax, split over chunks of the vocabulary.
 """
+
 import torch
 
 from .paged_attention import check_device, jit, tl, triton
@@ -34,11 +35,11 @@ def _sample_kernel(Logits, Temps, Out, stride_l, vocab_size, seed, BLOCK_V: tl.c
         ok = cols < vocab_size
         x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
         if temp > 0:
-            u = tl.rand(seed, row * vocab_size + cols)                  # [0, 1)
-            u = tl.maximum(u, 1.0e-20)                                  # log(0) guard
+            u = tl.rand(seed, row * vocab_size + cols)  # [0, 1)
+            u = tl.maximum(u, 1.0e-20)  # log(0) guard
             x = x * inv_temp - tl.log(-tl.log(u))
         x = tl.where(ok, x, float("-inf"))
-        better = x > best                                               # strict: the first index wins
+        better = x > best  # strict: the first index wins
         best_idx = tl.where(better, cols, best_idx)
         best = tl.where(better, x, best)
     top = tl.max(best, 0)
@@ -46,8 +47,9 @@ def _sample_kernel(Logits, Temps, Out, stride_l, vocab_size, seed, BLOCK_V: tl.c
     tl.store(Out + row, idx.to(tl.int64))
 
 
-def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def sample_triton(
+    logits: torch.Tensor, temperatures: torch.Tensor, seed: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Token ids (N,) int64 drawn from softmax(logits / T) per row; rows with T == 0 are greedy.
 
     logits (N, V) of any float dtype, rows contiguous; temperatures (N,) fp32 on the same device;
@@ -106,8 +108,9 @@ def greedy_triton(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     return out
 
 
-def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor,
-               generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_ref(
+    logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """The same function in plain torch, its uniforms from `generator`."""
     x = logits.float()
     u = torch.rand(x.shape, generator=generator, device=x.device).clamp_(min=1e-20)

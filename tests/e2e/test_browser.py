@@ -3,6 +3,7 @@ executable_path; never `playwright install`): log in, chat, see the reply stream
 alternatives, edit and fork, stop, HTML stays inert, a second user sees nothing, and a SIGKILL
 mid-reply loses no finished message. Screenshots go to $E2E_ARTIFACTS (default
 /tmp/chatengine-e2e). Skips cleanly without chromium or playwright."""
+
 import json
 import os
 import re
@@ -20,24 +21,36 @@ from pathlib import Path
 import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "", shutil.which("chromium-browser") or "")
-                 if p and os.path.exists(p)), None)
+CHROMIUM = next(
+    (
+        p
+        for p in ("/usr/bin/chromium", shutil.which("chromium") or "", shutil.which("chromium-browser") or "")
+        if p and os.path.exists(p)
+    ),
+    None,
+)
 if CHROMIUM is None:
     pytest.skip("chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
 pytest.importorskip("chatengine.app.auth", reason="login needs chatengine.app.auth")
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("E2E_ARTIFACTS", "/tmp/chatengine-e2e"))
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"},
-         "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"}, "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
 LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."
 KNIGHT_PROMPT = "Write a very long story about a knight, at least 1000 words."
-T = 60_000   # ms: generous on 2 shared cores
+T = 60_000  # ms: generous on 2 shared cores
 expect.set_options(timeout=T)
 
 
@@ -59,9 +72,27 @@ class Server:
         self.log = open(self.data_dir / f"server-{time.time():.0f}.log", "w")
         env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "app.py", "--port", str(self.port), "--data-dir", str(self.data_dir),
-             "--users", str(users), "--kv-cache-gib", "0.25", "--max-num-batched-tokens", "512",
-             "--log-level", "warning"], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "app.py",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.data_dir),
+                "--users",
+                str(users),
+                "--kv-cache-gib",
+                "0.25",
+                "--max-num-batched-tokens",
+                "512",
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 120
         while True:
             assert self.proc.poll() is None, f"server exited: {(self.data_dir / self.log.name).read_text()[-2000:]}"
@@ -104,8 +135,13 @@ def browser_ctx():
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     profile = tempfile.mkdtemp(prefix="chromium-profile-")
     with sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS,
-                                                   headless=True, viewport={"width": 1360, "height": 900})
+        ctx = p.chromium.launch_persistent_context(
+            profile,
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1360, "height": 900},
+        )
         ctx.set_default_timeout(T)
         yield ctx
         ctx.close()
@@ -220,8 +256,11 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     # HTML and script in a message are shown as text and never run
     set_setting(page, "temperature", 0.7)
     set_setting(page, "max-tokens", 4)
-    send(page, 'look <img src=x onerror="window.__xss=1"> <script>window.__xss=2</script> <b>bold</b> '
-               '[link](javascript:window.__xss=3)')
+    send(
+        page,
+        'look <img src=x onerror="window.__xss=1"> <script>window.__xss=2</script> <b>bold</b> '
+        "[link](javascript:window.__xss=3)",
+    )
     user_msg = page.locator('#chat [data-testid="user"]').last
     expect(user_msg).to_contain_text("<img src=x")
     wait_idle(page)
@@ -266,7 +305,7 @@ def test_reload_and_sigkill_mid_reply(server, chat_page, browser_ctx):
     set_setting(page, "max-tokens", 400)
     send(page, LONG_PROMPT)
     expect(last_bot(page)).to_contain_text("▍")
-    time.sleep(1.5)                          # a partial save happens every second
+    time.sleep(1.5)  # a partial save happens every second
     server.kill()
     page.goto("about:blank")
     page.close()
@@ -277,9 +316,9 @@ def test_reload_and_sigkill_mid_reply(server, chat_page, browser_ctx):
     finally:
         db.close()
     statuses = [r[0] for r in rows]
-    assert statuses.count("streaming") == 1, rows           # only the reply being written...
-    assert [r[1] for r in rows if r[0] == "streaming"][0]   # ...with its partial text saved
-    assert statuses.count("done") >= 4, statuses            # every finished reply survived
+    assert statuses.count("streaming") == 1, rows  # only the reply being written...
+    assert [r[1] for r in rows if r[0] == "streaming"][0]  # ...with its partial text saved
+    assert statuses.count("done") >= 4, statuses  # every finished reply survived
     server.start()
     page = browser_ctx.new_page()
     login(page, server.url, "alice", "pw-alice")

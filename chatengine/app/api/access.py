@@ -4,6 +4,7 @@ With a users dict, `Authorization: Bearer <api_key>` must match a user's `api_ke
 goes to the engine as `user=` (the same identity, salt and cache isolation as in the UI). Without
 users (local single-user mode) any key, or none, is accepted and the user is None.
 """
+
 import math
 import time
 
@@ -52,9 +53,10 @@ class Access:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <api_key>'",
-                           code="invalid_api_key")
-        try:   # headers arrive as latin-1; keys are stored as UTF-8 text
+            raise APIError(
+                401, "missing API key: send the header 'Authorization: Bearer <api_key>'", code="invalid_api_key"
+            )
+        try:  # headers arrive as latin-1; keys are stored as UTF-8 text
             token = token.encode("latin-1").decode("utf-8")
         except UnicodeError:
             pass
@@ -63,8 +65,13 @@ class Access:
             # with a rate limit, wrong keys also spend a per-address budget: no free key guessing
             host = request.client.host if request.client else "?"
             if self.limiter is not None and self.limiter.check(f"addr:{host}") > 0:
-                raise APIError(429, "too many requests with a wrong API key; slow down", type="requests",
-                               code="rate_limit_exceeded", headers={"Retry-After": "60"})
+                raise APIError(
+                    429,
+                    "too many requests with a wrong API key; slow down",
+                    type="requests",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": "60"},
+                )
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
         return user
 
@@ -74,6 +81,11 @@ class Access:
             return
         wait = self.limiter.check(user)
         if wait > 0:
-            raise APIError(429, f"rate limit reached: at most {self.limiter.per_minute} requests per minute; "
-                                f"retry in {math.ceil(wait)} s", type="requests", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(math.ceil(wait))})
+            raise APIError(
+                429,
+                f"rate limit reached: at most {self.limiter.per_minute} requests per minute; "
+                f"retry in {math.ceil(wait)} s",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(math.ceil(wait))},
+            )

@@ -5,6 +5,7 @@ in words a client's author can act on (pydantic's own messages and status would 
 this API promises). What passes lands in the pydantic models below, which are the typed request the
 routes work with. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
 """
+
 import json
 import math
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from starlette.requests import Request
 
 from chatengine import SamplingParams
 
-Kind = Literal["chat", "completion"]          # the two routes: /v1/chat/completions, /v1/completions
+Kind = Literal["chat", "completion"]  # the two routes: /v1/chat/completions, /v1/completions
 Role = Literal["system", "user", "assistant"]
 ROLE_ALIASES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP = 16
@@ -23,8 +24,16 @@ MAX_STOP_CHARS = 256
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -43,18 +52,19 @@ class _Model(BaseModel):
 
 
 class ChatMessage(_Model):
-    role: Role                      # "developer" arrives as "system"
-    content: str                    # text parts arrive joined by newlines
+    role: Role  # "developer" arrives as "system"
+    content: str  # text parts arrive joined by newlines
 
 
 class StreamOptions(_Model):
     stream: bool = False
     include_usage: bool = False
-    continuous_usage: bool = False      # vLLM's continuous_usage_stats: usage in every chunk
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
 
 
 class Sampling(_Model):
     """The sampling fields of a request; max_tokens None: as long as the context and limits allow."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -68,6 +78,7 @@ class Sampling(_Model):
 
 class CompletionRequest(_Model):
     """One request of either route: `messages` for chat, `prompt` (text or token ids) for completions."""
+
     kind: Kind
     messages: list[ChatMessage] | None = None
     prompt: str | list[int] | None = None
@@ -78,6 +89,7 @@ class CompletionRequest(_Model):
 @dataclass(frozen=True)
 class Limits:
     """What the engine allows, read once from it; default_max_tokens is the server's own cap."""
+
     max_n: int
     max_tokens: int
     max_model_len: int
@@ -86,8 +98,9 @@ class Limits:
 
     @classmethod
     def of(cls, engine, default_max_tokens: int | None = None) -> "Limits":
-        return cls(engine.max_n, engine.max_tokens_limit, engine.max_model_len, engine.kv_capacity_tokens,
-                   default_max_tokens)
+        return cls(
+            engine.max_n, engine.max_tokens_limit, engine.max_model_len, engine.kv_capacity_tokens, default_max_tokens
+        )
 
 
 def parse_request(kind: Kind, body: dict, limits: Limits) -> CompletionRequest:
@@ -99,8 +112,9 @@ def parse_request(kind: Kind, body: dict, limits: Limits) -> CompletionRequest:
         messages, prompt = parse_messages(body.get("messages")), None
     else:
         messages, prompt = None, parse_prompt(body.get("prompt"))
-    return CompletionRequest(kind=kind, messages=messages, prompt=prompt, stream=stream,
-                             sampling=parse_sampling(body, limits))
+    return CompletionRequest(
+        kind=kind, messages=messages, prompt=prompt, stream=stream, sampling=parse_sampling(body, limits)
+    )
 
 
 def sampling_params(sampling: Sampling, prompt_len: int, limits: Limits) -> SamplingParams:
@@ -111,10 +125,17 @@ def sampling_params(sampling: Sampling, prompt_len: int, limits: Limits) -> Samp
         room = limits.max_model_len - prompt_len
         pool = limits.kv_capacity_tokens - prompt_len
         max_tokens = max(1, min(room, limits.max_tokens, pool, limits.default_max_tokens or limits.max_tokens))
-    return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=max(sampling.top_k, 0), max_tokens=max_tokens, seed=sampling.seed,
-                          stop=list(sampling.stop), stop_token_ids=sampling.stop_token_ids,
-                          ignore_eos=sampling.ignore_eos)
+    return SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),
+        max_tokens=max_tokens,
+        seed=sampling.seed,
+        stop=list(sampling.stop),
+        stop_token_ids=sampling.stop_token_ids,
+        ignore_eos=sampling.ignore_eos,
+    )
 
 
 # ---- the body -----------------------------------------------------------------------------------
@@ -152,14 +173,18 @@ async def _read_limited(request: Request, limit: int) -> bytes:
         except ValueError:
             raise APIError(400, "invalid Content-Length header") from None
         if declared > limit:
-            raise APIError(413, f"the request body is {declared} bytes; this server accepts at most {limit}",
-                           code="request_too_large")
+            raise APIError(
+                413,
+                f"the request body is {declared} bytes; this server accepts at most {limit}",
+                code="request_too_large",
+            )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise APIError(413, f"the request body is over {limit} bytes, the most this server accepts",
-                           code="request_too_large")
+            raise APIError(
+                413, f"the request body is over {limit} bytes, the most this server accepts", code="request_too_large"
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -174,8 +199,11 @@ def _check_unicode(value, path: str) -> None:
                 v.encode("utf-8")
             except UnicodeEncodeError as e:
                 where = p or "the body"
-                raise APIError(400, f"{where} is not valid Unicode: lone surrogate at position {e.start}",
-                               param=p.split("[")[0].split(".")[0] or None) from None
+                raise APIError(
+                    400,
+                    f"{where} is not valid Unicode: lone surrogate at position {e.start}",
+                    param=p.split("[")[0].split(".")[0] or None,
+                ) from None
         elif isinstance(v, dict):
             for k, item in v.items():
                 stack.append((k, f"{path} key" if not p else f"{p} key"))
@@ -268,7 +296,7 @@ def _reject_unsupported_chat(body: dict) -> None:
         raise _unsupported("tool_choice", "(tool calling) is not supported by this server")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", "is not supported by this server: only {\"type\": \"text\"}")
+        raise _unsupported("response_format", 'is not supported by this server: only {"type": "text"}')
 
 
 def _reject_unsupported_completion(body: dict) -> None:
@@ -299,10 +327,11 @@ def parse_stream(body: dict) -> StreamOptions:
 
 def parse_messages(value) -> list[ChatMessage]:
     if value is None:
-        raise APIError(400, "'messages' is required: a non-empty array of {\"role\", \"content\"} objects",
-                       param="messages")
+        raise APIError(
+            400, '\'messages\' is required: a non-empty array of {"role", "content"} objects', param="messages"
+        )
     if not isinstance(value, list):
-        raise _bad_type("messages", "an array of {\"role\", \"content\"} objects", value)
+        raise _bad_type("messages", 'an array of {"role", "content"} objects', value)
     if not value:
         raise APIError(400, "'messages' must not be empty", param="messages")
     return [_parse_message(m, f"messages[{i}]") for i, m in enumerate(value)]
@@ -313,17 +342,16 @@ def _parse_message(m, where: str) -> ChatMessage:
         raise _bad_type(where, "an object with 'role' and 'content'", m)
     role = m.get("role")
     if not isinstance(role, str):
-        raise APIError(400, f"{where}.role must be a string (system, developer, user or assistant)",
-                       param="messages")
+        raise APIError(400, f"{where}.role must be a string (system, developer, user or assistant)", param="messages")
     if role not in ROLE_ALIASES:
-        raise APIError(400, f"{where}.role must be one of system, developer, user, assistant; got {role!r}",
-                       param="messages")
+        raise APIError(
+            400, f"{where}.role must be one of system, developer, user, assistant; got {role!r}", param="messages"
+        )
     content = m.get("content")
     if isinstance(content, list):
         content = "\n".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
     elif content is None:
-        raise APIError(400, f"{where}.content is missing or null (tool calls are not supported)",
-                       param="messages")
+        raise APIError(400, f"{where}.content is missing or null (tool calls are not supported)", param="messages")
     elif not isinstance(content, str):
         raise _bad_type(f"{where}.content", "a string or an array of text parts", content)
     return ChatMessage(role=ROLE_ALIASES[role], content=content)
@@ -331,8 +359,9 @@ def _parse_message(m, where: str) -> ChatMessage:
 
 def _text_part(part, where: str) -> str:
     if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-        raise APIError(400, f"{where}: only text parts {{\"type\": \"text\", \"text\": \"...\"}} are supported",
-                       param="messages")
+        raise APIError(
+            400, f'{where}: only text parts {{"type": "text", "text": "..."}} are supported', param="messages"
+        )
     return part["text"]
 
 
@@ -350,8 +379,12 @@ def parse_prompt(value) -> str | list[int]:
         if not value:
             raise APIError(400, "'prompt' is empty", param="prompt")
         if all(isinstance(v, (str, list)) for v in value):
-            raise APIError(400, f"'prompt' holds {len(value)} prompts; this server takes one prompt per "
-                                "request (send several requests, or use 'n' for several samples)", param="prompt")
+            raise APIError(
+                400,
+                f"'prompt' holds {len(value)} prompts; this server takes one prompt per "
+                "request (send several requests, or use 'n' for several samples)",
+                param="prompt",
+            )
         if any(isinstance(t, bool) or not isinstance(t, int) for t in value):
             raise APIError(400, "'prompt' as an array must hold integer token ids only", param="prompt")
         return value
@@ -368,8 +401,10 @@ def parse_sampling(body: dict, limits: Limits) -> Sampling:
         raise APIError(400, "'best_of' other than n is not supported by this server", param="best_of")
     top_k = opt_int(body, "top_k", 0, -1, 1 << 30)
     stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and (not isinstance(stop_token_ids, list) or any(
-            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_token_ids)):
+    if stop_token_ids is not None and (
+        not isinstance(stop_token_ids, list)
+        or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_token_ids)
+    ):
         raise _bad_type("stop_token_ids", "an array of non-negative integers", stop_token_ids)
     return Sampling(
         n=n,
@@ -394,9 +429,13 @@ def parse_stop(body: dict) -> list[str]:
         raise _bad_type("stop", "a string or an array of strings", stop)
     for s in stop:
         if not isinstance(s, str):
-            raise APIError(400, f"'stop' must be a string or an array of strings; it holds a {_json_type(s)}",
-                           param="stop")
+            raise APIError(
+                400, f"'stop' must be a string or an array of strings; it holds a {_json_type(s)}", param="stop"
+            )
     if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
-        raise APIError(400, f"'stop' must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} "
-                            "characters", param="stop")
+        raise APIError(
+            400,
+            f"'stop' must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
+            param="stop",
+        )
     return stop

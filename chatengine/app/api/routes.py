@@ -26,6 +26,7 @@ stopped or request aborted by the server; 500 only for a real engine failure (th
 raised). Request parsing is in `protocol.py`; relaying the engine's outputs (and disconnects) in
 `stream.py`.
 """
+
 import logging
 import time
 import uuid
@@ -64,8 +65,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class OpenAIService:
     """What the routes share: the engine, who may call, the model's name and limits."""
 
-    def __init__(self, engine: AsyncLLM, access: Access, *, model_name: str, max_body_bytes: int,
-                 default_max_tokens: int | None):
+    def __init__(
+        self, engine: AsyncLLM, access: Access, *, model_name: str, max_body_bytes: int, default_max_tokens: int | None
+    ):
         self.engine, self.access, self.model_name = engine, access, model_name
         self.max_body_bytes = max_body_bytes
         self.limits = Limits.of(engine, default_max_tokens)
@@ -76,8 +78,13 @@ class OpenAIService:
             raise APIError(503, "the engine has stopped", type="server_error")
 
     def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "chatengine",
-                "max_model_len": self.limits.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "chatengine",
+            "max_model_len": self.limits.max_model_len,
+        }
 
     def prepare(self, kind: Kind, body: dict, user: str | None) -> tuple[CompletionRequest, Job]:
         """Validate, tokenize and check with the engine (run in a worker thread: long prompts must not
@@ -85,13 +92,19 @@ class OpenAIService:
         req = parse_request(kind, body, self.limits)
         ids = self.tokenize(req)
         params = sampling_params(req.sampling, len(ids), self.limits)
-        try:     # the engine's own checks (context length, KV pool, vocabulary), without adding anything
+        try:  # the engine's own checks (context length, KV pool, vocabulary), without adding anything
             self.engine.check_request(ids, params, user=user)
         except ValueError as e:
             message = str(e)
-            param = ("max_tokens" if "max_tokens" in message else
-                     "messages" if kind == "chat" and "prompt" in message else
-                     "prompt" if "prompt" in message else None)
+            param = (
+                "max_tokens"
+                if "max_tokens" in message
+                else "messages"
+                if kind == "chat" and "prompt" in message
+                else "prompt"
+                if "prompt" in message
+                else None
+            )
             code = "context_length_exceeded" if "context" in message else None
             raise APIError(400, message, param=param, code=code) from None
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -104,8 +117,9 @@ class OpenAIService:
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             except Exception as e:  # noqa: BLE001 - e.g. jinja2 TemplateError: "roles must alternate user/assistant"
-                raise APIError(400, f"the model's chat template rejected these messages: {e}",
-                               param="messages") from None
+                raise APIError(
+                    400, f"the model's chat template rejected these messages: {e}", param="messages"
+                ) from None
         if isinstance(req.prompt, str):
             try:
                 return self.engine.encode(req.prompt)
@@ -157,8 +171,12 @@ async def get_model(model_id: str, request: Request):
     service = _service(request)
     service.access.authenticate(request)
     if model_id != service.model_name:
-        raise APIError(404, f"the model {model_id!r} does not exist; this server serves {service.model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model_id!r} does not exist; this server serves {service.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
     return service.model_card()
 
 
@@ -174,14 +192,18 @@ async def completions(request: Request):
 
 # Last: unknown /v1 paths get OpenAI-style errors even when the UI is mounted at "/" (the mount
 # would otherwise answer them with its own 404 page).
-@router.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
-                  include_in_schema=False)
+@router.api_route(
+    "/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"], include_in_schema=False
+)
 async def unknown_v1(rest: str, request: Request):
     path = "/v1/" + rest
     allowed = KNOWN_ROUTES.get(path.rstrip("/"))
     if allowed is not None:
-        return JSONResponse(error_body(f"method {request.method} is not allowed on {path}; use {allowed}"),
-                            status_code=405, headers={"Allow": allowed})
+        return JSONResponse(
+            error_body(f"method {request.method} is not allowed on {path}; use {allowed}"),
+            status_code=405,
+            headers={"Allow": allowed},
+        )
     raise APIError(404, f"unknown route {request.method} {path}", code="not_found")
 
 
@@ -197,8 +219,11 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
         message = f"method {request.method} is not allowed on {request.url.path}"
     else:
         message = str(e.detail)
-    return JSONResponse(error_body(message, code="not_found" if e.status_code == 404 else None),
-                        status_code=e.status_code, headers=e.headers)
+    return JSONResponse(
+        error_body(message, code="not_found" if e.status_code == 404 else None),
+        status_code=e.status_code,
+        headers=e.headers,
+    )
 
 
 async def _internal_error(request: Request, e: Exception) -> JSONResponse:
@@ -207,8 +232,15 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 
 
 # ---- the app ------------------------------------------------------------------------------------
-def build_api(engine: AsyncLLM, users: dict | None, *, model_name: str, max_body_bytes: int = 1_000_000,
-              rate_limit_per_minute: int | None = None, default_max_tokens: int | None = None) -> FastAPI:
+def build_api(
+    engine: AsyncLLM,
+    users: dict | None,
+    *,
+    model_name: str,
+    max_body_bytes: int = 1_000_000,
+    rate_limit_per_minute: int | None = None,
+    default_max_tokens: int | None = None,
+) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible routes for `engine`.
 
     users: the dict of `chatengine.app.auth.load_users`, or None for local single-user mode (any key).
@@ -220,10 +252,15 @@ def build_api(engine: AsyncLLM, users: dict | None, *, model_name: str, max_body
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("model_name must be a non-empty string")
     access = Access(users, rate_limit_per_minute)
-    app = FastAPI(title="chatengine OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
-                  exception_handlers={APIError: _api_error, StarletteHTTPException: _http_error,
-                                      Exception: _internal_error})
-    app.state.api = OpenAIService(engine, access, model_name=model_name, max_body_bytes=max_body_bytes,
-                                  default_max_tokens=default_max_tokens)
+    app = FastAPI(
+        title="chatengine OpenAI-compatible API",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        exception_handlers={APIError: _api_error, StarletteHTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.api = OpenAIService(
+        engine, access, model_name=model_name, max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens
+    )
     app.include_router(router)
     return app

@@ -5,6 +5,7 @@ A client that disconnects (streaming or not) has its engine request aborted at o
 KV blocks: a watcher task waits for the ASGI `http.disconnect` message. A streamed error after the
 headers went out is sent as `data: {"error": ...}` followed by `data: [DONE]`.
 """
+
 import asyncio
 import json
 import logging
@@ -29,6 +30,7 @@ class ClientDisconnected(Exception):
 @dataclass(frozen=True)
 class Job:
     """A validated, tokenized request on its way to the engine."""
+
     kind: Kind
     request_id: str
     prompt_token_ids: list[int]
@@ -73,7 +75,7 @@ async def engine_outputs(engine: AsyncLLM, request: Request, job: Job):
         if pending is not None:
             pending.cancel()
         if not finished:
-            await engine.abort(job.request_id)      # posts to the engine thread; does not suspend
+            await engine.abort(job.request_id)  # posts to the engine thread; does not suspend
         if pending is not None:
             await _quietly(pending)
         await _quietly(agen.aclose())
@@ -110,8 +112,12 @@ def failure(out: RequestOutput) -> APIError | None:
 def usage(out: RequestOutput) -> dict:
     completion = sum(len(c.token_ids) for c in out.outputs)
     prompt = len(out.prompt_token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
 
 
 # ---- one JSON response --------------------------------------------------------------------------
@@ -122,7 +128,7 @@ async def final_output(engine: AsyncLLM, request: Request, job: Job) -> RequestO
         async with aclosing(engine_outputs(engine, request, job)) as outs:
             async for out in outs:
                 final = out
-    except ValueError as e:        # refused by the engine when added
+    except ValueError as e:  # refused by the engine when added
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
@@ -136,15 +142,30 @@ async def final_output(engine: AsyncLLM, request: Request, job: Job) -> RequestO
 
 def completion_body(job: Job, out: RequestOutput) -> dict:
     if job.kind == "chat":
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None, "finish_reason": c.finish_reason} for c in out.outputs]
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in out.outputs
+        ]
         obj = "chat.completion"
     else:
-        choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                   for c in out.outputs]
+        choices = [
+            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in out.outputs
+        ]
         obj = "text_completion"
-    return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": job.model_name,
-            "choices": choices, "usage": usage(out), "system_fingerprint": None}
+    return {
+        "id": job.request_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": job.model_name,
+        "choices": choices,
+        "usage": usage(out),
+        "system_fingerprint": None,
+    }
 
 
 # ---- server-sent events -------------------------------------------------------------------------
@@ -169,8 +190,14 @@ class Chunks:
         self.done = [False] * job.params.n
 
     def _data(self, choices: list, **extra) -> dict:
-        return {"id": self.job.request_id, "object": self.object, "created": self.created,
-                "model": self.job.model_name, "choices": choices, **extra}
+        return {
+            "id": self.job.request_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.job.model_name,
+            "choices": choices,
+            **extra,
+        }
 
     def chunk(self, index: int, content: str, finish_reason: str | None, *, role=False, out=None) -> str:
         if self.chat:
@@ -191,7 +218,7 @@ class Chunks:
             i = c.index
             if self.done[i]:
                 continue
-            delta = c.text[self.sent[i]:] if len(c.text) >= self.sent[i] else ""
+            delta = c.text[self.sent[i] :] if len(c.text) >= self.sent[i] else ""
             self.sent[i] = max(self.sent[i], len(c.text))
             if c.finish_reason in ("stop", "length"):
                 self.done[i] = True

@@ -3,6 +3,7 @@
 Handlers return dicts keyed by these components (`{ui.chatbot: ..., ui.conv_list: ...}`), so what
 a handler changes is named, and whatever it leaves out keeps its value.
 """
+
 import html
 from dataclasses import dataclass
 
@@ -14,9 +15,9 @@ from chatengine.app.ui.render import persona_placeholder
 @dataclass
 class Components:
     # per-tab server-side state
-    cid: gr.State                 # the conversation this tab shows (None: a new chat)
-    rows: gr.State                # message id of each transcript row (None: a placeholder row)
-    focus: gr.State               # the selected message (its ◀ k/N ▶)
+    cid: gr.State  # the conversation this tab shows (None: a new chat)
+    rows: gr.State  # message id of each transcript row (None: a placeholder row)
+    focus: gr.State  # the selected message (its ◀ k/N ▶)
     # sidebar
     who_md: gr.Markdown
     new_btn: gr.Button
@@ -66,8 +67,9 @@ class Components:
         return [self.chatbot, self.rows, self.focus, *self.nav]
 
 
-def build_components(personas: dict, default_persona: str | None, title: str, max_n: int,
-                     show_engine: bool = True) -> Components:
+def build_components(
+    personas: dict, default_persona: str | None, title: str, max_n: int, show_engine: bool = True
+) -> Components:
     """Lay the page out (inside `with gr.Blocks()`); returns its components by name."""
     state = dict(cid=gr.State(None), rows=gr.State([]), focus=gr.State(None))
     with gr.Sidebar(width=300, elem_id="sidebar"):
@@ -82,10 +84,12 @@ def build_components(personas: dict, default_persona: str | None, title: str, ma
 
 def _sidebar(title: str) -> dict:
     gr.Markdown(f"### {html.escape(title)}")
-    c = dict(who_md=gr.Markdown("", elem_id="who"),
-             new_btn=gr.Button("+ New chat", variant="primary", elem_id="new-chat"),
-             search=gr.Textbox(placeholder="Search chats…", show_label=False, elem_id="search", container=False),
-             conv_list=gr.Radio(choices=[], value=None, show_label=False, elem_id="conv-list", container=False))
+    c = dict(
+        who_md=gr.Markdown("", elem_id="who"),
+        new_btn=gr.Button("+ New chat", variant="primary", elem_id="new-chat"),
+        search=gr.Textbox(placeholder="Search chats…", show_label=False, elem_id="search", container=False),
+        conv_list=gr.Radio(choices=[], value=None, show_label=False, elem_id="conv-list", container=False),
+    )
     with gr.Accordion("Manage this chat", open=False, elem_id="manage"):
         c["rename_box"] = gr.Textbox(label="Title", max_lines=1, elem_id="rename-box")
         with gr.Row():
@@ -103,23 +107,48 @@ def _sidebar(title: str) -> dict:
 def _chat_tab(personas: dict, default_persona: str | None, max_n: int) -> dict:
     first = personas.get(default_persona or "")
     c = dict(
-        persona=gr.Dropdown([(p.title, name) for name, p in personas.items()], value=default_persona,
-                            label="Persona for this new chat", info=first.description if first else None,
-                            elem_id="persona", interactive=True),
+        persona=gr.Dropdown(
+            [(p.title, name) for name, p in personas.items()],
+            value=default_persona,
+            label="Persona for this new chat",
+            info=first.description if first else None,
+            elem_id="persona",
+            interactive=True,
+        ),
         header=gr.Markdown("", elem_id="conv-header", visible=False),
-        chatbot=gr.Chatbot(elem_id="chat", height="calc(100vh - 330px)", min_height=320, show_label=False,
-                           editable="user", buttons=["copy", "copy_all"], autoscroll=True,
-                           placeholder=persona_placeholder(first), feedback_options=None, layout="bubble",
-                           sanitize_html=True, group_consecutive_messages=False))
+        chatbot=gr.Chatbot(
+            elem_id="chat",
+            height="calc(100vh - 330px)",
+            min_height=320,
+            show_label=False,
+            editable="user",
+            buttons=["copy", "copy_all"],
+            autoscroll=True,
+            placeholder=persona_placeholder(first),
+            feedback_options=None,
+            layout="bubble",
+            sanitize_html=True,
+            group_consecutive_messages=False,
+        ),
+    )
     with gr.Row(elem_id="nav-row"):
         c["prev_btn"] = gr.Button("◀", size="sm", interactive=False, elem_id="alt-prev", scale=0, min_width=44)
         c["next_btn"] = gr.Button("▶", size="sm", interactive=False, elem_id="alt-next", scale=0, min_width=44)
         c["alt_label"] = gr.Markdown("", elem_id="alt-label")
-        c["regen_btn"] = gr.Button("↻ Regenerate", size="sm", interactive=False, elem_id="regenerate", scale=0,
-                                   min_width=130)
+        c["regen_btn"] = gr.Button(
+            "↻ Regenerate", size="sm", interactive=False, elem_id="regenerate", scale=0, min_width=130
+        )
     with gr.Row(elem_id="input-row"):
-        c["msg"] = gr.Textbox(placeholder="Message… (Enter to send, Shift+Enter for a new line)", show_label=False,
-                              lines=1, max_lines=8, scale=8, elem_id="msg", container=False, autofocus=True)
+        c["msg"] = gr.Textbox(
+            placeholder="Message… (Enter to send, Shift+Enter for a new line)",
+            show_label=False,
+            lines=1,
+            max_lines=8,
+            scale=8,
+            elem_id="msg",
+            container=False,
+            autofocus=True,
+        )
         c["send_btn"] = gr.Button("Send", variant="primary", scale=1, elem_id="send")
         c["stop_btn"] = gr.Button("■ Stop", variant="stop", scale=1, visible=False, elem_id="stop")
     with gr.Accordion("Generation settings", open=False, elem_id="settings"):
@@ -129,28 +158,56 @@ def _chat_tab(personas: dict, default_persona: str | None, max_n: int) -> dict:
 
 def _settings(max_n: int) -> dict:
     with gr.Row():
-        c = dict(temperature=gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature", info="0 = greedy",
-                                       elem_id="temperature"),
-                 top_p=gr.Slider(0.05, 1, value=0.95, step=0.05, label="Top-p", elem_id="top-p"),
-                 max_tokens=gr.Slider(1, 2048, value=256, step=1, label="Max tokens", elem_id="max-tokens"))
+        c = dict(
+            temperature=gr.Slider(
+                0, 2, value=0.7, step=0.05, label="Temperature", info="0 = greedy", elem_id="temperature"
+            ),
+            top_p=gr.Slider(0.05, 1, value=0.95, step=0.05, label="Top-p", elem_id="top-p"),
+            max_tokens=gr.Slider(1, 2048, value=256, step=1, label="Max tokens", elem_id="max-tokens"),
+        )
     with gr.Row():
         c["seed"] = gr.Number(value=-1, precision=0, label="Seed", info="-1 = random", elem_id="seed")
-        c["n_alt"] = gr.Slider(1, max_n, value=1, step=1, label="Alternatives (n)",
-                               info="parallel samples in one engine request", elem_id="n")
+        c["n_alt"] = gr.Slider(
+            1,
+            max_n,
+            value=1,
+            step=1,
+            label="Alternatives (n)",
+            info="parallel samples in one engine request",
+            elem_id="n",
+        )
     return c
 
 
 def _engine_tab() -> dict:
-    gr.Markdown("Live view of the engine's KV cache: pages on the device (in use by running requests, shared "
-                "between sequences, cached for reuse, free), and pages moved to the CPU and disk tiers. "
-                "Updated every second.")
+    gr.Markdown(
+        "Live view of the engine's KV cache: pages on the device (in use by running requests, shared "
+        "between sequences, cached for reuse, free), and pages moved to the CPU and disk tiers. "
+        "Updated every second."
+    )
     c = dict(kv_html=gr.HTML(elem_id="kv-view"))
     with gr.Row():
-        c["hit_plot"] = gr.LinePlot(x="t", y="value", color="series", title="Prefix-cache hit rate (%)",
-                                    x_title="seconds ago", y_title="hit rate %", y_lim=[0, 100], height=260,
-                                    elem_id="hit-plot", show_label=False)
-        c["thr_plot"] = gr.LinePlot(x="t", y="value", title="Throughput (generated tokens/s)",
-                                    x_title="seconds ago", y_title="tokens/s", height=260, elem_id="thr-plot",
-                                    show_label=False)
+        c["hit_plot"] = gr.LinePlot(
+            x="t",
+            y="value",
+            color="series",
+            title="Prefix-cache hit rate (%)",
+            x_title="seconds ago",
+            y_title="hit rate %",
+            y_lim=[0, 100],
+            height=260,
+            elem_id="hit-plot",
+            show_label=False,
+        )
+        c["thr_plot"] = gr.LinePlot(
+            x="t",
+            y="value",
+            title="Throughput (generated tokens/s)",
+            x_title="seconds ago",
+            y_title="tokens/s",
+            height=260,
+            elem_id="thr-plot",
+            show_label=False,
+        )
     c["timer"] = gr.Timer(1.0, active=False)
     return c

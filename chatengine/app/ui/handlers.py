@@ -9,6 +9,7 @@ Streaming: async generators, UI updates throttled to ~80 ms (the engine batches 
 browser cannot paint faster than that anyway). While a tab shows another conversation, a reply goes
 on (and is saved) without touching the screen.
 """
+
 from __future__ import annotations
 
 import html
@@ -20,8 +21,15 @@ import gradio as gr
 from chatengine.app.chat import ChatService, NotFound
 from chatengine.app.ui.components import Components
 from chatengine.app.ui.monitor import EngineMonitor
-from chatengine.app.ui.render import (default_focus, kv_picture, nav_state, persona_header, persona_placeholder,
-                                      to_chat, unescape_html)
+from chatengine.app.ui.render import (
+    default_focus,
+    kv_picture,
+    nav_state,
+    persona_header,
+    persona_placeholder,
+    to_chat,
+    unescape_html,
+)
 
 LOCAL_USER = "local"
 THROTTLE_S = 0.08
@@ -39,14 +47,15 @@ def settings_of(temperature, top_p, max_tokens, seed, n) -> dict:
 
 
 class ChatUI:
-    def __init__(self, service: ChatService, c: Components, *, auth_enabled: bool = False,
-                 local_user: str = LOCAL_USER):
+    def __init__(
+        self, service: ChatService, c: Components, *, auth_enabled: bool = False, local_user: str = LOCAL_USER
+    ):
         self.service, self.c = service, c
         self.auth_enabled, self.local_user = auth_enabled, local_user
         self.personas, self.default_persona = service.personas, service.default_persona
         self.monitor = EngineMonitor(service.engine)
-        self.viewing: dict[str, str | None] = {}     # session -> the conversation its tab shows
-        self.painting: Counter = Counter()           # (session, conversation) -> replies streaming into it
+        self.viewing: dict[str, str | None] = {}  # session -> the conversation its tab shows
+        self.painting: Counter = Counter()  # (session, conversation) -> replies streaming into it
 
     # ---- helpers --------------------------------------------------------------------------------
     def who(self, request: gr.Request | None) -> str:
@@ -70,8 +79,12 @@ class ChatUI:
     def nav(self, view: list[dict], focus: str | None) -> dict:
         label, can_prev, can_next = nav_state(view, focus)
         c = self.c
-        return {c.alt_label: gr.update(value=label), c.prev_btn: gr.update(interactive=can_prev),
-                c.next_btn: gr.update(interactive=can_next), c.regen_btn: gr.update(interactive=focus is not None)}
+        return {
+            c.alt_label: gr.update(value=label),
+            c.prev_btn: gr.update(interactive=can_prev),
+            c.next_btn: gr.update(interactive=can_next),
+            c.regen_btn: gr.update(interactive=focus is not None),
+        }
 
     def render(self, user: str, cid: str | None, focus: str | None = None) -> dict:
         """The transcript of conversation ``cid`` with its selection and ◀ k/N ▶ state."""
@@ -84,20 +97,33 @@ class ChatUI:
         """An empty transcript with no selection."""
         c = self.c
         off = gr.update(interactive=False)
-        return {c.chatbot: [], c.rows: [], c.focus: None, c.alt_label: "", c.prev_btn: off, c.next_btn: off,
-                c.regen_btn: off}
+        return {
+            c.chatbot: [],
+            c.rows: [],
+            c.focus: None,
+            c.alt_label: "",
+            c.prev_btn: off,
+            c.next_btn: off,
+            c.regen_btn: off,
+        }
 
     def waiting_view(self, user: str, cid: str) -> dict:
         """The new user message at once, with an empty reply bubble."""
         view = self.service.view(user, cid)
         c = self.c
         off = gr.update(interactive=False)
-        return {c.chatbot: to_chat(view) + [{"role": "assistant", "content": "▍"}],
-                c.rows: [m["id"] for m in view] + [None], c.focus: None, c.alt_label: "Waiting for the engine…",
-                c.prev_btn: off, c.next_btn: off, c.regen_btn: off}
+        return {
+            c.chatbot: to_chat(view) + [{"role": "assistant", "content": "▍"}],
+            c.rows: [m["id"] for m in view] + [None],
+            c.focus: None,
+            c.alt_label: "Waiting for the engine…",
+            c.prev_btn: off,
+            c.next_btn: off,
+            c.regen_btn: off,
+        }
 
     # ---- page load / sidebar --------------------------------------------------------------------
-    async def on_load(self, request: gr.Request) -> dict:      # async: runs on the server loop (the sampler task)
+    async def on_load(self, request: gr.Request) -> dict:  # async: runs on the server loop (the sampler task)
         user = self.who(request)
         self.monitor.ensure_running()
         name = f"Signed in as **{html.escape(user)}** · [Log out](/logout)" if self.auth_enabled else ""
@@ -112,10 +138,16 @@ class ChatUI:
         name = persona_name if persona_name in self.personas else self.default_persona
         p = self.personas.get(name or "")
         c = self.c
-        return {**self.blank(), c.cid: None, c.chatbot: gr.update(value=[], placeholder=persona_placeholder(p)),
-                c.alt_label: gr.update(value=""), c.conv_list: gr.update(value=None), c.rename_box: "",
-                c.persona: gr.update(visible=True, value=name, info=p.description if p else None),
-                c.header: gr.update(visible=False)}
+        return {
+            **self.blank(),
+            c.cid: None,
+            c.chatbot: gr.update(value=[], placeholder=persona_placeholder(p)),
+            c.alt_label: gr.update(value=""),
+            c.conv_list: gr.update(value=None),
+            c.rename_box: "",
+            c.persona: gr.update(visible=True, value=name, info=p.description if p else None),
+            c.header: gr.update(visible=False),
+        }
 
     def open_conv(self, conv_id, request: gr.Request) -> dict:
         user = self.who(request)
@@ -129,8 +161,13 @@ class ChatUI:
             gr.Warning("That conversation does not exist.")
             return {**self.blank(), c.cid: None, c.rename_box: "", c.conv_list: self.conv_list(user, None)}
         self.viewing[request.session_hash] = conv_id
-        return {**out, c.cid: conv_id, c.persona: gr.update(visible=False), c.rename_box: conv["title"],
-                c.header: self.header(conv["persona"])}
+        return {
+            **out,
+            c.cid: conv_id,
+            c.persona: gr.update(visible=False),
+            c.rename_box: conv["title"],
+            c.header: self.header(conv["persona"]),
+        }
 
     def fill_title(self, conv_id, request: gr.Request) -> str:
         user = self.who(request)
@@ -147,8 +184,10 @@ class ChatUI:
 
     def on_persona(self, name) -> dict:
         p = self.personas.get(name or "")
-        return {self.c.persona: gr.update(info=p.description if p else None),
-                self.c.chatbot: gr.update(placeholder=persona_placeholder(p))}
+        return {
+            self.c.persona: gr.update(info=p.description if p else None),
+            self.c.chatbot: gr.update(placeholder=persona_placeholder(p)),
+        }
 
     def rename(self, conv_id, new_title, request: gr.Request):
         user = self.who(request)
@@ -170,8 +209,11 @@ class ChatUI:
                 self.service.delete_conversation(user, conv_id)
             except NotFound:
                 gr.Warning("That conversation does not exist.")
-        return {**self.new_chat(persona_name, request), self.c.conv_list: self.conv_list(user, None),
-                self.c.confirm_row: gr.update(visible=False)}
+        return {
+            **self.new_chat(persona_name, request),
+            self.c.conv_list: self.conv_list(user, None),
+            self.c.confirm_row: gr.update(visible=False),
+        }
 
     # ---- streaming turns ------------------------------------------------------------------------
     def _progress(self, view: list[dict], up) -> dict:
@@ -184,8 +226,15 @@ class ChatUI:
         c = self.c
         off = gr.update(interactive=False)
         label = f"Generating {len(up.message_ids)} alternatives…" if len(up.message_ids) > 1 else "Generating…"
-        return {c.chatbot: to_chat(view, streaming_id=shown), c.rows: [m["id"] for m in view], c.focus: shown,
-                c.alt_label: label, c.prev_btn: off, c.next_btn: off, c.regen_btn: off}
+        return {
+            c.chatbot: to_chat(view, streaming_id=shown),
+            c.rows: [m["id"] for m in view],
+            c.focus: shown,
+            c.alt_label: label,
+            c.prev_btn: off,
+            c.next_btn: off,
+            c.regen_btn: off,
+        }
 
     async def stream(self, user: str, conv_id: str, gen, session: str):
         """Drive a ChatService generator; yield throttled UI updates, then the stored state
@@ -209,7 +258,7 @@ class ChatUI:
                 del self.painting[session, conv_id]
         if final is not None and final.status == "error":
             gr.Warning(final.error or "generation failed")
-        if self.viewing.get(session, conv_id) != conv_id:      # the tab moved on: only its list changes
+        if self.viewing.get(session, conv_id) != conv_id:  # the tab moved on: only its list changes
             yield {self.c.conv_list: self.conv_list(user, self.viewing.get(session))}
             return
         focus_id = final.message_ids[0] if final is not None else None
@@ -233,8 +282,9 @@ class ChatUI:
             yield gr.skip()
             return
         try:
-            conv_id, gen = self._start_send(user, text, conv_id, persona_name,
-                                            settings_of(temperature, top_p, max_tokens, seed, n))
+            conv_id, gen = self._start_send(
+                user, text, conv_id, persona_name, settings_of(temperature, top_p, max_tokens, seed, n)
+            )
         except NotFound:
             gr.Warning("That conversation does not exist; start a new chat.")
             yield gr.skip()
@@ -246,8 +296,14 @@ class ChatUI:
         self.viewing[request.session_hash] = conv_id
         conv = self.service.get_conversation(user, conv_id)
         c = self.c
-        yield {**self.waiting_view(user, conv_id), c.msg: "", c.cid: conv_id, c.conv_list: self.conv_list(user, conv_id),
-               c.persona: gr.update(visible=False), c.header: self.header(conv["persona"])}
+        yield {
+            **self.waiting_view(user, conv_id),
+            c.msg: "",
+            c.cid: conv_id,
+            c.conv_list: self.conv_list(user, conv_id),
+            c.persona: gr.update(visible=False),
+            c.header: self.header(conv["persona"]),
+        }
         async for upd in self.stream(user, conv_id, gen, request.session_hash):
             yield upd
 
@@ -269,26 +325,33 @@ class ChatUI:
         async for upd in self.stream(user, conv_id, gen, request.session_hash):
             yield upd
 
-    async def retry(self, conv_id, row_ids, temperature, top_p, max_tokens, seed, n, data: gr.RetryData,
-                    request: gr.Request):
+    async def retry(
+        self, conv_id, row_ids, temperature, top_p, max_tokens, seed, n, data: gr.RetryData, request: gr.Request
+    ):
         idx = _index(data)
         msg_id = row_ids[idx] if 0 <= idx < len(row_ids or []) else None
         async for out in self.regenerate(conv_id, msg_id, temperature, top_p, max_tokens, seed, n, request):
             yield out
 
-    async def edit(self, conv_id, row_ids, temperature, top_p, max_tokens, seed, n, data: gr.EditData,
-                   request: gr.Request):
+    async def edit(
+        self, conv_id, row_ids, temperature, top_p, max_tokens, seed, n, data: gr.EditData, request: gr.Request
+    ):
         user = self.who(request)
         idx = _index(data)
         msg_id = row_ids[idx] if conv_id and 0 <= idx < len(row_ids or []) else None
         value = data.value
-        if isinstance(value, list):      # normalized content parts
+        if isinstance(value, list):  # normalized content parts
             value = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in value)
         try:
             if msg_id is None:
                 raise NotFound("no such message")
-            gen = self.service.edit(user, conv_id, msg_id, unescape_html(str(value or "")),
-                                    settings_of(temperature, top_p, max_tokens, seed, n))
+            gen = self.service.edit(
+                user,
+                conv_id,
+                msg_id,
+                unescape_html(str(value or "")),
+                settings_of(temperature, top_p, max_tokens, seed, n),
+            )
         except (NotFound, ValueError) as e:
             gr.Warning(str(e) if isinstance(e, ValueError) else "That message does not exist.")
             yield self.render(user, conv_id) if conv_id else gr.skip()
@@ -337,7 +400,7 @@ class ChatUI:
         idx = _index(data)
         if not conv_id or not (0 <= idx < len(row_ids or [])) or row_ids[idx] is None:
             return gr.skip()
-        if self.painting[request.session_hash, conv_id]:        # the stream owns the view and nav
+        if self.painting[request.session_hash, conv_id]:  # the stream owns the view and nav
             return gr.skip()
         try:
             view = self.service.view(user, conv_id)

@@ -10,6 +10,7 @@ Generating events have no per-event concurrency limit (the engine batches all us
 text is HTML-escaped outside code (and Gradio sanitizes the rest), so HTML or script in a message
 shows as text and never runs.
 """
+
 from __future__ import annotations
 
 import gradio as gr
@@ -54,8 +55,14 @@ def theme():
     return gr.themes.Soft(primary_hue="indigo", neutral_hue="slate")
 
 
-def build_ui(service: ChatService, *, auth_enabled: bool = False, local_user: str = LOCAL_USER,
-             title: str = "chatengine", max_n: int = 4) -> gr.Blocks:
+def build_ui(
+    service: ChatService,
+    *,
+    auth_enabled: bool = False,
+    local_user: str = LOCAL_USER,
+    title: str = "chatengine",
+    max_n: int = 4,
+) -> gr.Blocks:
     with gr.Blocks(title=title, analytics_enabled=False, fill_width=True) as demo:
         c = build_components(service.personas, service.default_persona, title, max_n)
         ui = ChatUI(service, c, auth_enabled=auth_enabled, local_user=local_user)
@@ -75,19 +82,27 @@ def _new_chat_outputs(c: Components) -> list:
 
 def _wire_sidebar(ui: ChatUI, c: Components) -> None:
     c.new_btn.click(ui.new_chat, [c.persona], _new_chat_outputs(c), api_name="new_chat", queue=False)
-    c.conv_list.input(ui.open_conv, [c.conv_list], [c.cid, *c.view, c.persona, c.rename_box, c.conv_list, c.header],
-                      api_name="open", queue=False)
+    c.conv_list.input(
+        ui.open_conv,
+        [c.conv_list],
+        [c.cid, *c.view, c.persona, c.rename_box, c.conv_list, c.header],
+        api_name="open",
+        queue=False,
+    )
     c.conv_list.change(ui.fill_title, [c.conv_list], [c.rename_box], **QUIET)
-    c.search.change(ui.on_search, [c.search, c.cid], [c.conv_list], api_name="search", queue=False,
-                    show_progress="hidden")
+    c.search.change(
+        ui.on_search, [c.search, c.cid], [c.conv_list], api_name="search", queue=False, show_progress="hidden"
+    )
     c.persona.input(ui.on_persona, [c.persona], [c.persona, c.chatbot], api_visibility="private", queue=False)
     c.rename_btn.click(ui.rename, [c.cid, c.rename_box], [c.conv_list], api_name="rename", queue=False)
     c.rename_box.submit(ui.rename, [c.cid, c.rename_box], [c.conv_list], api_visibility="private", queue=False)
-    c.delete_btn.click(lambda cid: gr.update(visible=bool(cid)), [c.cid], [c.confirm_row], api_visibility="private",
-                       queue=False)
+    c.delete_btn.click(
+        lambda cid: gr.update(visible=bool(cid)), [c.cid], [c.confirm_row], api_visibility="private", queue=False
+    )
     c.cancel_btn.click(lambda: gr.update(visible=False), None, [c.confirm_row], api_visibility="private", queue=False)
-    c.confirm_btn.click(ui.delete, [c.cid, c.persona], [*_new_chat_outputs(c), c.confirm_row], api_name="delete",
-                        queue=False)
+    c.confirm_btn.click(
+        ui.delete, [c.cid, c.persona], [*_new_chat_outputs(c), c.confirm_row], api_name="delete", queue=False
+    )
 
 
 def _generating(ui: ChatUI, c: Components, listen, fn, inputs, outputs, chained: bool = True, **kw) -> None:
@@ -106,26 +121,39 @@ def _wire_turns(ui: ChatUI, c: Components) -> None:
     _generating(ui, c, c.msg.submit, ui.send, send_in, send_out, api_name="send")
     _generating(ui, c, c.send_btn.click, ui.send, send_in, send_out, api_visibility="private")
     regen_out = [*c.view, c.conv_list]
-    _generating(ui, c, c.regen_btn.click, ui.regenerate, [c.cid, c.focus, *c.sampling], regen_out,
-                api_name="regenerate")
-    _generating(ui, c, c.chatbot.retry, ui.retry, [c.cid, c.rows, *c.sampling], regen_out, chained=False,
-                api_visibility="private")
-    _generating(ui, c, c.chatbot.edit, ui.edit, [c.cid, c.rows, *c.sampling], regen_out, chained=False,
-                api_visibility="private")
+    _generating(
+        ui, c, c.regen_btn.click, ui.regenerate, [c.cid, c.focus, *c.sampling], regen_out, api_name="regenerate"
+    )
+    _generating(
+        ui,
+        c,
+        c.chatbot.retry,
+        ui.retry,
+        [c.cid, c.rows, *c.sampling],
+        regen_out,
+        chained=False,
+        api_visibility="private",
+    )
+    _generating(
+        ui, c, c.chatbot.edit, ui.edit, [c.cid, c.rows, *c.sampling], regen_out, chained=False, api_visibility="private"
+    )
     c.stop_btn.click(ui.stop, [c.cid], [c.send_btn, c.stop_btn], api_name="stop", **ENGINE)
 
 
 def _wire_alternatives(ui: ChatUI, c: Components) -> None:
-    c.prev_btn.click(ui.previous, [c.cid, c.focus], c.view, api_name="previous_alternative", queue=False,
-                     show_progress="hidden")
-    c.next_btn.click(ui.next, [c.cid, c.focus], c.view, api_name="next_alternative", queue=False,
-                     show_progress="hidden")
+    c.prev_btn.click(
+        ui.previous, [c.cid, c.focus], c.view, api_name="previous_alternative", queue=False, show_progress="hidden"
+    )
+    c.next_btn.click(
+        ui.next, [c.cid, c.focus], c.view, api_name="next_alternative", queue=False, show_progress="hidden"
+    )
     c.chatbot.select(ui.on_select, [c.cid, c.rows], [c.focus, *c.nav], **QUIET)
 
 
 def _wire_engine_tab(ui: ChatUI, c: Components) -> None:
     picture = [c.kv_html, c.hit_plot, c.thr_plot]
     c.timer.tick(ui.engine_tick, None, picture, **QUIET)
-    c.engine_tab.select(lambda: gr.Timer(active=True), None, [c.timer], api_visibility="private",
-                        queue=False).then(ui.engine_tick, None, picture, api_visibility="private", queue=False)
+    c.engine_tab.select(lambda: gr.Timer(active=True), None, [c.timer], api_visibility="private", queue=False).then(
+        ui.engine_tick, None, picture, api_visibility="private", queue=False
+    )
     c.chat_tab.select(lambda: gr.Timer(active=False), None, [c.timer], api_visibility="private", queue=False)

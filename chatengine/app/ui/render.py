@@ -1,5 +1,6 @@
 """What the UI shows, as text: messages (HTML-escaped outside code), stats footers, the ◀ k/N ▶
 label, persona blurbs and the Engine tab's picture of the KV pages. Pure functions, no Gradio."""
+
 import html
 import re
 
@@ -18,7 +19,12 @@ def _segments(text: str):
             buf, fence = [line], m.group(1)
         elif fence is not None:
             buf.append(line)
-            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line.strip()[len(m.group(1)):]:
+            if (
+                m
+                and m.group(1)[0] == fence[0]
+                and len(m.group(1)) >= len(fence)
+                and not line.strip()[len(m.group(1)) :]
+            ):
                 out.append((True, "".join(buf)))
                 buf, fence = [], None
         else:
@@ -31,7 +37,7 @@ def _segments(text: str):
             continue
         pos = 0
         for m in _INLINE_CODE.finditer(chunk):
-            pieces.append((False, chunk[pos:m.start()]))
+            pieces.append((False, chunk[pos : m.start()]))
             pieces.append((True, m.group(0)))
             pos = m.end()
         pieces.append((False, chunk[pos:]))
@@ -118,8 +124,9 @@ def nav_state(view: list[dict], focus: str | None):
     if m is None:
         return "", False, False
     pos = [x["id"] for x in view if x["role"] == m["role"]].index(m["id"]) + 1
-    last = m["id"] == view[-1]["id"] or (m["role"] == "assistant" and
-                                          m["id"] == next(x["id"] for x in reversed(view) if x["role"] == "assistant"))
+    last = m["id"] == view[-1]["id"] or (
+        m["role"] == "assistant" and m["id"] == next(x["id"] for x in reversed(view) if x["role"] == "assistant")
+    )
     if m["role"] == "assistant":
         what = "Last reply" if last else f"Reply {pos}"
         kind = "alternative"
@@ -158,17 +165,29 @@ def kv_picture(stats: dict, max_cells: int = 768) -> str:
         ("CPU tier", stats.get("cpu_blocks_used", 0), "pages offloaded to CPU memory"),
         ("Disk tier", stats.get("disk_blocks", 0), "pages persisted on disk"),
         ("Prefix-cache hit rate", f"{100 * hit:.1f}%" if hit is not None else "–", "of prompt tokens since start"),
-        ("Requests", f"{stats.get('num_running', 0)} running", f"{stats.get('num_waiting', 0)} waiting · "
-                                                              f"{stats.get('num_preemptions', 0)} preempted"),
-        ("Generated tokens", stats.get("num_generated_tokens", 0), f"{stats.get('model', '')} on {stats.get('device', '?')}"),
+        (
+            "Requests",
+            f"{stats.get('num_running', 0)} running",
+            f"{stats.get('num_waiting', 0)} waiting · {stats.get('num_preemptions', 0)} preempted",
+        ),
+        (
+            "Generated tokens",
+            stats.get("num_generated_tokens", 0),
+            f"{stats.get('model', '')} on {stats.get('device', '?')}",
+        ),
     ]
-    tier_html = "".join(f"<div class='kv-tier'><span>{html.escape(str(a))}</span><b>{html.escape(str(b))}</b>"
-                        f"<span>{html.escape(str(c))}</span></div>" for a, b, c in tiers)
+    tier_html = "".join(
+        f"<div class='kv-tier'><span>{html.escape(str(a))}</span><b>{html.escape(str(b))}</b>"
+        f"<span>{html.escape(str(c))}</span></div>"
+        for a, b, c in tiers
+    )
     scale = f" (one cell = {per} pages)" if per > 1 else ""
-    return (f"<div><div class='kv-legend'>{legend('kv-shared', 'shared', shared)}"
-            f"{legend('kv-used', 'in use', used - shared)}{legend('kv-cached', 'cached (reusable)', cached)}"
-            f"{legend('kv-free', 'free', free)}<span style='opacity:.7'>{total} device pages of {bs} tokens{scale}"
-            f"</span></div><div class='kv-grid'>{grid}</div><div class='kv-tiers'>{tier_html}</div></div>")
+    return (
+        f"<div><div class='kv-legend'>{legend('kv-shared', 'shared', shared)}"
+        f"{legend('kv-used', 'in use', used - shared)}{legend('kv-cached', 'cached (reusable)', cached)}"
+        f"{legend('kv-free', 'free', free)}<span style='opacity:.7'>{total} device pages of {bs} tokens{scale}"
+        f"</span></div><div class='kv-grid'>{grid}</div><div class='kv-tiers'>{tier_html}</div></div>"
+    )
 
 
 # ---- personas -----------------------------------------------------------------------------------
@@ -176,9 +195,11 @@ def persona_placeholder(persona) -> str:
     """The empty chat's welcome for a persona (None: a plain prompt to type)."""
     if persona is None:
         return "### Start a conversation\nType a message below."
-    return (f"<div style='text-align:center'><h2>{html.escape(persona.title)}</h2>"
-            f"<p style='opacity:.75'>{html.escape(persona.description)}</p>"
-            "<p style='opacity:.55;font-size:.9em'>Pick a persona above, then type a message below.</p></div>")
+    return (
+        f"<div style='text-align:center'><h2>{html.escape(persona.title)}</h2>"
+        f"<p style='opacity:.75'>{html.escape(persona.description)}</p>"
+        "<p style='opacity:.55;font-size:.9em'>Pick a persona above, then type a message below.</p></div>"
+    )
 
 
 def persona_header(persona) -> str:

@@ -14,13 +14,14 @@ runs the queued copies (evictions first, then restores) before the step's forwar
 
 The block manager never touches tensors: copies (fork, offload) are requested from the runner.
 """
+
 import hashlib
 import time
 from collections import OrderedDict
 from itertools import chain
 
-from chatengine.engine.kv.hashing import ChainMemo, salt_extra, salt_start_block
 from chatengine.engine.kv.block_meta import BlockMeta
+from chatengine.engine.kv.hashing import ChainMemo, salt_extra, salt_start_block
 from chatengine.engine.sequence import Sequence
 
 
@@ -37,9 +38,9 @@ class Block:
         self.ref_count = 0
         self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
-        self.parent = b""                 # the previous block's hash (the root for block 0)
-        self.owner = b""                  # tag of the user whose salt is in the hash (b"": public)
-        self.freed_at = 0.0               # when its ref count last dropped to 0 (idle since)
+        self.parent = b""  # the previous block's hash (the root for block 0)
+        self.owner = b""  # tag of the user whose salt is in the hash (b"": public)
+        self.freed_at = 0.0  # when its ref count last dropped to 0 (idle since)
 
     def meta(self) -> BlockMeta:
         return BlockMeta(self.hash, self.parent, self.token_ids, self.owner)
@@ -58,16 +59,16 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, root: bytes = b""):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.root = root                                  # model fingerprint: the parent of block 0
-        self.chains = ChainMemo()                         # recent hash chains, to start new ones from
+        self.root = root  # model fingerprint: the parent of block 0
+        self.chains = ChainMemo()  # recent hash chains, to start new ones from
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
-        self.cached: dict[bytes, int] = {}                # hash -> block id (in use or free)
-        self.tiers = None                                 # offload.TieredCache, if any
-        self.write_behind = False                         # queue newly published blocks for the disk
-        self.pending_evictions: list[tuple[int, BlockMeta]] = []   # device -> host copies to make
-        self.pending_restores: list[tuple[int, bytes]] = []        # host -> device copies to make
-        self.pending_publishes: list[tuple[int, BlockMeta]] = []   # device -> disk write-behind
+        self.cached: dict[bytes, int] = {}  # hash -> block id (in use or free)
+        self.tiers = None  # offload.TieredCache, if any
+        self.write_behind = False  # queue newly published blocks for the disk
+        self.pending_evictions: list[tuple[int, BlockMeta]] = []  # device -> host copies to make
+        self.pending_restores: list[tuple[int, bytes]] = []  # host -> device copies to make
+        self.pending_publishes: list[tuple[int, BlockMeta]] = []  # device -> disk write-behind
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_evictions = 0
@@ -95,9 +96,15 @@ class BlockManager:
         """Chain hashes of seq's first `num_blocks` full blocks (extended lazily on the sequence)."""
         hashes = seq.block_hashes
         if len(hashes) < num_blocks:
-            self.chains.extend(hashes, self.root, seq.token_ids, self.block_size, num_blocks,
-                               salt_start_block(seq.public_prefix_len, self.block_size),
-                               salt_extra(seq.salt) if seq.salt else b"")
+            self.chains.extend(
+                hashes,
+                self.root,
+                seq.token_ids,
+                self.block_size,
+                num_blocks,
+                salt_start_block(seq.public_prefix_len, self.block_size),
+                salt_extra(seq.salt) if seq.salt else b"",
+            )
         return hashes[:num_blocks]
 
     def lookup(self, seq: Sequence) -> tuple[list[int], int, bool]:
@@ -118,12 +125,12 @@ class BlockManager:
         # a hit compares tokens too (a hash collision must not serve another prompt's KV): one
         # comparison of the whole run, block by block only where it differs
         blocks, bs = self.blocks, self.block_size
-        if hits and list(chain.from_iterable(blocks[b].token_ids for b in hits)) != seq.token_ids[:len(hits) * bs]:
-            hits = hits[:next(i for i, b in enumerate(hits) if blocks[b].token_ids != tuple(seq.block_tokens(i)))]
+        if hits and list(chain.from_iterable(blocks[b].token_ids for b in hits)) != seq.token_ids[: len(hits) * bs]:
+            hits = hits[: next(i for i, b in enumerate(hits) if blocks[b].token_ids != tuple(seq.block_tokens(i)))]
         num_lower, loading = 0, False
         if self.tiers is not None and len(hits) < len(hashes):
             rest = range(len(hits), len(hashes))
-            num_lower, loading = self.tiers.lookup(hashes[len(hits):], [seq.block_tokens(i) for i in rest])
+            num_lower, loading = self.tiers.lookup(hashes[len(hits) :], [seq.block_tokens(i) for i in rest])
         return hits, num_lower, loading
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -137,13 +144,19 @@ class BlockManager:
         hashes = self.block_hashes(seq, num_full)
         for i in range(seq.num_published_blocks, num_full):
             block, h = self.blocks[seq.block_table[i]], hashes[i]
-            if block.hash is not None:    # a prefix hit or a restored block: published already
+            if block.hash is not None:  # a prefix hit or a restored block: published already
                 continue
-            if h in self.cached:          # computed twice: share the first copy, free this one
+            if h in self.cached:  # computed twice: share the first copy, free this one
                 self._share_cached(seq, i, self.cached[h])
                 continue
-            block.set_hash(BlockMeta(h, hashes[i - 1] if i else self.root, tuple(seq.block_tokens(i)),
-                                     owner_tag(seq.salt) if i >= first_salted else b""))
+            block.set_hash(
+                BlockMeta(
+                    h,
+                    hashes[i - 1] if i else self.root,
+                    tuple(seq.block_tokens(i)),
+                    owner_tag(seq.salt) if i >= first_salted else b"",
+                )
+            )
             self.cached[h] = block.block_id
             if self.write_behind:
                 self.pending_publishes.append((block.block_id, block.meta()))
@@ -156,15 +169,14 @@ class BlockManager:
         prompt hold its pages once."""
         dup = seq.block_table[i]
         if self.blocks[cached_id].token_ids != tuple(seq.block_tokens(i)):
-            return                        # a hash collision: keep the private copy
+            return  # a hash collision: keep the private copy
         self._ref(cached_id)
         # a new list, not an edit in place: the runner mirrors tables that only grow or are replaced
-        seq.block_table = seq.block_table[:i] + [cached_id] + seq.block_table[i + 1:]
+        seq.block_table = seq.block_table[:i] + [cached_id] + seq.block_table[i + 1 :]
         self._unref(dup)
 
     # ---- allocation -----------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (),
-                 num_restore: int = 0) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (), num_restore: int = 0) -> bool:
         """Grow seq's table to hold num_new_tokens more tokens, first claiming `cached_blocks` and
         then `num_restore` blocks restored from the lower tiers (a lookup() result, only for a
         sequence with no blocks yet). All or nothing."""
@@ -182,7 +194,7 @@ class BlockManager:
                 self._ref(block_id)
             seq.block_table = list(cached_blocks)
             hashes = self.block_hashes(seq, num_hit)
-            for i in range(len(cached_blocks), num_hit):      # restored: published now, copied before the forward
+            for i in range(len(cached_blocks), num_hit):  # restored: published now, copied before the forward
                 block_id = self._take_free()
                 meta = self.tiers.host.index[hashes[i]][1]
                 self.blocks[block_id].set_hash(meta)
@@ -190,15 +202,15 @@ class BlockManager:
                 seq.block_table.append(block_id)
                 self.pending_restores.append((block_id, meta.hash))
             if num_restore:
-                self.tiers.pin(hashes[len(cached_blocks):num_hit])
+                self.tiers.pin(hashes[len(cached_blocks) : num_hit])
             seq.num_computed_tokens = seq.num_cached_tokens = num_computed
-            seq.num_published_blocks = num_hit                # hits and restores are published already
+            seq.num_published_blocks = num_hit  # hits and restores are published already
             num_needed -= num_restore
         if num_new_tokens and seq.num_computed_tokens % bs:
             # NOTE: the partial tail is about to be written; it must be ours alone
             tail = self.blocks[seq.block_table[seq.num_computed_tokens // bs]]
             assert tail.ref_count == 1 and tail.hash is None, f"write into shared block {tail}"
-        for _ in range(num_needed):       # (empty when nothing is needed)
+        for _ in range(num_needed):  # (empty when nothing is needed)
             seq.block_table.append(self._take_free())
         return True
 
@@ -216,7 +228,7 @@ class BlockManager:
         child.block_table = parent.block_table[:num_full]
         child.num_computed_tokens = num_tokens
         child.block_hashes = parent.block_hashes[:num_full]
-        child.num_published_blocks = num_full                 # the parent has published these
+        child.num_published_blocks = num_full  # the parent has published these
         if not partial:
             return None
         child.block_table.append(self._take_free())
@@ -253,8 +265,8 @@ class BlockManager:
     def _take_free(self) -> int:
         block_id, _ = self.free_lru.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:                       # evict: drop the old hash (stale-entry bug)
-            if self.tiers is not None:                   # write back to host memory before reuse
+        if block.hash is not None:  # evict: drop the old hash (stale-entry bug)
+            if self.tiers is not None:  # write back to host memory before reuse
                 self.pending_evictions.append((block_id, block.meta()))
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
@@ -333,7 +345,9 @@ class BlockManager:
             for block_id in seq.block_table:
                 refs[block_id] += 1
         bad = [b for b in self.blocks if b.ref_count != refs[b.block_id]]
-        assert not bad, f"ref counts differ from table membership: {bad[:8]} (tables say {[refs[b.block_id] for b in bad[:8]]})"
+        assert not bad, (
+            f"ref counts differ from table membership: {bad[:8]} (tables say {[refs[b.block_id] for b in bad[:8]]})"
+        )
         free = set(self.free_lru)
         assert len(free) == len(self.free_lru)
         wrong = [b for b in self.blocks if (b.ref_count == 0) != (b.block_id in free)]

@@ -6,6 +6,7 @@ shape, crc32 of the payload) and the raw page bytes. Files are written to a temp
 so a crash leaves either the whole file or none. Anything that fails to verify is a miss and is
 deleted. The index is rebuilt by scanning the directory at start; a size budget evicts the LRU.
 """
+
 import json
 import logging
 import os
@@ -22,17 +23,24 @@ from chatengine.engine.kv.block_meta import BlockMeta
 
 log = logging.getLogger("chatengine.kv.disk")
 MAGIC, VERSION = b"CEKV", 1
-PREFIX = struct.Struct("<4sHI")          # magic, format version, header length
+PREFIX = struct.Struct("<4sHI")  # magic, format version, header length
 
 
 class DiskStore:
-    def __init__(self, directory: str | Path, root: bytes, budget_bytes: int, block_shape, dtype: torch.dtype,
-                 queue_size: int = 256):
+    def __init__(
+        self,
+        directory: str | Path,
+        root: bytes,
+        budget_bytes: int,
+        block_shape,
+        dtype: torch.dtype,
+        queue_size: int = 256,
+    ):
         self.dir = Path(directory) / root.hex()
         self.root, self.budget, self.block_shape, self.dtype = root, budget_bytes, tuple(block_shape), dtype
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
-        self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()   # LRU: head evicted first
+        self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()  # LRU: head evicted first
         self.lock = threading.Lock()
         self.num_dropped = self.num_write_errors = self.num_damaged = 0
         self._scan()
@@ -54,7 +62,7 @@ class DiskStore:
                 self._delete(path)
         for _, meta, path in sorted(found, key=lambda x: x[0]):
             self.index[meta.hash] = (path, path.stat().st_size, meta)
-        for tmp in self.dir.glob("*/.*.tmp"):   # a crash mid-write leaves only temp files behind
+        for tmp in self.dir.glob("*/.*.tmp"):  # a crash mid-write leaves only temp files behind
             self._delete(tmp)
 
     @property
@@ -105,10 +113,18 @@ class DiskStore:
         if ready is not None:
             ready.synchronize()
         payload = page.contiguous().view(torch.uint8).numpy().tobytes()
-        header = json.dumps({"root": self.root.hex(), "hash": meta.hash.hex(), "parent": meta.parent.hex(),
-                             "owner": meta.owner.hex(), "tokens": list(meta.token_ids),
-                             "dtype": str(self.dtype).removeprefix("torch."), "shape": list(self.block_shape),
-                             "crc32": zlib.crc32(payload)}).encode()
+        header = json.dumps(
+            {
+                "root": self.root.hex(),
+                "hash": meta.hash.hex(),
+                "parent": meta.parent.hex(),
+                "owner": meta.owner.hex(),
+                "tokens": list(meta.token_ids),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "shape": list(self.block_shape),
+                "crc32": zlib.crc32(payload),
+            }
+        ).encode()
         path = self.path(meta.hash)
         tmp = path.parent / f".{path.name}.{threading.get_ident()}.tmp"
         try:
@@ -117,7 +133,7 @@ class DiskStore:
             with os.fdopen(fd, "wb") as f:
                 f.write(PREFIX.pack(MAGIC, VERSION, len(header)) + header + payload)
             os.replace(tmp, path)
-        except OSError as e:        # e.g. a full disk: the block stays recomputable, nothing breaks
+        except OSError as e:  # e.g. a full disk: the block stays recomputable, nothing breaks
             self.num_write_errors += 1
             if self.num_write_errors == 1 or self.num_write_errors % 100 == 0:
                 log.warning("KV disk store write failed (%s); falling back to recompute", e)
@@ -144,11 +160,15 @@ class DiskStore:
         if magic != MAGIC or version != VERSION:
             raise ValueError("bad magic or version")
         h = json.loads(f.read(n))
-        if h["root"] != self.root.hex() or h["dtype"] != str(self.dtype).removeprefix("torch.") \
-                or tuple(h["shape"]) != self.block_shape:
+        if (
+            h["root"] != self.root.hex()
+            or h["dtype"] != str(self.dtype).removeprefix("torch.")
+            or tuple(h["shape"]) != self.block_shape
+        ):
             raise ValueError("block of another model, dtype or layout")
-        meta = BlockMeta(bytes.fromhex(h["hash"]), bytes.fromhex(h["parent"]), tuple(h["tokens"]),
-                         bytes.fromhex(h["owner"]))
+        meta = BlockMeta(
+            bytes.fromhex(h["hash"]), bytes.fromhex(h["parent"]), tuple(h["tokens"]), bytes.fromhex(h["owner"])
+        )
         if path.name != f"{meta.hash.hex()}.kv":
             raise ValueError("file name does not match its hash")
         return meta, h["crc32"]
@@ -167,7 +187,7 @@ class DiskStore:
         if entry is None:
             return None
         path = entry[0]
-        buf = out.view(torch.uint8).numpy().reshape(-1)          # out's bytes, written in place
+        buf = out.view(torch.uint8).numpy().reshape(-1)  # out's bytes, written in place
         try:
             with open(path, "rb") as f:
                 meta, crc = self._read_header(f, path)
@@ -184,8 +204,8 @@ class DiskStore:
             if h in self.index:
                 self.index.move_to_end(h)
         try:
-            os.utime(path)       # the mtime is the LRU order across restarts
-        except OSError:          # evicted by the writer's budget meanwhile: the page is read already
+            os.utime(path)  # the mtime is the LRU order across restarts
+        except OSError:  # evicted by the writer's budget meanwhile: the page is read already
             pass
         return meta
 

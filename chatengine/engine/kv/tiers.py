@@ -10,6 +10,7 @@ Lookups go host -> disk; a disk hit is read and verified into a host slot on a r
 without stalling the engine (the request waits, the others run), so a restore copies from host
 memory only. Entries a pending restore needs are pinned: never evicted until the copy is done.
 """
+
 import logging
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -20,7 +21,7 @@ from chatengine.engine.kv.block_meta import BlockMeta
 from chatengine.engine.kv.disk_store import DiskStore
 
 log = logging.getLogger("chatengine.kv.tiers")
-READERS = 4                              # disk reads in parallel (file reads and crc32 release the GIL)
+READERS = 4  # disk reads in parallel (file reads and crc32 release the GIL)
 
 
 class HostPool:
@@ -29,10 +30,10 @@ class HostPool:
     def __init__(self, num_blocks: int, block_shape, dtype: torch.dtype, pin: bool):
         self.data = torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
         self.free_slots = list(range(num_blocks - 1, -1, -1))
-        self.index: OrderedDict[bytes, tuple[int, BlockMeta]] = OrderedDict()   # head = LRU
+        self.index: OrderedDict[bytes, tuple[int, BlockMeta]] = OrderedDict()  # head = LRU
         self.pinned: dict[bytes, int] = {}
-        self.landing: dict[int, object] = {}     # slot -> event of a device copy into it, maybe unfinished
-        self.loading: dict[int, tuple[bytes, Future]] = {}   # slot -> (hash, its read from disk)
+        self.landing: dict[int, object] = {}  # slot -> event of a device copy into it, maybe unfinished
+        self.loading: dict[int, tuple[bytes, Future]] = {}  # slot -> (hash, its read from disk)
 
     @property
     def num_blocks(self) -> int:
@@ -45,13 +46,23 @@ class HostPool:
 class TieredCache:
     """The host pool and the optional disk store behind the device pool."""
 
-    def __init__(self, root: bytes, block_shape, dtype: torch.dtype, cpu_blocks: int, pin: bool,
-                 disk_dir: str | None = None, disk_budget_bytes: int = 0):
+    def __init__(
+        self,
+        root: bytes,
+        block_shape,
+        dtype: torch.dtype,
+        cpu_blocks: int,
+        pin: bool,
+        disk_dir: str | None = None,
+        disk_budget_bytes: int = 0,
+    ):
         self.host = HostPool(cpu_blocks, block_shape, dtype, pin) if cpu_blocks > 0 else None
         self.disk = DiskStore(disk_dir, root, disk_budget_bytes, block_shape, dtype) if disk_dir else None
         self.num_restored = self.num_promoted = 0
-        self.inflight = None                    # event of the last restore's host -> device copies
-        self.reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-disk-reader") if self.host and self.disk else None
+        self.inflight = None  # event of the last restore's host -> device copies
+        self.reader = (
+            ThreadPoolExecutor(READERS, thread_name_prefix="kv-disk-reader") if self.host and self.disk else None
+        )
 
     # ---- lookup (metadata + reads from disk) -------------------------------------------------------
     def lookup(self, hashes: list[bytes], token_lists: list[list[int]]) -> tuple[int, bool]:
@@ -104,7 +115,7 @@ class TieredCache:
             for event in waits:
                 event.synchronize()
             return self.disk.read_into(h, self.host.data[slot]) is not None
-        except Exception:                      # never take the engine down over a disk read
+        except Exception:  # never take the engine down over a disk read
             log.exception("KV block read failed")
             return False
 
@@ -186,7 +197,7 @@ class TieredCache:
 
     def _spill_one(self) -> bool:
         host = self.host
-        for h, (slot, _) in host.index.items():         # oldest first, skipping pinned entries and reads
+        for h, (slot, _) in host.index.items():  # oldest first, skipping pinned entries and reads
             if h not in host.pinned and slot not in host.loading:
                 slot, meta = host.index.pop(h)
                 if self.disk is not None:
@@ -202,7 +213,7 @@ class TieredCache:
         if self.host is not None:
             for h, (slot, meta) in list(self.host.index.items()):
                 if meta.owner == owner and h not in self.host.pinned:
-                    self._settle(slot)                  # nothing may land in the slot once it is free
+                    self._settle(slot)  # nothing may land in the slot once it is free
                     if self.host.index.pop(h, None) is not None:
                         self.host.free_slots.append(slot)
                         n += 1
@@ -221,7 +232,7 @@ class TieredCache:
         if self.host is not None:
             for h, (slot, meta) in list(self.host.index.items()):
                 self._settle(slot)
-                if h in self.host.index:                # (a failed read is gone)
+                if h in self.host.index:  # (a failed read is gone)
                     self.disk.write_behind(meta, self.host.data[slot].clone(), block=True)
         self.disk.flush()
 

@@ -8,13 +8,14 @@ owns the device tensors and queues the copies; this class moves the lists to the
 - on demand: idle cached pages to host memory, everything to disk at shutdown.
 Device copies queue behind the step in flight; the host never waits for them here.
 """
+
 import time
 
 from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.engine.kv.block_meta import BlockMeta
 from chatengine.engine.kv.tiers import TieredCache
 
-GATHER_CHUNK = 64             # pages per device -> host gather
+GATHER_CHUNK = 64  # pages per device -> host gather
 
 
 class KVTransfers:
@@ -31,10 +32,11 @@ class KVTransfers:
         try:
             self.copy_evictions()
             if restores:
-                done = self.runner.restore_blocks([b for b, _ in restores], self.tiers.host.data,
-                                                  self.tiers.host_slots(hashes))
+                done = self.runner.restore_blocks(
+                    [b for b, _ in restores], self.tiers.host.data, self.tiers.host_slots(hashes)
+                )
                 self.tiers.copies_in_flight(done)
-        except BaseException:   # never leave a published block without its data
+        except BaseException:  # never leave a published block without its data
             for block_id, _ in restores:
                 self.bm.unpublish(block_id)
             raise
@@ -67,7 +69,7 @@ class KVTransfers:
         if ids:
             try:
                 copied = self.runner.queue_save_blocks(ids, self.tiers.host.data, slots)
-            except BaseException:        # never leave a host entry whose page did not arrive
+            except BaseException:  # never leave a host entry whose page did not arrive
                 self.tiers.unclaim(claimed)
                 raise
             self.tiers.landing(slots, copied)
@@ -77,7 +79,7 @@ class KVTransfers:
         """Queue these (block id, meta) pages for the disk writer, copied off the device behind the
         step in flight (the writer waits for the copy); block=False drops what a full queue cannot take."""
         for i in range(0, len(blocks), GATHER_CHUNK):
-            chunk = blocks[i:i + GATHER_CHUNK]
+            chunk = blocks[i : i + GATHER_CHUNK]
             pages, copied = self.runner.queue_gather_blocks([block_id for block_id, _ in chunk])
             for (_, meta), page in zip(chunk, pages):
                 self.tiers.disk.write_behind(meta, page, block=block, ready=copied)
@@ -90,7 +92,7 @@ class KVTransfers:
         if disk is None or not published:
             return
         todo = [(block_id, meta) for block_id, meta in published if meta.hash not in disk]
-        self.queue_to_disk(todo[:disk.reserve(len(todo))], block=False)   # a full queue: dropped before any copy
+        self.queue_to_disk(todo[: disk.reserve(len(todo))], block=False)  # a full queue: dropped before any copy
 
     def flush(self) -> None:
         """Write every cached block of every tier to the disk store and wait for it."""
@@ -98,7 +100,7 @@ class KVTransfers:
             return
         hashed = self.bm.hashed_blocks()
         for i in range(0, len(hashed), GATHER_CHUNK):
-            chunk = hashed[i:i + GATHER_CHUNK]
+            chunk = hashed[i : i + GATHER_CHUNK]
             for (_, meta), page in zip(chunk, self.runner.gather_blocks([b for b, _ in chunk])):
                 self.tiers.disk.write_behind(meta, page, block=True)
         self.tiers.flush()
@@ -110,6 +112,6 @@ class KVTransfers:
             return 0
         idle = self.bm.idle_cached_blocks(time.monotonic() - idle_for_s)[:max_blocks]
         for block_id, stored in zip(idle, self.save_to_host([(b, self.bm.block_meta(b)) for b in idle])):
-            if stored:       # its copy is queued before any step that could reuse the block
+            if stored:  # its copy is queued before any step that could reuse the block
                 self.bm.demote(block_id)
         return len(idle)

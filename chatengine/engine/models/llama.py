@@ -4,6 +4,7 @@ Tokens of all sequences in a step are packed into one flat batch of T tokens; at
 token's sequence and context through `AttentionMetadata`. Numerics follow Hugging Face's Llama
 (fp32 RMSNorm, rotate-half RoPE), so greedy output matches `generate` token for token in fp32.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -15,10 +16,10 @@ from chatengine.engine.loader import ModelConfig
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor      # (T,) int64: cache slot of each new token
-    cu_seqlens_q: torch.Tensor      # (B+1,) int32: new tokens of sequence b are rows [cu[b], cu[b+1])
-    seq_lens: torch.Tensor          # (B,) int32: context length of each sequence after this step
-    block_tables: torch.Tensor      # (B, max_pages) int32, padded with -1
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot of each new token
+    cu_seqlens_q: torch.Tensor  # (B+1,) int32: new tokens of sequence b are rows [cu[b], cu[b+1])
+    seq_lens: torch.Tensor  # (B,) int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # (B, max_pages) int32, padded with -1
     max_seqlen_q: int
     max_seqlen_k: int
 
@@ -72,8 +73,8 @@ class RotaryEmbedding(nn.Module):
         device = self.cos.device
         inv_freq = rope_inv_freq(self.config).to(device)
         freqs = torch.arange(self.max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)                      # (P, D)
-        self.cos, self.sin = emb.cos(), emb.sin()                    # fp32 tables, cast per use as HF does
+        emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
+        self.cos, self.sin = emb.cos(), emb.sin()  # fp32 tables, cast per use as HF does
 
 
 class Attention(nn.Module):
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         # q, k and v fused into one matmul; loaded from the separate HF weights
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rope, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
@@ -95,9 +96,8 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]  # (N, bs, Hkv, D) views
         # q rotated; k rotated and v into their cache slots (one launch on triton)
-        q = self.backend.rotary_store_kv(positions, q, k, v, rope.cos, rope.sin, k_cache, v_cache,
-                                         meta.slot_mapping)
-        o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)          # (T, Hq, D)
+        q = self.backend.rotary_store_kv(positions, q, k, v, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
+        o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -125,7 +125,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, backend)
 
     def forward(self, x, residual, positions, rope, kv_cache, meta):
-        if residual is None:                      # first layer: x is the embedding
+        if residual is None:  # first layer: x is the embedding
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
@@ -152,13 +152,13 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
-        x, _ = self.norm(x[logits_indices], residual[logits_indices])   # only the rows that sample
+        x, _ = self.norm(x[logits_indices], residual[logits_indices])  # only the rows that sample
         return self.lm_head(x)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up."""
-        if self.config.tie_word_embeddings:   # re-tie: to_empty() gives each module fresh storage
+        if self.config.tie_word_embeddings:  # re-tie: to_empty() gives each module fresh storage
             self.lm_head.weight = self.embed_tokens.weight
         own = dict(self.named_parameters())
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
@@ -168,8 +168,9 @@ class LlamaModel(nn.Module):
             attn.qkv_proj.weight.copy_(torch.cat([sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
             if attn.qkv_proj.bias is not None:
                 attn.qkv_proj.bias.copy_(torch.cat([sd.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            layer.mlp.gate_up_proj.weight.copy_(torch.cat([sd.pop(p + "mlp.gate_proj.weight"),
-                                                           sd.pop(p + "mlp.up_proj.weight")]))
+            layer.mlp.gate_up_proj.weight.copy_(
+                torch.cat([sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")])
+            )
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         fused = {n for n in own if "qkv_proj" in n or "gate_up_proj" in n}
