@@ -49,7 +49,8 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 256 for s in self.stop):
+        stop = self.stop if isinstance(self.stop, list) else []  # a list since __post_init__
+        if len(stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 256 for s in stop):
             raise ValueError("stop must be at most 16 non-empty strings of at most 256 characters")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

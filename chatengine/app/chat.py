@@ -39,6 +39,7 @@ import random
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from chatengine.app.store import ChatStore, NotFound
 from chatengine.sampling_params import SamplingParams
@@ -490,7 +491,7 @@ class _Reply:
         self.t0 = self.last_save = time.monotonic()
         self.t_first: float | None = None
         self.t_end: list[float | None] = [None] * self.n
-        self.last = None  # the engine's latest RequestOutput
+        self.last: Any = None  # the engine's latest RequestOutput
 
     def absorb(self, out) -> bool:
         """Take one engine output; True when it is the last. Saves partial text every SAVE_EVERY_S."""
@@ -516,7 +517,7 @@ class _Reply:
     def stats_for(self, i: int, now: float) -> dict:
         up, end = self.up, self.t_end[i] or now
         ntok = up.num_tokens[i]
-        st = {"tokens": ntok, "prompt_tokens": up.num_prompt_tokens, "cached_tokens": up.num_cached_tokens}
+        st: dict = {"tokens": ntok, "prompt_tokens": up.num_prompt_tokens, "cached_tokens": up.num_cached_tokens}
         if self.t_first is not None:
             st["ttft_ms"] = round((self.t_first - self.t0) * 1000, 1)
             if ntok > 1 and end > self.t_first:
@@ -551,7 +552,7 @@ class _Reply:
     def save(self, final_status: str | None) -> None:
         """Write the texts (and, once final, status, stats and token ids) of every alternative."""
         up, store, now = self.up, self.service.store, time.monotonic()
-        outs = self.last.outputs if self.last is not None else []
+        outs: list = self.last.outputs if self.last is not None else []
         for i, mid in enumerate(up.message_ids):
             st = self.stats_for(i, now)
             if final_status is None:

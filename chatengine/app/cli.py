@@ -131,8 +131,8 @@ def main(argv=None) -> int:
 def serve(argv: list[str]) -> int:
     from chatengine.app import server
 
-    result = server.main(argv)
-    return result if isinstance(result, int) else 0
+    server.main(argv)
+    return 0
 
 
 # ---- bench --------------------------------------------------------------------------------------
@@ -298,7 +298,7 @@ def _fit(engine, base, history, max_tokens) -> list[int]:
 def _stream_answer(engine, ids, params, interactive) -> str | None:
     """Print the reply as it streams; Ctrl-C stops it (what was written is kept). None: refused."""
     out = sys.stdout
-    state = {"text": "", "sent": 0}
+    state: dict = {"text": "", "sent": 0}
 
     async def stream() -> None:
         async for o in engine.generate(ids, params):

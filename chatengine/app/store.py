@@ -194,7 +194,7 @@ class ChatStore:
     def create_conversation(
         self, user: str, title: str = "New chat", persona: str | None = None, settings: dict | None = None
     ) -> str:
-        p = dict(
+        p: dict = dict(
             id=str(uuid.uuid4()),
             user=_name(user, "user"),
             title=_title(title),
@@ -275,7 +275,7 @@ class ChatStore:
         ``activate`` makes it the active leaf. Bumps the conversation's updated_at."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        p = dict(
+        p: dict = dict(
             id=str(uuid.uuid4()),
             conv=conv_id,
             user=user,
@@ -316,7 +316,7 @@ class ChatStore:
     ) -> None:
         """Overwrite the given fields (None leaves a field as it is): streaming partial replies,
         Stop, final stats. Bumps the conversation's updated_at."""
-        cols = {}
+        cols: dict = {}
         if content is not None:
             cols["content"] = _text(content, "content", MAX_CONTENT_CHARS)
         if token_ids is not None:

@@ -128,7 +128,9 @@ class AsyncLLM(EngineFacade):
             for item in inbox:
                 if item[0] == "stop":
                     for request_id in list(engine.requests):
-                        self._deliver(engine.abort(request_id), request_id)
+                        out = engine.abort(request_id)
+                        if out is not None:
+                            self._deliver(out, request_id)
                     return
                 if item[0] == "forget":
                     engine.forget_user(item[1])

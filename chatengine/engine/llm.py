@@ -40,7 +40,7 @@ class LLM(EngineFacade):
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
         reqs = [self.engine.make_request(p, sp, user=user) for p, sp in zip(ids, params)]
         for req in reqs:
-            req.prompt = tok.decode(req.prompt_token_ids)
+            req.prompt = tok.decode(req.prompt_token_ids)  # type: ignore[attr-defined]
         return self._run(reqs)
 
     def _run(self, reqs: list[Request]) -> list[RequestOutput]:

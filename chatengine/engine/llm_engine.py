@@ -55,7 +55,7 @@ class LLMEngine:
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         )
-        self._in_flight = None  # (SchedulerOutput, LaunchedStep) not collected yet
+        self._in_flight: tuple | None = None  # (SchedulerOutput, LaunchedStep) not collected yet
         self.tiers = self._make_tiers(root)
         self.block_manager.tiers = self.tiers
         self.transfers = KVTransfers(self.runner, self.block_manager, self.tiers) if self.tiers is not None else None
@@ -319,7 +319,7 @@ class LLMEngine:
         if not p.ignore_eos and token_id in self.eos_token_ids:
             self._finish(req, seq, "stop")
             return
-        if token_id in p.stop_token_ids:
+        if p.stop_token_ids and token_id in p.stop_token_ids:
             self._finish(req, seq, "stop", token_id)
             return
         detok = req.detoks[seq.index]

@@ -21,7 +21,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 
 # Named shapes for random weights (GPU benchmarks, tests). Values follow the public configs.
-DUMMY_SHAPES = {
+DUMMY_SHAPES: dict[str, dict] = {
     "llama-3.2-1b": dict(
         vocab_size=128256,
         hidden_size=2048,

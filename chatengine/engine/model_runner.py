@@ -22,6 +22,7 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,10 +42,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ALIGN = 32  # staging regions start at multiples of 32 int32 (128 bytes)
 
 
-def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+def resolve_device_dtype(name: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(name if name is not None else "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use device='cpu'")
     if device.type not in ("cpu", "cuda"):
@@ -67,7 +66,7 @@ class LaunchedStep:
 
     samples: list[bool]
     token_ids: torch.Tensor | None = None  # (S,) int64 on the host (pinned on CUDA); None: nothing sampled
-    done: object = None  # CUDA event after the copy into token_ids
+    done: Any = None  # CUDA event after the copy into token_ids
 
 
 def _layout(T: int, B: int, S: int, W: int) -> dict[str, tuple[int, int]]:
@@ -361,6 +360,7 @@ class ModelRunner:
             self._uploaded.record()  # the next _stage must not overwrite _host before this copy ran
         d = lay.views
         if num_pending:
+            assert self._last_tokens is not None, "pending tokens need a launched step before them"
             src = self._last_tokens[d["pending_src"][:num_pending]]
             d["input_ids"][d["pending_dst"][:num_pending]] = src.to(torch.int32)
         return d

@@ -47,7 +47,8 @@ class Sampler:
             if g is not None:
                 u[i] = torch.rand(1, device=dev, generator=g)[0]
         # rows that sample (temperature > 0): the whole vocabulary, or the top-k / top-p candidates
-        truncated, full = [], []
+        truncated: list[int] = []
+        full: list[int] = []
         for i, p in enumerate(params):
             if p.temperature > 0:
                 (truncated if 0 < p.top_k < V or p.top_p < 1 else full).append(i)

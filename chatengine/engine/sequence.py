@@ -6,6 +6,7 @@ The scheduler and the block manager read and write `block_table`, `num_computed_
 
 from enum import Enum, auto
 from itertools import count
+from typing import Any
 
 from chatengine.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ class Sequence:
         self.num_pending = 0  # trailing PLACEHOLDER tokens: sampled by a step still in flight
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.generator = None  # per-sequence RNG for seeded sampling (owned by the runner)
+        self.generator: Any = None  # per-sequence RNG for seeded sampling (owned by the runner)
 
     def __len__(self):
         return len(self.token_ids)

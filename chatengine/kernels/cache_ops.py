@@ -159,13 +159,13 @@ def copy_blocks(kv_cache, src, dst, backend=None):
 
 def page_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
     """(src, dst, n) runs: pairs where both ids go up by one merge, so each run is one copy."""
-    runs = []
+    runs: list[list[int]] = []
     for s, d in zip(src_ids, dst_ids):
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
             runs[-1][2] += 1
         else:
             runs.append([s, d, 1])
-    return [tuple(r) for r in runs]
+    return [(s, d, n) for s, d, n in runs]
 
 
 def copy_pages(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:

@@ -37,7 +37,7 @@ try:
 except ImportError:  # CPU-only installs: the torch references still work
     triton, jit = None, (lambda fn: fn)
 
-    class tl:  # just enough for the kernel signatures to be defined
+    class tl:  # type: ignore[no-redef]  # just enough for the kernel signatures to be defined
         constexpr = None
 
 

@@ -6,6 +6,7 @@ a handler changes is named, and whatever it leaves out keeps its value.
 
 import html
 from dataclasses import dataclass
+from typing import Any
 
 import gradio as gr
 
@@ -71,7 +72,7 @@ def build_components(
     personas: dict, default_persona: str | None, title: str, max_n: int, show_engine: bool = True
 ) -> Components:
     """Lay the page out (inside `with gr.Blocks()`); returns its components by name."""
-    state = dict(cid=gr.State(None), rows=gr.State([]), focus=gr.State(None))
+    state: dict[str, Any] = dict(cid=gr.State(None), rows=gr.State([]), focus=gr.State(None))
     with gr.Sidebar(width=300, elem_id="sidebar"):
         sidebar = _sidebar(title)
     with gr.Tabs():
@@ -84,7 +85,7 @@ def build_components(
 
 def _sidebar(title: str) -> dict:
     gr.Markdown(f"### {html.escape(title)}")
-    c = dict(
+    c: dict[str, Any] = dict(
         who_md=gr.Markdown("", elem_id="who"),
         new_btn=gr.Button("+ New chat", variant="primary", elem_id="new-chat"),
         search=gr.Textbox(placeholder="Search chats…", show_label=False, elem_id="search", container=False),
@@ -106,7 +107,7 @@ def _sidebar(title: str) -> dict:
 
 def _chat_tab(personas: dict, default_persona: str | None, max_n: int) -> dict:
     first = personas.get(default_persona or "")
-    c = dict(
+    c: dict[str, Any] = dict(
         persona=gr.Dropdown(
             [(p.title, name) for name, p in personas.items()],
             value=default_persona,
@@ -158,7 +159,7 @@ def _chat_tab(personas: dict, default_persona: str | None, max_n: int) -> dict:
 
 def _settings(max_n: int) -> dict:
     with gr.Row():
-        c = dict(
+        c: dict[str, Any] = dict(
             temperature=gr.Slider(
                 0, 2, value=0.7, step=0.05, label="Temperature", info="0 = greedy", elem_id="temperature"
             ),
@@ -185,7 +186,7 @@ def _engine_tab() -> dict:
         "between sequences, cached for reuse, free), and pages moved to the CPU and disk tiers. "
         "Updated every second."
     )
-    c = dict(kv_html=gr.HTML(elem_id="kv-view"))
+    c: dict[str, Any] = dict(kv_html=gr.HTML(elem_id="kv-view"))
     with gr.Row():
         c["hit_plot"] = gr.LinePlot(
             x="t",

@@ -40,6 +40,11 @@ def _index(data) -> int:
     return data.index if isinstance(data.index, int) else data.index[0]
 
 
+def _session(request: gr.Request) -> str:
+    """The tab's Gradio session (every event of a queued app has one)."""
+    return str(request.session_hash)
+
+
 def settings_of(temperature, top_p, max_tokens, seed, n) -> dict:
     """The generation settings as ChatService takes them (seed -1 or empty: random)."""
     seed = None if seed is None or seed == "" or float(seed) < 0 else int(seed)
@@ -130,11 +135,11 @@ class ChatUI:
         return {self.c.conv_list: self.conv_list(user, None), self.c.who_md: name}
 
     def on_unload(self, request: gr.Request) -> None:
-        self.viewing.pop(request.session_hash, None)
+        self.viewing.pop(_session(request), None)
 
     def new_chat(self, persona_name, request: gr.Request) -> dict:
         self.who(request)
-        self.viewing[request.session_hash] = None
+        self.viewing[_session(request)] = None
         name = persona_name if persona_name in self.personas else self.default_persona
         p = self.personas.get(name or "")
         c = self.c
@@ -160,7 +165,7 @@ class ChatUI:
         except NotFound:
             gr.Warning("That conversation does not exist.")
             return {**self.blank(), c.cid: None, c.rename_box: "", c.conv_list: self.conv_list(user, None)}
-        self.viewing[request.session_hash] = conv_id
+        self.viewing[_session(request)] = conv_id
         return {
             **out,
             c.cid: conv_id,
@@ -293,7 +298,7 @@ class ChatUI:
             gr.Warning(str(e))
             yield gr.skip()
             return
-        self.viewing[request.session_hash] = conv_id
+        self.viewing[_session(request)] = conv_id
         conv = self.service.get_conversation(user, conv_id)
         c = self.c
         yield {
@@ -304,7 +309,7 @@ class ChatUI:
             c.persona: gr.update(visible=False),
             c.header: self.header(conv["persona"]),
         }
-        async for upd in self.stream(user, conv_id, gen, request.session_hash):
+        async for upd in self.stream(user, conv_id, gen, _session(request)):
             yield upd
 
     async def regenerate(self, conv_id, msg_id, temperature, top_p, max_tokens, seed, n, request: gr.Request):
@@ -322,7 +327,7 @@ class ChatUI:
             gr.Warning(str(e))
             yield gr.skip()
             return
-        async for upd in self.stream(user, conv_id, gen, request.session_hash):
+        async for upd in self.stream(user, conv_id, gen, _session(request)):
             yield upd
 
     async def retry(
@@ -357,7 +362,7 @@ class ChatUI:
             yield self.render(user, conv_id) if conv_id else gr.skip()
             return
         yield self.waiting_view(user, conv_id)
-        async for upd in self.stream(user, conv_id, gen, request.session_hash):
+        async for upd in self.stream(user, conv_id, gen, _session(request)):
             yield upd
 
     async def stop(self, conv_id, request: gr.Request) -> dict:
@@ -380,7 +385,7 @@ class ChatUI:
         user = self.who(request)
         if not conv_id or not focus_id:
             return gr.skip()
-        if self.painting[request.session_hash, conv_id]:
+        if self.painting[_session(request), conv_id]:
             gr.Warning("Wait for the reply to finish before switching versions.")
             return gr.skip()
         try:
@@ -400,7 +405,7 @@ class ChatUI:
         idx = _index(data)
         if not conv_id or not (0 <= idx < len(row_ids or [])) or row_ids[idx] is None:
             return gr.skip()
-        if self.painting[request.session_hash, conv_id]:  # the stream owns the view and nav
+        if self.painting[_session(request), conv_id]:  # the stream owns the view and nav
             return gr.skip()
         try:
             view = self.service.view(user, conv_id)

@@ -13,14 +13,16 @@ shows as text and never runs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import gradio as gr
 
 from chatengine.app.chat import ChatService
 from chatengine.app.ui.components import Components, build_components
 from chatengine.app.ui.handlers import LOCAL_USER, ChatUI
 
-ENGINE = dict(concurrency_limit=None, concurrency_id="engine")
-QUIET = dict(queue=False, api_visibility="private", show_progress="hidden")
+ENGINE: dict[str, Any] = dict(concurrency_limit=None, concurrency_id="engine")
+QUIET: dict[str, Any] = dict(queue=False, api_visibility="private", show_progress="hidden")
 
 CSS = """
 #chat button[aria-label="Clear"] {display: none}

@@ -17,7 +17,7 @@ class EngineMonitor:
         self.samples: deque = deque(maxlen=HISTORY_POINTS)
         self.t0 = time.time()
         self._task: asyncio.Task | None = None
-        self._prev = None
+        self._prev: tuple[float, dict] | None = None
 
     def stats(self) -> dict:
         for _ in range(3):  # stats() reads engine structures that its thread may be changing

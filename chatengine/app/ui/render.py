@@ -11,7 +11,9 @@ _INLINE_CODE = re.compile(r"(`+)(?:.+?)\1", re.S)
 
 def _segments(text: str):
     """Split markdown into (is_code, chunk) pieces: fenced blocks and inline code spans are code."""
-    out, buf, fence = [], [], None
+    out: list[tuple[bool, str]] = []
+    buf: list[str] = []
+    fence: str | None = None
     for line in text.splitlines(keepends=True):
         m = _FENCE.match(line)
         if fence is None and m:

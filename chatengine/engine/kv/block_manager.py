@@ -19,6 +19,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from itertools import chain
+from typing import Any
 
 from chatengine.engine.kv.block_meta import BlockMeta
 from chatengine.engine.kv.hashing import ChainMemo, salt_extra, salt_start_block
@@ -43,6 +44,7 @@ class Block:
         self.freed_at = 0.0  # when its ref count last dropped to 0 (idle since)
 
     def meta(self) -> BlockMeta:
+        assert self.hash is not None, "only a published block has a meta"
         return BlockMeta(self.hash, self.parent, self.token_ids, self.owner)
 
     def set_hash(self, meta: BlockMeta) -> None:
@@ -64,7 +66,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
         self.cached: dict[bytes, int] = {}  # hash -> block id (in use or free)
-        self.tiers = None  # offload.TieredCache, if any
+        self.tiers: Any = None  # the host and disk tiers (TieredCache), if any; the pool never imports them
         self.write_behind = False  # queue newly published blocks for the disk
         self.pending_evictions: list[tuple[int, BlockMeta]] = []  # device -> host copies to make
         self.pending_restores: list[tuple[int, bytes]] = []  # host -> device copies to make
@@ -176,7 +178,9 @@ class BlockManager:
         self._unref(dup)
 
     # ---- allocation -----------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (), num_restore: int = 0) -> bool:
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: tuple[int, ...] | list[int] = (), num_restore: int = 0
+    ) -> bool:
         """Grow seq's table to hold num_new_tokens more tokens, first claiming `cached_blocks` and
         then `num_restore` blocks restored from the lower tiers (a lookup() result, only for a
         sequence with no blocks yet). All or nothing."""

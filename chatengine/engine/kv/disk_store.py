@@ -191,9 +191,9 @@ class DiskStore:
         try:
             with open(path, "rb") as f:
                 meta, crc = self._read_header(f, path)
-                n = f.readinto(buf)
+                n = f.readinto(buf.data)
                 trailing = f.read(1)
-            if meta.hash != h or n != buf.size or trailing or zlib.crc32(buf) != crc:
+            if meta.hash != h or n != buf.size or trailing or zlib.crc32(buf.data) != crc:
                 raise ValueError("checksum or size mismatch")
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             log.warning("KV block file %s is damaged (%s): dropped", path.name, e)

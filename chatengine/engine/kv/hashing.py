@@ -140,7 +140,7 @@ class ChainMemo:
                         best, best_n = hs, n
                         if n == num_blocks:
                             break
-            if best_n:
+            if best_n and best is not None:
                 hashes.extend(best[:best_n])
             self.entries.append((token_ids, hashes, extra_from, extra))
         extend_chain(hashes, root, token_ids, block_size, num_blocks, extra_from, extra)
@@ -188,7 +188,7 @@ def hash_blocks(
     whose token ids equal a registered persona prompt; `salt_from_block=None` means no public
     prefix at all, i.e. salt from block 0. An empty salt (single-tenant) salts nothing.
     """
-    hashes = []
+    hashes: list[bytes] = []
     extend_chain(
         hashes,
         root,

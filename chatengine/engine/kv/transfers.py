@@ -52,8 +52,10 @@ class KVTransfers:
             return
         if self.tiers.host is not None:
             self.save_to_host(evicted)
-        else:
-            self.queue_to_disk([(b, meta) for b, meta in evicted if meta.hash not in self.tiers.disk], block=True)
+        else:  # tiers exist with a disk store when they have no host pool
+            disk = self.tiers.disk
+            assert disk is not None
+            self.queue_to_disk([(b, meta) for b, meta in evicted if meta.hash not in disk], block=True)
 
     def save_to_host(self, blocks: list[tuple[int, BlockMeta]]) -> list[bool]:
         """Queue device -> host-memory copies of these (block id, meta) pages into claimed host slots;

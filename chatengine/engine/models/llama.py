@@ -7,6 +7,7 @@ token's sequence and context through `AttentionMetadata`. Numerics follow Huggin
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -152,6 +153,7 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+        assert residual is not None  # every model has at least one layer
         x, _ = self.norm(x[logits_indices], residual[logits_indices])  # only the rows that sample
         return self.lm_head(x)
 
@@ -162,6 +164,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         own = dict(self.named_parameters())
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        layer: Any
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn = layer.self_attn
