@@ -1,5 +1,6 @@
 """Installing chatengine never shadows the PyPI package `kernels` (which transformers can use): our
 Triton kernels install as chatengine.kernels, and both import side by side in one environment."""
+
 import subprocess
 import sys
 import tomllib
@@ -36,4 +37,4 @@ def test_ours_and_the_pypi_kernels_package_both_import(tmp_path):
     theirs_file, ours_file, has_api = out.stdout.split()
     assert Path(theirs_file).is_relative_to(venv), theirs_file
     assert Path(ours_file) == ROOT / "chatengine" / "kernels" / "paged_attention.py"
-    assert has_api == "True"      # their API, not our module under their name
+    assert has_api == "True"  # their API, not our module under their name

@@ -1,0 +1,59 @@
+"""The tokenizer helpers: the chat template as the model has it, message validation, and an
+incremental detokenizer whose deltas never split a character."""
+
+import pytest
+
+from chatengine.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode, validate_messages
+
+
+@pytest.fixture(scope="module")
+def tok(llm):
+    return llm.get_tokenizer()
+
+
+def test_template_equals_the_models_own(tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert apply_chat_template(tok, msgs) == list(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    no_gen = apply_chat_template(tok, msgs, add_generation_prompt=False)
+    assert apply_chat_template(tok, msgs)[: len(no_gen)] == no_gen and len(no_gen) < len(apply_chat_template(tok, msgs))
+
+
+def test_encode_adds_no_special_tokens(tok):
+    assert encode(tok, "Hello world") == tok.encode("Hello world", add_special_tokens=False)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        encode(None, "x")
+    with pytest.raises(ValueError, match="surrogate"):
+        encode(tok, "bad \udc00")
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([], "non-empty list"),
+        ([{"role": "user"}], "'role' and 'content'"),
+        ([{"role": "robot", "content": "x"}], "unknown role 'robot'"),
+        ([{"role": "user", "content": 5}], "must be a string"),
+    ],
+)
+def test_bad_messages_are_named(messages, message):
+    with pytest.raises(ValueError, match=message):
+        validate_messages(messages)
+
+
+def test_detokenizer_never_splits_a_character(tok):
+    text = "Snow ☃ and a family 👨‍👩‍👧 — naïve café, 日本語."
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == text == detok.text
+    assert all("\ufffd" not in d for d in deltas)
+    # at least one multi-byte character spans tokens and was held back until whole
+    assert any(d == "" for d in deltas[:-1])
+
+
+def test_detokenizer_without_a_tokenizer_gives_no_text():
+    detok = IncrementalDetokenizer(None)
+    assert detok.add(5) == "" and detok.flush() == "" and detok.text == ""
