@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass
 
+MAX_STOP_TOKEN_IDS = 64  # each sampled token is checked against them
+
 
 @dataclass
 class SamplingParams:
@@ -22,8 +24,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
-    def validate(self, max_n: int, max_tokens_limit: int) -> None:
-        """Raise ValueError with an actionable message for values the engine cannot serve."""
+    def validate(self, max_n: int, max_tokens_limit: int, vocab_size: int | None = None) -> None:
+        """Raise ValueError with an actionable message for values the engine cannot serve
+        (vocab_size: the model's, which stop_token_ids must fall in)."""
 
         def number(name, value):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -52,8 +55,17 @@ class SamplingParams:
         stop = self.stop if isinstance(self.stop, list) else []  # a list since __post_init__
         if len(stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 256 for s in stop):
             raise ValueError("stop must be at most 16 non-empty strings of at most 256 characters")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self._validate_stop_token_ids(vocab_size)
+
+    def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
+        ids = self.stop_token_ids or []
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        top = vocab_size if vocab_size is not None else 2**63
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < top]
+        if bad:
+            where = f"in [0, {vocab_size}) (the model's vocabulary)" if vocab_size is not None else ">= 0"
+            raise ValueError(f"stop_token_ids must be integers {where}; got {bad[:5]!r}")
 
     @property
     def greedy(self) -> bool:

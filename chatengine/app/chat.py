@@ -183,16 +183,16 @@ class TurnTemplate:
 
     # the pieces ---------------------------------------------------------------------------------
     def system_ids(self, text: str) -> list[int]:
-        return self.encode(self.system_affix[0] + text + self.system_affix[1])
+        return self.engine.encode_turn(self.system_affix[0], text, self.system_affix[1])
 
     def user_ids(self, text: str) -> list[int]:
         """A user turn after earlier turns, with the generation prompt of the reply."""
-        return self.encode(self.user_affix[0] + text + self.user_affix[1])
+        return self.engine.encode_turn(self.user_affix[0], text, self.user_affix[1])
 
     def first_user_ids(self, text: str) -> list[int]:
         """A user turn that opens a conversation without a system message (the template may add
         its default system prompt)."""
-        return self.encode(self.first_user_affix[0] + text + self.first_user_affix[1])
+        return self.engine.encode_turn(self.first_user_affix[0], text, self.first_user_affix[1])
 
     def assistant_ids(self, generated: list[int]) -> list[int]:
         """Generated ids, closed like the template closes an assistant turn."""
@@ -205,7 +205,7 @@ class TurnTemplate:
         return ids + close
 
     def assistant_ids_from_text(self, text: str) -> list[int]:
-        return self.encode(text) + self.close_ids
+        return self.engine.encode_turn("", text, "") + self.close_ids
 
 
 class _Turn:

@@ -6,7 +6,7 @@ settings fixed at start, or validates without touching engine state).
 
 from chatengine.config import EngineConfig
 from chatengine.engine.llm_engine import LLMEngine
-from chatengine.engine.tokenizer import apply_chat_template, encode
+from chatengine.engine.tokenizer import apply_chat_template, encode, encode_parts
 from chatengine.sampling_params import SamplingParams
 
 
@@ -51,8 +51,14 @@ class EngineFacade:
         return self.engine.tokenizer
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of plain text (no special tokens added)."""
+        """Token ids of a raw prompt (no special tokens added; control-token text in it is read as
+        control tokens, as a caller rendering its own template means them)."""
         return encode(self.engine.tokenizer, text)
+
+    def encode_turn(self, before: str, content: str, after: str) -> list[int]:
+        """Token ids of one chat turn: template text (`before`, `after`) with its control tokens
+        around `content`, which is always text (control-token text in it stays plain characters)."""
+        return encode_parts(self.engine.tokenizer, [(before, False), (content, True), (after, False)])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of one conversation rendered with the model's chat template."""

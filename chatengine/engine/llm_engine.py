@@ -151,7 +151,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate(self.config.max_n, self.config.max_tokens_limit or self.max_model_len)
+        params.validate(
+            self.config.max_n, self.config.max_tokens_limit or self.max_model_len, self.model_config.vocab_size
+        )
         if 0 < params.temperature < 1e-5:  # logits / T would overflow (a denormal T is 0 in fp32): greedy, as vLLM
             params = dataclasses.replace(params, temperature=0.0)
         if isinstance(prompt, str):
@@ -319,7 +321,7 @@ class LLMEngine:
         if not p.ignore_eos and token_id in self.eos_token_ids:
             self._finish(req, seq, "stop")
             return
-        if p.stop_token_ids and token_id in p.stop_token_ids:
+        if token_id in req.stop_token_ids:
             self._finish(req, seq, "stop", token_id)
             return
         detok = req.detoks[seq.index]

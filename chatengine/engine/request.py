@@ -15,6 +15,7 @@ class Request:
     ):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.user = params, user
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())  # checked for every sampled token
         self.seqs: list[Sequence] = []
         self.detoks: list[IncrementalDetokenizer] = []
         self.error: str | None = None

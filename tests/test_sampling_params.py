@@ -1,0 +1,45 @@
+"""SamplingParams validation, and stop_token_ids: bounded, inside the vocabulary, a set lookup."""
+
+import pytest
+
+from chatengine import SamplingParams
+from chatengine.sampling_params import MAX_STOP_TOKEN_IDS
+
+
+def test_stop_token_ids_are_bounded_and_in_the_vocabulary():
+    SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))).validate(4, 64, vocab_size=100)
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_TOKEN_IDS}"):
+        SamplingParams(stop_token_ids=list(range(250_000))).validate(4, 64, vocab_size=300_000)
+    with pytest.raises(ValueError, match=r"in \[0, 100\) \(the model's vocabulary\); got \[100\]"):
+        SamplingParams(stop_token_ids=[5, 100]).validate(4, 64, vocab_size=100)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[True]).validate(4, 64)
+
+
+def test_the_engine_checks_the_models_vocabulary(tiny):
+    vocab = tiny.vocab_size
+    with pytest.raises(ValueError, match="the model's vocabulary"):
+        tiny.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop_token_ids=[vocab]))
+    out = tiny.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    first = out.outputs[0].token_ids[0]
+    stopped = tiny.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first]))[0]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].token_ids == [first]
+
+
+def test_api_refuses_a_huge_stop_list():
+    from fastapi.testclient import TestClient
+
+    from chatengine import AsyncLLM
+    from chatengine.app.api.routes import build_api
+
+    engine = AsyncLLM(max_num_batched_tokens=256, kv_cache_gib=0.1, register_personas=False)
+    try:
+        with TestClient(build_api(engine, None, model_name="m")) as client:
+            body = {"model": "m", "prompt": "Hi", "max_tokens": 2, "stop_token_ids": list(range(1000))}
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 400 and "at most 64" in r.json()["error"]["message"]
+            body["stop_token_ids"] = [10**7]
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    finally:
+        engine.shutdown()
