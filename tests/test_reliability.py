@@ -578,7 +578,7 @@ def _header(path: Path) -> dict:
     from chatengine.engine.kv.disk_store import PREFIX
 
     data = path.read_bytes()
-    _, _, n = PREFIX.unpack(data[: PREFIX.size])
+    _, _, n, _ = PREFIX.unpack(data[: PREFIX.size])
     return json.loads(data[PREFIX.size : PREFIX.size + n])
 
 

@@ -22,8 +22,8 @@ import torch
 from chatengine.engine.kv.block_meta import BlockMeta
 
 log = logging.getLogger("chatengine.kv.disk")
-MAGIC, VERSION = b"CEKV", 1
-PREFIX = struct.Struct("<4sHI")  # magic, format version, header length
+MAGIC, VERSION = b"CEKV", 2  # 2: the checksum covers the header too (files of version 1 are misses)
+PREFIX = struct.Struct("<4sHII")  # magic, format version, header length, crc32 of header + payload
 
 
 class DiskStore:
@@ -56,9 +56,10 @@ class DiskStore:
         for path in self.dir.glob("*/*.kv"):
             try:
                 with open(path, "rb") as f:
-                    meta, _ = self._read_header(f, path)
+                    meta, _, _ = self._read_header(f, path)
                 found.append((path.stat().st_mtime, meta, path))
-            except (OSError, ValueError):
+            except Exception:  # any unreadable file is a miss, never a failed start
+                self.num_damaged += 1
                 self._delete(path)
         for _, meta, path in sorted(found, key=lambda x: x[0]):
             self.index[meta.hash] = (path, path.stat().st_size, meta)
@@ -122,16 +123,16 @@ class DiskStore:
                 "tokens": list(meta.token_ids),
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "shape": list(self.block_shape),
-                "crc32": zlib.crc32(payload),
             }
         ).encode()
+        crc = zlib.crc32(payload, zlib.crc32(header))
         path = self.path(meta.hash)
         tmp = path.parent / f".{path.name}.{threading.get_ident()}.tmp"
         try:
             path.parent.mkdir(exist_ok=True, mode=0o700)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(PREFIX.pack(MAGIC, VERSION, len(header)) + header + payload)
+                f.write(PREFIX.pack(MAGIC, VERSION, len(header), crc) + header + payload)
             os.replace(tmp, path)
         except OSError as e:  # e.g. a full disk: the block stays recomputable, nothing breaks
             self.num_write_errors += 1
@@ -151,15 +152,25 @@ class DiskStore:
             total -= size
 
     # ---- reading ----------------------------------------------------------------------------------
-    def _read_header(self, f, path: Path) -> tuple[BlockMeta, int]:
-        """(meta, payload crc32) of the block file `f` (opened at `path`), left at its payload."""
+    def _read_header(self, f, path: Path) -> tuple[BlockMeta, int, int]:
+        """(meta, the file's crc32, the crc32 of its header) of the block file `f` (opened at `path`),
+        left at its payload. Raises ValueError for anything malformed."""
         head = f.read(PREFIX.size)
         if len(head) != PREFIX.size:
             raise ValueError("truncated header")
-        magic, version, n = PREFIX.unpack(head)
+        magic, version, n, crc = PREFIX.unpack(head)
         if magic != MAGIC or version != VERSION:
             raise ValueError("bad magic or version")
-        h = json.loads(f.read(n))
+        raw = f.read(n)
+        if len(raw) != n:
+            raise ValueError("truncated header")
+        try:
+            meta = self._parse_header(json.loads(raw), path)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # a flipped byte can break any field
+            raise ValueError(f"unreadable header ({type(e).__name__})") from None
+        return meta, crc, zlib.crc32(raw)
+
+    def _parse_header(self, h: dict, path: Path) -> BlockMeta:
         if (
             h["root"] != self.root.hex()
             or h["dtype"] != str(self.dtype).removeprefix("torch.")
@@ -171,7 +182,7 @@ class DiskStore:
         )
         if path.name != f"{meta.hash.hex()}.kv":
             raise ValueError("file name does not match its hash")
-        return meta, h["crc32"]
+        return meta
 
     def read(self, h: bytes) -> tuple[BlockMeta, torch.Tensor] | None:
         """The block's meta and page, verified; None (and the file deleted) when anything is off."""
@@ -190,12 +201,12 @@ class DiskStore:
         buf = out.view(torch.uint8).numpy().reshape(-1)  # out's bytes, written in place
         try:
             with open(path, "rb") as f:
-                meta, crc = self._read_header(f, path)
+                meta, crc, header_crc = self._read_header(f, path)
                 n = f.readinto(buf.data)
                 trailing = f.read(1)
-            if meta.hash != h or n != buf.size or trailing or zlib.crc32(buf.data) != crc:
+            if meta.hash != h or n != buf.size or trailing or zlib.crc32(buf.data, header_crc) != crc:
                 raise ValueError("checksum or size mismatch")
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        except Exception as e:  # any unreadable file is a miss, never a failed read
             log.warning("KV block file %s is damaged (%s): dropped", path.name, e)
             self.num_damaged += 1
             self.drop(h)
