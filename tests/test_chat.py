@@ -317,3 +317,21 @@ def test_template_fallback_renders_full_text():
             return Odd()
 
     assert TurnTemplate(OddEngine()).incremental is False
+
+
+def test_one_turn_at_a_time_per_conversation(svc):
+    """A second send, regenerate or edit while a reply streams in that conversation is refused with
+    words (it would build on a reply still being written); other conversations are not held up."""
+    user = "alice"
+    cid, other = svc.new_conversation(user), svc.new_conversation(user)
+    first = svc.send(user, cid, "Tell me a story.", GREEDY)  # claimed now, before it streams
+    with pytest.raises(ValueError, match="still being written"):
+        svc.send(user, cid, "And another thing", GREEDY)
+    with pytest.raises(ValueError, match="still being written"):
+        svc.regenerate(user, cid, None, GREEDY)
+    assert len(svc.store.active_path(user, cid)) == 2  # system + the first user turn: nothing added
+    assert run(lambda: svc.send(user, other, "Hi", GREEDY)).status == "done"
+    assert run(lambda: first).status == "done"
+    again = run(lambda: svc.send(user, cid, "And another thing", GREEDY))
+    assert again.status == "done"
+    assert [m["role"] for m in svc.store.active_path(user, cid)] == ["system", "user", "assistant", "user", "assistant"]

@@ -51,6 +51,7 @@ log = logging.getLogger("chatengine.chat")
 DEFAULT_TITLE = "New chat"
 TITLE_CHARS = 48
 SAVE_EVERY_S = 1.0  # partial replies are written to the store this often while streaming
+CLAIM_LAPSE_S = 60.0  # a turn claimed but never streamed frees its conversation after this
 
 
 @dataclass
@@ -231,6 +232,9 @@ class ChatService:
         self.max_model_len = engine.max_model_len
         self.template = TurnTemplate(engine)
         self._active: dict[tuple[str, str], dict[str, _Turn]] = {}
+        # (user, conversation) -> when its one turn was claimed: one turn at a time per conversation,
+        # whatever tab or client asks (a second turn would build on a reply still being written)
+        self._claims: dict[tuple[str, str], float] = {}
 
     # ---- conversations --------------------------------------------------------------------------
     def new_conversation(
@@ -327,6 +331,7 @@ class ChatService:
         prompt = self._prompt(user, parent)
         self._check_length(prompt, s)
         existing = len(self.store.children(user, parent))
+        self._claim(user, cid)
         return self._generate(user, cid, parent, prompt, s, seed_offset=existing)
 
     async def stop(self, user: str, cid: str, timeout: float = 10.0) -> bool:
@@ -348,6 +353,15 @@ class ChatService:
 
     def is_generating(self, user: str, cid: str) -> bool:
         return bool(self._active.get((user, cid)))
+
+    def _claim(self, user: str, cid: str) -> None:
+        """Reserve the conversation's one turn, or refuse: a reply is still being written there.
+        A claim whose stream never started (its caller dropped it) lapses after CLAIM_LAPSE_S."""
+        key = (user, cid)
+        since = self._claims.get(key)
+        if since is not None and (key in self._active or time.monotonic() - since < CLAIM_LAPSE_S):
+            raise ValueError("a reply is still being written in this conversation: stop it or wait for it to finish")
+        self._claims[key] = time.monotonic()
 
     # ---- internals ------------------------------------------------------------------------------
     @staticmethod
@@ -386,7 +400,12 @@ class ChatService:
             msgs = [] if parent is None else self._path_messages(user, parent)
             prompt = self.engine.apply_chat_template(msgs + [{"role": "user", "content": text}])
         self._check_length(prompt, s)
-        umid = self.store.add_message(user, cid, "user", text, parent, token_ids=new_ids)
+        self._claim(user, cid)
+        try:
+            umid = self.store.add_message(user, cid, "user", text, parent, token_ids=new_ids)
+        except BaseException:
+            self._claims.pop((user, cid), None)
+            raise
         if conv["title"] == DEFAULT_TITLE:  # name the chat after its first message
             self.store.rename_conversation(user, cid, _title_from(text))
         return self._generate(user, cid, umid, prompt, s, seed_offset=0)
@@ -472,6 +491,7 @@ class ChatService:
             turns.pop(turn.request_id, None)
             if not turns:
                 self._active.pop((user, cid), None)
+            self._claims.pop((user, cid), None)
             turn.done.set()
 
 
