@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Self
 
 from chatengine.app import auth
+from chatengine.app.datadir import create_private_file, make_private, warn_if_shared
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no outbound calls from Gradio
 
@@ -76,8 +77,9 @@ def create_app(
     from chatengine.app.ui.layout import CSS, build_ui, theme
     from chatengine.personas import load_personas
 
-    data = Path(data_dir)
-    data.mkdir(parents=True, exist_ok=True)
+    data = make_private(data_dir)  # conversations in plain text: nobody else on the machine reads them
+    if users_file is not None:
+        warn_if_shared(users_file)
     users = auth.load_users(users_file) if users_file is not None else None
     own_engine = engine is None
     if own_engine:
@@ -106,6 +108,7 @@ def create_app(
 def _open_store(path: Path):
     from chatengine.app.store import ChatStore
 
+    create_private_file(path)
     store = ChatStore(path)
     interrupted = store.recover_interrupted()
     if interrupted:

@@ -1,0 +1,68 @@
+"""The data directory is private whatever the umask: the directory 0700, the chat database and its
+-wal/-shm files 0600, older files tightened at start; a users file others can read is warned about."""
+
+import logging
+import os
+import stat
+
+import pytest
+
+from chatengine.app.datadir import create_private_file, make_private, warn_if_shared
+from chatengine.app.store import ChatStore
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.fixture
+def open_umask():
+    old = os.umask(0)  # the loosest umask: everything created is world-readable unless we say otherwise
+    yield
+    os.umask(old)
+
+
+def test_a_new_data_dir_and_database_are_private(tmp_path, open_umask):
+    data = make_private(tmp_path / "data")
+    db = data / "chat.db"
+    create_private_file(db)
+    store = ChatStore(db)
+    store.create_conversation("alice", title="secret plans")  # writes: the -wal and -shm files appear
+    files = sorted(p.name for p in data.iterdir())
+    assert {"chat.db", "chat.db-wal", "chat.db-shm"} <= set(files), files
+    assert mode(data) == 0o700
+    assert {p.name: mode(p) for p in data.iterdir()} == {name: 0o600 for name in files}
+    store.close()
+
+
+def test_an_older_data_dir_is_tightened(tmp_path, open_umask):
+    data = tmp_path / "data"
+    (data / "kv" / "ab").mkdir(parents=True, mode=0o755)
+    (data / "chat.db").write_bytes(b"")
+    (data / "kv" / "ab" / "x.kv").write_bytes(b"")
+    os.chmod(data / "chat.db", 0o644)
+    os.chmod(data / "kv" / "ab" / "x.kv", 0o644)
+    make_private(data)
+    assert mode(data) == mode(data / "kv") == mode(data / "kv" / "ab") == 0o700
+    assert mode(data / "chat.db") == mode(data / "kv" / "ab" / "x.kv") == 0o600
+
+
+def test_a_users_file_others_can_read_is_warned_about(tmp_path, caplog):
+    users = tmp_path / "users.json"
+    users.write_text("{}")
+    os.chmod(users, 0o644)
+    with caplog.at_level(logging.WARNING, logger="chatengine.server"):
+        assert warn_if_shared(users)
+    assert "chmod 600" in caplog.text
+    os.chmod(users, 0o600)
+    assert not warn_if_shared(users)
+
+
+def test_the_server_makes_its_data_dir_private(tmp_path, open_umask):
+    """create_app's first step (no model loaded for this: the users file is checked before)."""
+    from chatengine.app import server
+
+    data = tmp_path / "data"
+    with pytest.raises(ValueError, match="cannot read the users file"):  # it stops after the data dir
+        server.create_app(data_dir=data, users_file=tmp_path / "missing.json")
+    assert mode(data) == 0o700
