@@ -146,6 +146,19 @@ def load_users(path) -> dict[str, dict]:
     return validate_users(data, source)
 
 
+def _dummy_iterations(users) -> int:
+    """The largest PBKDF2 work factor among the users' hashed passwords (0: all plain)."""
+    most = 0
+    for entry in (users or {}).values():
+        stored = entry.get("password") if isinstance(entry, dict) else None
+        if isinstance(stored, str) and is_hashed(stored):
+            try:
+                most = max(most, _parse_hash(stored)[0])
+            except ValueError:
+                pass
+    return most
+
+
 def verify_password(users: dict[str, dict] | None, username, password) -> bool:
     """True when `username` exists with a password equal to `password` (plain or hashed).
 
@@ -154,8 +167,10 @@ def verify_password(users: dict[str, dict] | None, username, password) -> bool:
     stored = entry.get("password") if isinstance(entry, dict) else None
     given = password.encode("utf-8", "surrogatepass") if isinstance(password, str) else b""
     if not isinstance(stored, str) or not stored:
-        # burn comparable time so that probing names does not reveal which exist
-        hashlib.pbkdf2_hmac("sha256", given, _DUMMY_HASH_SALT, 1000)
+        # the same work as a known user's check, so that probing names does not reveal which exist
+        iterations = _dummy_iterations(users)
+        if iterations:
+            hashlib.pbkdf2_hmac("sha256", given, _DUMMY_HASH_SALT, iterations)
         hmac.compare_digest(hashlib.sha256(given).digest(), hashlib.sha256(b"x").digest())
         return False
     if is_hashed(stored):

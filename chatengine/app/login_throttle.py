@@ -1,0 +1,96 @@
+"""Password guessing costs time: failed sign-ins are counted per username and per client address,
+and past a limit the sign-in route answers 429 with Retry-After before any password is checked.
+
+A pure ASGI middleware in front of Gradio's POST /login: it reads the form's username (replaying the
+body to Gradio unchanged), refuses a throttled username or address, and records the outcome from
+the response status (200: signed in, which clears that username's failures; 400: a failure).
+"""
+
+import math
+import time
+from collections import deque
+from urllib.parse import parse_qs
+
+PER_USERNAME = (5, 300.0)  # failures allowed per window (s) for one username
+PER_ADDRESS = (20, 300.0)  # ... and from one client address, whatever names it tries
+MAX_FORM_BYTES = 16 * 1024  # a sign-in form is a name and a password
+
+
+class LoginThrottle:
+    def __init__(self, per_username=PER_USERNAME, per_address=PER_ADDRESS, clock=time.monotonic):
+        self.limits = {"user": per_username, "addr": per_address}
+        self.clock = clock
+        self.failures: dict[tuple[str, str], deque] = {}
+
+    def _window(self, kind: str, key: str) -> deque:
+        limit, window = self.limits[kind]
+        q = self.failures.setdefault((kind, key), deque())
+        now = self.clock()
+        while q and now - q[0] >= window:
+            q.popleft()
+        return q
+
+    def retry_after(self, username: str, address: str) -> int:
+        """Seconds until a sign-in may be tried again (0: now)."""
+        wait = 0.0
+        for kind, key in (("user", username), ("addr", address)):
+            limit, window = self.limits[kind]
+            q = self._window(kind, key)
+            if len(q) >= limit:
+                wait = max(wait, window - (self.clock() - q[-limit]))
+        return math.ceil(wait)
+
+    def failed(self, username: str, address: str) -> None:
+        for kind, key in (("user", username), ("addr", address)):
+            self._window(kind, key).append(self.clock())
+        if len(self.failures) > 100_000:  # a flood of names: forget the idle ones
+            self.failures = {k: q for k, q in self.failures.items() if q}
+
+    def succeeded(self, username: str) -> None:
+        self.failures.pop(("user", username), None)
+
+
+class LoginThrottleMiddleware:
+    def __init__(self, app, throttle: LoginThrottle, path: str = "/login"):
+        self.app, self.throttle, self.path = app, throttle, path
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].rstrip("/") != self.path:
+            return await self.app(scope, receive, send)
+        body, messages = b"", []
+        while True:
+            message = await receive()
+            messages.append(message)
+            body += message.get("body", b"")
+            if len(body) > MAX_FORM_BYTES:
+                return await _answer(send, 413, b'{"detail": "sign-in form too large"}')
+            if not message.get("more_body"):
+                break
+        form = parse_qs(body.decode("latin-1"))
+        username = (form.get("username") or [""])[0].strip()
+        address = (scope.get("client") or ("?", 0))[0]
+        wait = self.throttle.retry_after(username, address)
+        if wait > 0:
+            detail = f'{{"detail": "Too many failed sign-ins: try again in {wait} s."}}'.encode()
+            return await _answer(send, 429, detail, [(b"retry-after", str(wait).encode())])
+        replay = iter(messages)
+
+        async def receive_again():
+            return next(replay, {"type": "http.disconnect"})
+
+        async def watch(message):
+            if message["type"] == "http.response.start":
+                if message["status"] == 200:
+                    self.throttle.succeeded(username)
+                elif message["status"] == 400:
+                    self.throttle.failed(username, address)
+            await send(message)
+
+        await self.app(scope, receive_again, watch)
+
+
+async def _answer(send, status: int, body: bytes, headers=()) -> None:
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), *headers]}
+    )
+    await send({"type": "http.response.body", "body": body})

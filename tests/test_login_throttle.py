@@ -1,0 +1,83 @@
+"""Password guessing is throttled per username and per client address (429 + Retry-After before any
+password is checked), and an unknown username costs the same hashing work as a known one."""
+
+import hashlib
+
+from fastapi import FastAPI, Form
+from fastapi.responses import JSONResponse
+from fastapi.testclient import TestClient
+
+from chatengine.app import auth
+from chatengine.app.login_throttle import LoginThrottle, LoginThrottleMiddleware
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_failures_per_username_and_per_address():
+    clock = Clock()
+    t = LoginThrottle(per_username=(3, 60.0), per_address=(5, 60.0), clock=clock)
+    for _ in range(3):
+        assert t.retry_after("alice", "1.1.1.1") == 0
+        t.failed("alice", "1.1.1.1")
+    assert t.retry_after("alice", "2.2.2.2") == 60  # the name is throttled from any address
+    assert t.retry_after("bob", "3.3.3.3") == 0
+    t.failed("bob", "1.1.1.1")
+    t.failed("carol", "1.1.1.1")
+    assert t.retry_after("dave", "1.1.1.1") == 60  # this address tried 5 times, whatever the names
+    clock.now += 30
+    assert t.retry_after("alice", "2.2.2.2") == 30
+    clock.now += 31
+    assert t.retry_after("alice", "2.2.2.2") == 0 and t.retry_after("dave", "1.1.1.1") == 0
+    t.failed("erin", "4.4.4.4")
+    t.succeeded("erin")
+    assert ("user", "erin") not in t.failures
+
+
+def login_app(throttle):
+    """Gradio's sign-in route in miniature: a form; 200 for the right password, 400 otherwise."""
+    app = FastAPI()
+    seen = []
+
+    @app.post("/login")
+    async def login(username: str = Form(...), password: str = Form(...)):
+        seen.append(username)
+        if password == "right":
+            return JSONResponse({"success": True})
+        return JSONResponse({"detail": "Incorrect credentials."}, status_code=400)
+
+    app.add_middleware(LoginThrottleMiddleware, throttle=throttle)
+    return app, seen
+
+
+def test_the_sign_in_route_answers_429_with_retry_after():
+    app, seen = login_app(LoginThrottle(per_username=(3, 300.0), per_address=(50, 300.0)))
+    with TestClient(app) as client:
+        for _ in range(3):
+            assert client.post("/login", data={"username": "alice", "password": "guess"}).status_code == 400
+        r = client.post("/login", data={"username": "alice", "password": "right"})
+        assert r.status_code == 429 and 0 < int(r.headers["retry-after"]) <= 300
+        assert "try again in" in r.json()["detail"]
+        assert seen == ["alice"] * 3  # the throttled attempt never reached the password check
+        assert client.post("/login", data={"username": "bob", "password": "right"}).status_code == 200
+        assert seen[-1] == "bob"  # the form reaches the route unchanged
+
+
+def test_an_unknown_user_costs_a_known_users_hashing(monkeypatch):
+    users = {"alice": {"password": auth.hash_password("pw", iterations=1234)}}
+    calls = []
+    real = hashlib.pbkdf2_hmac
+
+    def spy(name, password, salt, iterations, *args, **kwargs):
+        calls.append(iterations)
+        return real(name, password, salt, iterations, *args, **kwargs)
+
+    monkeypatch.setattr(hashlib, "pbkdf2_hmac", spy)
+    assert not auth.verify_password(users, "alice", "wrong")
+    assert not auth.verify_password(users, "nobody", "wrong")
+    assert calls == [1234, 1234]
