@@ -78,6 +78,15 @@ def test_login_is_required(server):
         Client(server.url, verbose=False, analytics_enabled=False)
 
 
+def test_no_upload_route(server):
+    """Gradio's upload routes take files from anyone into a shared temp dir; the app has no upload."""
+    import httpx
+
+    for path in ("gradio_api/upload", "gradio_api/upload_progress?upload_id=x"):
+        r = httpx.post(f"{server.url}/{path}", files={"files": ("a.txt", b"x" * 1000)})
+        assert r.status_code == 404 and "no file uploads" in r.text, (path, r.status_code)
+
+
 def test_internal_endpoints_are_hidden(alice):
     names = set(alice.view_api(print_info=False, return_format="dict")["named_endpoints"])
     assert {"/send", "/stop", "/regenerate", "/open"} <= names

@@ -23,6 +23,7 @@ from typing import Self
 from chatengine.app import auth
 from chatengine.app.datadir import create_private_file, make_private, warn_if_shared
 from chatengine.app.login_throttle import LoginThrottle, LoginThrottleMiddleware
+from chatengine.app.no_uploads import NoUploadsMiddleware
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no outbound calls from Gradio
 
@@ -102,6 +103,7 @@ def create_app(
         footer_links=["settings"],
         show_error=True,
     )
+    app.add_middleware(NoUploadsMiddleware)  # no feature takes files
     if login is not None:  # password guessing: 429 with Retry-After past a few failures
         app.add_middleware(LoginThrottleMiddleware, throttle=LoginThrottle())
     app.state.chat = SimpleNamespace(engine=engine, store=store, own_engine=own_engine)
