@@ -9,6 +9,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# what pip says when it cannot reach the index (offline, no DNS, a proxy refusing): only then a skip
+OFFLINE_SIGNS = (
+    "from versions: none",
+    "NewConnectionError",
+    "ConnectionError",
+    "Temporary failure in name resolution",
+    "Max retries exceeded",
+    "ProxyError",
+    "timed out",
+)
 
 
 def test_no_top_level_kernels_package():
@@ -24,8 +34,14 @@ def test_ours_and_the_pypi_kernels_package_both_import(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check"]
-    theirs = subprocess.run([*pip, "kernels"], capture_output=True, text=True)
+    # --ignore-installed: a `kernels` in the system site-packages must not satisfy it (the venv sees them)
+    theirs = subprocess.run(
+        [*pip, "--ignore-installed", "--timeout", "20", "--retries", "1", "kernels"], capture_output=True, text=True
+    )
     if theirs.returncode != 0:
+        unreachable = any(s in theirs.stderr for s in OFFLINE_SIGNS)
+        if not unreachable:
+            pytest.fail(f"pip could not install `kernels`: {theirs.stderr.strip()[-600:]}")
         pytest.skip(f"the package index cannot be reached for `kernels`: {theirs.stderr.strip()[-300:]}")
     subprocess.run([*pip, "-e", str(ROOT)], check=True, capture_output=True)
     check = (
