@@ -155,7 +155,7 @@ def engine(shape: str, args, **kw) -> LLM:
 
 
 def workload_floor(shape: str, prompts, outs, bw: float, flops: float) -> dict:
-    """Roofline floor of the offline workload (perf.md 3.3): every decode step reads the weights
+    """Roofline floor of the offline workload: every decode step reads the weights
     once and each sequence's KV once; prefill at the measured matmul rate; fp32 logits written + read."""
     m = model_bytes(shape)
     kv_reads = sum(len(p) * o + o * (o - 1) // 2 for p, o in zip(prompts, outs))  # token-reads
@@ -355,7 +355,7 @@ def part_peer(args, res):
             cbc = transformers.generation.ContinuousBatchingConfig
             fields = inspect.signature(cbc).parameters
             want = dict(max_memory_percent=0.8)
-            if args.peer_graphs:  # perf.md: CUDA graphs and async batching on, if present
+            if args.peer_graphs:  # the peer at its best: CUDA graphs and async batching on, if present
                 want.update(use_cuda_graph=True, use_async_batching=True)
             kw["continuous_batching_config"] = cbc(**{k_: v for k_, v in want.items() if k_ in fields})
         done, tokens = {}, 0
