@@ -257,3 +257,42 @@ def test_local_mode_without_login(server, tmp_path):
             c.close()
     close_app(app)  # closes its store; the shared engine stays up
     assert not engine._stopped
+
+
+def _signed_in(server, user: str):
+    import httpx
+
+    http = httpx.Client(base_url=server.url, timeout=30)
+    assert http.post("/login", data={"username": user, "password": f"pw-{user}"}).status_code == 200
+    return http
+
+
+def test_a_session_belongs_to_its_user(alice, server):
+    """Bob, signed in, cannot read or steer Alice's tab by its session hash; nobody unsigned can
+    cancel or keep it alive; Alice's own routes still work."""
+    import httpx
+
+    send(alice, "Hello")  # binds alice's session hash to alice
+    h = alice.session_hash
+    bob_http, alice_http = _signed_in(server, "bob"), _signed_in(server, "alice")
+    try:
+        r = bob_http.get("/gradio_api/queue/data", params={"session_hash": h})
+        assert r.status_code == 403 and "another sign-in" in r.text
+        r = bob_http.post("/gradio_api/queue/join", json={"data": ["hi"], "fn_index": 0, "session_hash": h})
+        assert r.status_code == 403
+        r = bob_http.post("/gradio_api/cancel", json={"session_hash": h, "fn_index": 0, "event_id": "x"})
+        assert r.status_code == 403
+        with bob_http.stream("GET", f"/gradio_api/heartbeat/{h}") as r:
+            assert r.status_code == 403
+        r = bob_http.get("/gradio_api/deep_link", params={"session_hash": h})
+        assert r.status_code == 403
+        cancel = {"session_hash": h, "fn_index": 0, "event_id": "x"}
+        assert httpx.post(f"{server.url}/gradio_api/cancel", json=cancel).status_code == 401
+        assert httpx.get(f"{server.url}/gradio_api/heartbeat/{h}").status_code == 401
+        assert bob_http.post("/gradio_api/call/send", json={"data": []}).status_code == 404
+        with alice_http.stream("GET", f"/gradio_api/heartbeat/{h}") as r:
+            assert r.status_code == 200  # the owner's own tab stays alive
+    finally:
+        bob_http.close()
+        alice_http.close()
+    assert texts(send(alice, "Hello again")[1])[-2] == "Hello again"  # alice's session still serves alice

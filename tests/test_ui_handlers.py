@@ -60,6 +60,15 @@ def test_login_required_when_auth_is_on(ui):
     assert ui.who(request("alice")) == "alice"
 
 
+def test_a_tabs_session_serves_only_its_user(ui):
+    assert ui.who(request("alice", "tab-a")) == "alice"
+    with pytest.raises(gr.Error, match="another sign-in"):
+        ui.who(request("bob", "tab-a"))  # bob replaying alice's session hash
+    with pytest.raises(gr.Error):
+        send(ui, "bob", "hi", session="tab-a")
+    assert ui.who(request("bob", "tab-b")) == "bob"
+
+
 def test_send_streams_then_renders_the_stored_turn(ui):
     c = ui.c
     updates = send(ui, "alice", "Say hi.")

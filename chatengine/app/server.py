@@ -20,10 +20,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Self
 
-from chatengine.app import auth
+from chatengine.app import access_log, auth
 from chatengine.app.datadir import create_private_file, make_private, warn_if_shared
 from chatengine.app.login_throttle import LoginThrottle, LoginThrottleMiddleware
 from chatengine.app.no_uploads import NoUploadsMiddleware
+from chatengine.app.session_guard import SessionOwnerMiddleware
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no outbound calls from Gradio
 
@@ -106,6 +107,8 @@ def create_app(
     app.add_middleware(NoUploadsMiddleware)  # no feature takes files
     if login is not None:  # password guessing: 429 with Retry-After past a few failures
         app.add_middleware(LoginThrottleMiddleware, throttle=LoginThrottle())
+        app.add_middleware(SessionOwnerMiddleware, user_of=_gradio_user_of(app))
+    access_log.install()
     app.state.chat = SimpleNamespace(engine=engine, store=store, own_engine=own_engine)
     return app
 
@@ -127,6 +130,20 @@ def _login_check(users: dict):
         return await asyncio.to_thread(auth.verify_password, users, username, password)
 
     return check_login
+
+
+def _gradio_user_of(app):
+    """cookies -> the user Gradio signed in with them (None: nobody), from the mounted Gradio app."""
+    from gradio.routes import App as GradioApp
+
+    gradio_app = next(r.app for r in app.routes if isinstance(getattr(r, "app", None), GradioApp))
+
+    def user_of(cookies: dict[str, str]) -> str | None:
+        cid = gradio_app.cookie_id
+        token = cookies.get(f"access-token-{cid}") or cookies.get(f"access-token-unsecure-{cid}")
+        return gradio_app.tokens.get(token) if token else None
+
+    return user_of
 
 
 def close_app(app) -> None:

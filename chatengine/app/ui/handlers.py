@@ -19,6 +19,7 @@ from collections import Counter
 import gradio as gr
 
 from chatengine.app.chat import ChatService, NotFound
+from chatengine.app.session_guard import SessionOwners
 from chatengine.app.ui.components import Components
 from chatengine.app.ui.monitor import EngineMonitor
 from chatengine.app.ui.render import (
@@ -61,15 +62,19 @@ class ChatUI:
         self.monitor = EngineMonitor(service.engine)
         self.viewing: dict[str, str | None] = {}  # session -> the conversation its tab shows
         self.painting: Counter = Counter()  # (session, conversation) -> replies streaming into it
+        self.owners = SessionOwners()  # session -> its user: a tab's state serves no one else
 
     # ---- helpers --------------------------------------------------------------------------------
     def who(self, request: gr.Request | None) -> str:
         name = getattr(request, "username", None) if request is not None else None
-        if name:
-            return str(name)
-        if self.auth_enabled:
-            raise gr.Error("Please log in.")
-        return self.local_user
+        if not name:
+            if self.auth_enabled:
+                raise gr.Error("Please log in.")
+            return self.local_user
+        session = getattr(request, "session_hash", None)
+        if session and not self.owners.admit(str(session), str(name)):
+            raise gr.Error("This tab belongs to another sign-in: reload the page.")
+        return str(name)
 
     def conv_choices(self, user: str, query: str | None = None) -> list[tuple[str, str]]:
         return [(c["title"], c["id"]) for c in self.service.list_conversations(user, (query or "").strip() or None)]
