@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from chatengine.app.auth import hash_password, load_users, user_for_api_key, validate_users, verify_password
+from chatengine.app.auth import admins, hash_password, load_users, user_for_api_key, validate_users, verify_password
 
 FAST = 1000  # PBKDF2 iterations for tests (the default, 600k, is slow on purpose)
 
@@ -58,6 +58,7 @@ def test_load_users_plain_and_hashed(tmp_path):
         (json.dumps({"alice": {"api_key": 123}}), "api_key"),
         (json.dumps({"alice": {"api_key": "same"}, "bob": {"api_key": "same"}}), "same api_key"),
         ('{"alice": {"password": "a"}, "alice": {"password": "b"}}', "duplicate"),
+        (json.dumps({"alice": {"password": "a", "admin": "yes"}}), "'admin' must be true or false"),
         (json.dumps({"alice": {"password": "pbkdf2_sha256$abc$c2FsdA==$aGFzaA=="}}), "iteration"),
         (json.dumps({"alice": {"password": "pbkdf2_sha256$0$c2FsdA==$" + "A" * 44}}), "iteration"),
         (json.dumps({"alice": {"password": "pbkdf2_sha256$1000$!!!$" + "A" * 44}}), "base64"),
@@ -68,6 +69,15 @@ def test_load_users_rejects_bad_files(tmp_path, content, needle):
     with pytest.raises(ValueError) as e:
         load_users(write(tmp_path, content))
     assert needle in str(e.value) and "users.json" in str(e.value)
+
+
+def test_admins_are_those_marked_true(tmp_path):
+    users = load_users(
+        write(
+            tmp_path, json.dumps({"root": {"password": "a", "admin": True}, "eve": {"password": "b", "admin": False}})
+        )
+    )
+    assert admins(users) == {"root"} and admins(None) == frozenset()
 
 
 def test_load_users_missing_or_binary(tmp_path):

@@ -30,7 +30,7 @@ def ui(engine, tmp_path):
     service = ChatService(engine, store, load_personas())
     with gr.Blocks():
         c = build_components(service.personas, service.default_persona, "t", 4)
-    yield ChatUI(service, c, auth_enabled=True)
+    yield ChatUI(service, c, auth_enabled=True, admins=frozenset({"root"}))
     store.close()
 
 
@@ -121,6 +121,16 @@ def test_rename_and_delete(ui):
     assert all(cid != conv_id for _, cid in out[c.conv_list]["choices"])
 
 
-def test_engine_tick_draws_the_pool(ui):
-    out = asyncio.run(ui.engine_tick())
+def test_engine_tick_draws_the_pool_for_admins_only(ui):
+    out = asyncio.run(ui.engine_tick(request("root", "s9")))
     assert "kv-grid" in out[ui.c.kv_html] and set(out) == {ui.c.kv_html, ui.c.hit_plot, ui.c.thr_plot}
+    with pytest.raises(gr.Error, match="admins"):
+        asyncio.run(ui.engine_tick(request("alice")))
+
+
+def test_the_engine_tab_shows_for_admins_and_the_local_user(ui):
+    c = ui.c
+    assert asyncio.run(ui.on_load(request("alice")))[c.engine_tab]["visible"] is False
+    assert asyncio.run(ui.on_load(request("root", "s9")))[c.engine_tab]["visible"] is True
+    local = ChatUI(ui.service, c)  # no sign-in: the one local user runs the server
+    assert asyncio.run(local.on_load(SimpleNamespace(username=None, session_hash="s")))[c.engine_tab]["visible"]

@@ -5,9 +5,12 @@ The file maps user names to their credentials::
     {"alice": {"password": "pbkdf2_sha256$600000$<salt_b64>$<hash_b64>", "api_key": "sk-alice-..."},
      "bob":   {"password": "plain text also works", "api_key": "sk-bob-..."}}
 
-A user needs a `password` (to sign in to the UI), an `api_key` (for the HTTP API), or both. Other
-fields are kept and ignored here. Passwords may be stored in plain text or hashed with
-`hash_password` (``python -m chatengine.app.auth hash`` prints a hash for a password typed at a prompt).
+A user needs a `password` (to sign in to the UI), an `api_key` (for the HTTP API), or both.
+``"admin": true`` lets a user see the whole server (the UI's Engine tab: every user's live load on
+the KV pool); everyone else sees only their own conversations. Other fields are kept and ignored.
+
+Passwords may be stored in plain text or hashed with `hash_password` (``python -m
+chatengine.app.auth hash`` prints a hash for a password typed at a prompt).
 
 Every comparison is constant-time in the secret; an unknown user name costs the same work as a
 known one, and an API key lookup compares against every key without stopping at a match.
@@ -116,8 +119,15 @@ def validate_users(data, source: str = "users") -> dict[str, dict]:
                     f"{source}: users {key_owner[key]!r} and {name!r} have the same api_key; every key must be unique"
                 )
             key_owner[key] = name
+        if not isinstance(entry.get("admin", False), bool):
+            raise ValueError(f"{source}: user {name!r}: 'admin' must be true or false")
         users[name] = dict(entry)
     return users
+
+
+def admins(users: dict[str, dict] | None) -> frozenset[str]:
+    """The users whose entry says ``"admin": true``."""
+    return frozenset(name for name, entry in (users or {}).items() if entry.get("admin") is True)
 
 
 def load_users(path) -> dict[str, dict]:
@@ -234,7 +244,7 @@ def _main(argv=None) -> int:
         elif args.command == "check":
             users = load_users(args.path)
             for name, entry in users.items():
-                kinds = [k for k in ("password", "api_key") if k in entry]
+                kinds = [k for k in ("password", "api_key") if k in entry] + (["admin"] if entry.get("admin") else [])
                 print(f"{name}: {', '.join(kinds)}")
         else:
             print(args.prefix + secrets.token_urlsafe(24))

@@ -90,7 +90,7 @@ def create_app(
     store = _open_store(data / DB_FILE)
     service = ChatService(engine, store, load_personas())
     app = build_api(engine, users, model_name=str(engine.model_id))
-    demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n)
+    demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n, admins=auth.admins(users))
     login = _login_check(users) if users is not None else None
     app = gr.mount_gradio_app(
         app,
@@ -219,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--users",
         metavar="FILE",
         default=None,
-        help='JSON file of users: {"alice": {"password": "...", "api_key": "..."}}; passwords may '
-        "be hashed (python -m chatengine.app.auth hash). Without it: one local user, no login",
+        help='JSON file of users: {"alice": {"password": "...", "api_key": "...", "admin": true}}; passwords '
+        "may be hashed (python -m chatengine.app.auth hash); admins see the Engine tab. Without it: one "
+        "local user, no login",
     )
     p.add_argument(
         "--model",

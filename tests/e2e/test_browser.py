@@ -47,7 +47,10 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"}, "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
+USERS = {
+    "alice": {"password": "pw-alice", "api_key": "sk-alice", "admin": True},
+    "bob": {"password": "pw-bob", "api_key": "sk-bob"},
+}
 LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."
 KNIGHT_PROMPT = "Write a very long story about a knight, at least 1000 words."
 T = 60_000  # ms: generous on 2 shared cores
@@ -269,7 +272,7 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     assert page.locator("#chat img[src='x']").count() == 0
     assert page.locator("#chat a[href^='javascript']").count() == 0
 
-    # the Engine tab draws the KV pages and the plots
+    # the Engine tab (alice is an admin) draws the KV pages and the plots
     page.get_by_role("tab", name="Engine").click()
     expect(page.locator("#kv-view")).to_contain_text("device pages")
     time.sleep(2.5)
@@ -287,6 +290,8 @@ def test_second_user_sees_nothing(server, chat_page, browser_ctx):
     page.locator("#search input, #search textarea").first.fill("moon")
     time.sleep(0.5)
     assert page.locator("#conv-list label").count() == 0
+    expect(page.get_by_role("tab", name="Chat")).to_be_visible()
+    assert page.get_by_role("tab", name="Engine").count() == 0  # server-wide figures: admins only
     page.screenshot(path=str(ARTIFACTS / "05-bob.png"))
     browser_ctx.clear_cookies()
 

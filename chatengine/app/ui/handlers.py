@@ -54,10 +54,17 @@ def settings_of(temperature, top_p, max_tokens, seed, n) -> dict:
 
 class ChatUI:
     def __init__(
-        self, service: ChatService, c: Components, *, auth_enabled: bool = False, local_user: str = LOCAL_USER
+        self,
+        service: ChatService,
+        c: Components,
+        *,
+        auth_enabled: bool = False,
+        local_user: str = LOCAL_USER,
+        admins: frozenset[str] = frozenset(),
     ):
         self.service, self.c = service, c
         self.auth_enabled, self.local_user = auth_enabled, local_user
+        self.admins = admins  # who may see server-wide figures (the one local user always may)
         self.personas, self.default_persona = service.personas, service.default_persona
         self.monitor = EngineMonitor(service.engine)
         self.viewing: dict[str, str | None] = {}  # session -> the conversation its tab shows
@@ -75,6 +82,9 @@ class ChatUI:
         if session and not self.owners.admit(str(session), str(name)):
             raise gr.Error("This tab belongs to another sign-in: reload the page.")
         return str(name)
+
+    def is_admin(self, user: str) -> bool:
+        return not self.auth_enabled or user in self.admins
 
     def conv_choices(self, user: str, query: str | None = None) -> list[tuple[str, str]]:
         return [(c["title"], c["id"]) for c in self.service.list_conversations(user, (query or "").strip() or None)]
@@ -137,7 +147,12 @@ class ChatUI:
         user = self.who(request)
         self.monitor.ensure_running()
         name = f"Signed in as **{html.escape(user)}** · [Log out](/logout)" if self.auth_enabled else ""
-        return {self.c.conv_list: self.conv_list(user, None), self.c.who_md: name}
+        c = self.c
+        return {
+            c.conv_list: self.conv_list(user, None),
+            c.who_md: name,
+            c.engine_tab: gr.update(visible=self.is_admin(user)),
+        }
 
     def on_unload(self, request: gr.Request) -> None:
         self.viewing.pop(_session(request), None)
@@ -419,7 +434,9 @@ class ChatUI:
         return {self.c.focus: row_ids[idx], **self.nav(view, row_ids[idx])}
 
     # ---- engine tab -----------------------------------------------------------------------------
-    async def engine_tick(self) -> dict:
+    async def engine_tick(self, request: gr.Request) -> dict:
+        if not self.is_admin(self.who(request)):  # the tab is hidden; this refuses a direct call too
+            raise gr.Error("The Engine view is for admins.")
         self.monitor.ensure_running()
         hit_df, thr_df = self.monitor.frames()
         return {self.c.kv_html: kv_picture(self.monitor.stats()), self.c.hit_plot: hit_df, self.c.thr_plot: thr_df}

@@ -3,8 +3,9 @@
 Layout: a sidebar (new chat, search, the user's conversations, rename / delete), a "Chat" tab
 (persona picker for a new chat, the transcript, ◀ k/N ▶ alternatives of the selected message,
 regenerate, the input with Send / Stop, sampling settings) and an "Engine" tab (KV pages of the
-device, CPU and disk tiers, hit rate and throughput over time). Components are in components.py,
-handlers (one class) in handlers.py, what the page shows as text in render.py.
+device, CPU and disk tiers, hit rate and throughput over time; admins only when users sign in).
+Components are in components.py, handlers (one class) in handlers.py, what the page shows as text
+in render.py.
 
 Generating events have no per-event concurrency limit (the engine batches all users). Message
 text is HTML-escaped outside code (and Gradio sanitizes the rest), so HTML or script in a message
@@ -64,11 +65,13 @@ def build_ui(
     local_user: str = LOCAL_USER,
     title: str = "chatengine",
     max_n: int = 4,
+    admins: frozenset[str] = frozenset(),
 ) -> gr.Blocks:
+    """With auth on, only `admins` see the Engine tab (it shows every user's load on the server)."""
     with gr.Blocks(title=title, analytics_enabled=False, fill_width=True) as demo:
-        c = build_components(service.personas, service.default_persona, title, max_n)
-        ui = ChatUI(service, c, auth_enabled=auth_enabled, local_user=local_user)
-        demo.load(ui.on_load, None, [c.conv_list, c.who_md], api_visibility="private", queue=False)
+        c = build_components(service.personas, service.default_persona, title, max_n, show_engine=not auth_enabled)
+        ui = ChatUI(service, c, auth_enabled=auth_enabled, local_user=local_user, admins=admins)
+        demo.load(ui.on_load, None, [c.conv_list, c.who_md, c.engine_tab], api_visibility="private", queue=False)
         demo.unload(ui.on_unload)
         _wire_sidebar(ui, c)
         _wire_turns(ui, c)
