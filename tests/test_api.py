@@ -570,3 +570,27 @@ def test_public_persona_prefix_is_shared_across_users(multi, engine):
     public = len(personas[persona.name]) // 16 * 16
     assert c.usage.prompt_tokens_details.cached_tokens >= min(public, c.usage.prompt_tokens - 1) // 16 * 16
     assert c.usage.prompt_tokens_details.cached_tokens < c.usage.prompt_tokens
+
+
+def test_text_past_the_context_is_refused_before_tokenizing(engine, local, monkeypatch):
+    """~900 KB of prompt cannot fit 8192 tokens: 400 context_length_exceeded without running the
+    tokenizer (before, it spent seconds tokenizing a prompt it was going to refuse anyway)."""
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    monkeypatch.setattr(engine, "apply_chat_template", no_tokenizing)
+    monkeypatch.setattr(engine, "encode", no_tokenizing)
+    text = "word " * 180_000
+    for route, body in (
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]}),
+        ("completions", {"model": MODEL, "prompt": text}),
+    ):
+        r = httpx.post(f"{local.url}/v1/{route}", json=body, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+        assert "900,000" in err["message"] or "900000" in err["message"]
+    with pytest.raises(APIError) as e:
+        parse_request("completion", {"prompt": "x" * 101}, Limits(4, 100, 128, 96, max_prompt_chars=100))
+    assert e.value.param == "prompt"
+    assert parse_request("completion", {"prompt": [1] * 50}, Limits(4, 100, 128, 96, max_prompt_chars=10)).prompt

@@ -1,6 +1,7 @@
 """ChatUI's handlers called as methods, without HTTP: what each returns, keyed by component."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -134,3 +135,73 @@ def test_the_engine_tab_shows_for_admins_and_the_local_user(ui):
     assert asyncio.run(ui.on_load(request("root", "s9")))[c.engine_tab]["visible"] is True
     local = ChatUI(ui.service, c)  # no sign-in: the one local user runs the server
     assert asyncio.run(local.on_load(SimpleNamespace(username=None, session_hash="s")))[c.engine_tab]["visible"]
+
+
+async def _loop_lag(stop: asyncio.Event) -> float:
+    """The longest time this loop kept a 5 ms sleeper waiting beyond its 5 ms."""
+    worst = 0.0
+    while not stop.is_set():
+        t = time.monotonic()
+        await asyncio.sleep(0.005)
+        worst = max(worst, time.monotonic() - t - 0.005)
+    return worst
+
+
+def test_a_huge_message_is_refused_before_tokenizing_and_stalls_no_one(ui):
+    """Mallory pastes 4 MB while Alice's reply streams: Mallory gets a clear refusal and nothing is
+    stored; Alice's stream never waits (before, the 4 MB were tokenized on the event loop)."""
+    c = ui.c
+
+    async def go():
+        gaps, stop = [], asyncio.Event()
+
+        async def alice():
+            last = None
+            async for _ in ui.send("Tell me a long story.", None, "assistant", 0, 1, 48, -1, 1, request("alice", "a")):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+            stop.set()
+
+        async def mallory():
+            await asyncio.sleep(0.2)
+            return [x async for x in ui.send("x" * 4_000_000, None, "assistant", *GREEDY, request("mallory", "m"))]
+
+        lag = asyncio.create_task(_loop_lag(stop))
+        _, refused = await asyncio.gather(alice(), mallory())
+        return gaps, refused, await lag
+
+    gaps, refused, lag = asyncio.run(go())
+    assert refused == [gr.skip()]  # the box keeps the text; a warning says why
+    assert ui.service.list_conversations("mallory") == []
+    assert len(gaps) >= 3 and max(gaps) < 1.0, gaps
+    assert lag < 0.25, lag
+    with pytest.raises(ValueError, match="4,000,000 characters long"):
+        ui.service.send("mallory", ui.service.new_conversation("mallory"), "x" * 4_000_000)
+    assert c.msg is not None
+
+
+def test_store_writes_run_off_the_event_loop(ui, monkeypatch):
+    """A slow disk (every SQLite write takes 0.3 s) slows the writer's own turn, not the loop that
+    streams everyone's replies."""
+    store = ui.service.store
+    for name in ("add_message", "update_message", "create_conversation", "rename_conversation"):
+        real = getattr(store, name)
+
+        def slow(*a, _real=real, **k):
+            time.sleep(0.3)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(store, name, slow)
+
+    async def go():
+        stop = asyncio.Event()
+        lag = asyncio.create_task(_loop_lag(stop))
+        updates = [x async for x in ui.send("Say hi.", None, "assistant", *GREEDY, request("alice"))]
+        stop.set()
+        return updates, await lag
+
+    updates, lag = asyncio.run(go())
+    assert len(updates[-1][ui.c.rows]) == 2  # the turn completed and was stored
+    assert lag < 0.2, lag

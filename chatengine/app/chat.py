@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -235,6 +236,8 @@ class ChatService:
         # (user, conversation) -> when its one turn was claimed: one turn at a time per conversation,
         # whatever tab or client asks (a second turn would build on a reply still being written)
         self._claims: dict[tuple[str, str], float] = {}
+        self._claim_lock = threading.Lock()  # callers start turns from worker threads
+        self.max_message_chars = engine.max_prompt_chars  # longer text is refused before tokenizing
 
     # ---- conversations --------------------------------------------------------------------------
     def new_conversation(
@@ -358,16 +361,23 @@ class ChatService:
         """Reserve the conversation's one turn, or refuse: a reply is still being written there.
         A claim whose stream never started (its caller dropped it) lapses after CLAIM_LAPSE_S."""
         key = (user, cid)
-        since = self._claims.get(key)
-        if since is not None and (key in self._active or time.monotonic() - since < CLAIM_LAPSE_S):
-            raise ValueError("a reply is still being written in this conversation: stop it or wait for it to finish")
-        self._claims[key] = time.monotonic()
+        with self._claim_lock:
+            since = self._claims.get(key)
+            if since is not None and (key in self._active or time.monotonic() - since < CLAIM_LAPSE_S):
+                raise ValueError(
+                    "a reply is still being written in this conversation: stop it or wait for it to finish"
+                )
+            self._claims[key] = time.monotonic()
 
     # ---- internals ------------------------------------------------------------------------------
-    @staticmethod
-    def _user_text(text) -> str:
+    def _user_text(self, text) -> str:
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the message is empty")
+        if len(text) > self.max_message_chars:
+            raise ValueError(
+                f"the message is {len(text):,} characters long; this model reads at most {self.max_model_len:,} "
+                f"tokens (about {self.max_message_chars:,} characters): shorten it or send it in parts"
+            )
         return text
 
     def _settings(self, settings) -> ChatSettings:
@@ -443,19 +453,7 @@ class ChatService:
         seed = s.seed + seed_offset if s.seed is not None else random.randrange(2**31)
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed)
         settings = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed, n=s.n)
-        mids = [
-            self.store.add_message(
-                user,
-                cid,
-                "assistant",
-                "",
-                parent_id,
-                status="streaming",
-                settings=dict(settings, index=i),
-                activate=(i == 0),
-            )
-            for i in range(s.n)
-        ]
+        mids = await asyncio.to_thread(self._add_replies, user, cid, parent_id, settings, s.n)
         turn = _Turn(f"chat-{uuid.uuid4().hex}")
         self._active.setdefault((user, cid), {})[turn.request_id] = turn
         run = _Reply(
@@ -478,21 +476,50 @@ class ChatService:
                 async for out in stream:
                     if run.absorb(out):
                         break
+                    if run.save_due():  # every SAVE_EVERY_S, in a worker thread (an fsync stalls a loop)
+                        await asyncio.to_thread(run.save, None)
                     yield run.up
             except ValueError as e:  # the engine refused the request (length, memory)
                 run.up.error = str(e)
-            run.finish(turn.stop_requested)
+            await asyncio.to_thread(run.finish, turn.stop_requested)
             yield run.up
         finally:
             # normal end, Stop, or the consumer closed us (cancelled event): keep what we have
             await _close_quietly(stream)
-            run.keep_partial()
-            turns = self._active.get((user, cid), {})
-            turns.pop(turn.request_id, None)
-            if not turns:
-                self._active.pop((user, cid), None)
-            self._claims.pop((user, cid), None)
-            turn.done.set()
+            try:
+                await _in_thread(run.keep_partial)
+            finally:
+                turns = self._active.get((user, cid), {})
+                turns.pop(turn.request_id, None)
+                if not turns:
+                    self._active.pop((user, cid), None)
+                self._claims.pop((user, cid), None)
+                turn.done.set()
+
+    def _add_replies(self, user, cid, parent_id, settings: dict, n: int) -> list[str]:
+        """n empty "streaming" assistant messages under parent_id (the first becomes the active leaf)."""
+        return [
+            self.store.add_message(
+                user,
+                cid,
+                "assistant",
+                "",
+                parent_id,
+                status="streaming",
+                settings=dict(settings, index=i),
+                activate=(i == 0),
+            )
+            for i in range(n)
+        ]
+
+
+async def _in_thread(fn) -> None:
+    """fn() in a worker thread, finished even if this task is cancelled meanwhile; in place when the
+    loop is shutting down and has no executor left."""
+    try:
+        await asyncio.shield(asyncio.to_thread(fn))
+    except RuntimeError:
+        fn()
 
 
 async def _close_quietly(stream) -> None:
@@ -514,7 +541,7 @@ class _Reply:
         self.last: Any = None  # the engine's latest RequestOutput
 
     def absorb(self, out) -> bool:
-        """Take one engine output; True when it is the last. Saves partial text every SAVE_EVERY_S."""
+        """Take one engine output; True when it is the last."""
         up, now = self.up, time.monotonic()
         self.last = out
         if self.t_first is None:
@@ -528,11 +555,16 @@ class _Reply:
             up.error = out.error
         if out.finished:
             return True
-        if now - self.last_save >= SAVE_EVERY_S:
-            self.last_save = now
-            self.save(None)
         up.stats = [self.stats_for(i, now) for i in range(self.n)]
         return False
+
+    def save_due(self) -> bool:
+        """Whether the partial texts are due for saving (every SAVE_EVERY_S); the clock restarts."""
+        now = time.monotonic()
+        if now - self.last_save < SAVE_EVERY_S:
+            return False
+        self.last_save = now
+        return True
 
     def stats_for(self, i: int, now: float) -> dict:
         up, end = self.up, self.t_end[i] or now

@@ -9,6 +9,10 @@ from chatengine.engine.llm_engine import LLMEngine
 from chatengine.engine.tokenizer import apply_chat_template, encode, encode_parts
 from chatengine.sampling_params import SamplingParams
 
+# A token spells ~4 characters of prose or code; text longer than 8 per token of context cannot fit,
+# and is refused before the tokenizer spends seconds on it.
+MAX_CHARS_PER_TOKEN = 8
+
 
 class EngineFacade:
     def __init__(self, model: str | None = None, **kwargs):
@@ -23,6 +27,12 @@ class EngineFacade:
     def max_model_len(self) -> int:
         """Prompt plus output tokens of one sequence."""
         return self.engine.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters of prompt text worth tokenizing: a longer prompt cannot fit the context, and
+        callers refuse it before tokenizing (a 4 MB message would hold a thread for seconds)."""
+        return self.engine.max_model_len * MAX_CHARS_PER_TOKEN
 
     @property
     def max_n(self) -> int:

@@ -95,11 +95,17 @@ class Limits:
     max_model_len: int
     kv_capacity_tokens: int
     default_max_tokens: int | None = None
+    max_prompt_chars: int | None = None  # longer prompt text is refused before tokenizing
 
     @classmethod
     def of(cls, engine, default_max_tokens: int | None = None) -> "Limits":
         return cls(
-            engine.max_n, engine.max_tokens_limit, engine.max_model_len, engine.kv_capacity_tokens, default_max_tokens
+            engine.max_n,
+            engine.max_tokens_limit,
+            engine.max_model_len,
+            engine.kv_capacity_tokens,
+            default_max_tokens,
+            engine.max_prompt_chars,
         )
 
 
@@ -112,9 +118,27 @@ def parse_request(kind: Kind, body: dict, limits: Limits) -> CompletionRequest:
         messages, prompt = parse_messages(body.get("messages")), None
     else:
         messages, prompt = None, parse_prompt(body.get("prompt"))
+    check_text_length(messages, prompt, limits)
     return CompletionRequest(
         kind=kind, messages=messages, prompt=prompt, stream=stream, sampling=parse_sampling(body, limits)
     )
+
+
+def check_text_length(messages: list[ChatMessage] | None, prompt, limits: Limits) -> None:
+    """Refuse text that cannot fit the context before the tokenizer spends time on it."""
+    if limits.max_prompt_chars is None:
+        return
+    chars = sum(len(m.content) for m in messages) if messages is not None else len(prompt or "")
+    if isinstance(prompt, list):
+        chars = 0  # token ids: their count is checked against the context as it is
+    if chars > limits.max_prompt_chars:
+        raise APIError(
+            400,
+            f"the {'messages' if messages is not None else 'prompt'} hold {chars} characters; this model reads at most "
+            f"{limits.max_model_len} tokens (about {limits.max_prompt_chars} characters): shorten the input",
+            param="messages" if messages is not None else "prompt",
+            code="context_length_exceeded",
+        )
 
 
 def sampling_params(sampling: Sampling, prompt_len: int, limits: Limits) -> SamplingParams:

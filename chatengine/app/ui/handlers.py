@@ -12,6 +12,7 @@ on (and is saved) without touching the screen.
 
 from __future__ import annotations
 
+import asyncio
 import html
 import time
 from collections import Counter
@@ -149,7 +150,7 @@ class ChatUI:
         name = f"Signed in as **{html.escape(user)}** · [Log out](/logout)" if self.auth_enabled else ""
         c = self.c
         return {
-            c.conv_list: self.conv_list(user, None),
+            c.conv_list: await asyncio.to_thread(self.conv_list, user, None),
             c.who_md: name,
             c.engine_tab: gr.update(visible=self.is_admin(user)),
         }
@@ -270,7 +271,7 @@ class ChatUI:
             async for up in gen:
                 final = up
                 if view is None:
-                    view = self.service.view(user, conv_id)
+                    view = await asyncio.to_thread(self.service.view, user, conv_id)
                 now = time.monotonic()
                 if up.finished or now - last < THROTTLE_S or self.viewing.get(session, conv_id) != conv_id:
                     continue
@@ -284,10 +285,13 @@ class ChatUI:
         if final is not None and final.status == "error":
             gr.Warning(final.error or "generation failed")
         if self.viewing.get(session, conv_id) != conv_id:  # the tab moved on: only its list changes
-            yield {self.c.conv_list: self.conv_list(user, self.viewing.get(session))}
+            yield {self.c.conv_list: await asyncio.to_thread(self.conv_list, user, self.viewing.get(session))}
             return
         focus_id = final.message_ids[0] if final is not None else None
-        yield {**self.render(user, conv_id, focus_id), self.c.conv_list: self.conv_list(user, conv_id)}
+        yield await asyncio.to_thread(self._ended_view, user, conv_id, focus_id)
+
+    def _ended_view(self, user: str, conv_id: str, focus_id: str | None) -> dict:
+        return {**self.render(user, conv_id, focus_id), self.c.conv_list: self.conv_list(user, conv_id)}
 
     def _start_send(self, user: str, text: str, conv_id, persona_name, settings: dict):
         """(conversation id, reply generator) of a new turn; a new chat that fails leaves nothing behind."""
@@ -301,14 +305,31 @@ class ChatUI:
                 self.service.delete_conversation(user, conv_id)
             raise
 
+    def _sent_view(self, user: str, conv_id: str) -> dict:
+        conv = self.service.get_conversation(user, conv_id)
+        c = self.c
+        return {
+            **self.waiting_view(user, conv_id),
+            c.msg: "",
+            c.cid: conv_id,
+            c.conv_list: self.conv_list(user, conv_id),
+            c.persona: gr.update(visible=False),
+            c.header: self.header(conv["persona"]),
+        }
+
     async def send(self, text, conv_id, persona_name, temperature, top_p, max_tokens, seed, n, request: gr.Request):
         user = self.who(request)
         if not isinstance(text, str) or not text.strip():
             yield gr.skip()
             return
-        try:
-            conv_id, gen = self._start_send(
-                user, text, conv_id, persona_name, settings_of(temperature, top_p, max_tokens, seed, n)
+        try:  # tokenizing and SQLite in a worker thread: other users' streams run on this loop
+            conv_id, gen = await asyncio.to_thread(
+                self._start_send,
+                user,
+                text,
+                conv_id,
+                persona_name,
+                settings_of(temperature, top_p, max_tokens, seed, n),
             )
         except NotFound:
             gr.Warning("That conversation does not exist; start a new chat.")
@@ -319,16 +340,7 @@ class ChatUI:
             yield gr.skip()
             return
         self.viewing[_session(request)] = conv_id
-        conv = self.service.get_conversation(user, conv_id)
-        c = self.c
-        yield {
-            **self.waiting_view(user, conv_id),
-            c.msg: "",
-            c.cid: conv_id,
-            c.conv_list: self.conv_list(user, conv_id),
-            c.persona: gr.update(visible=False),
-            c.header: self.header(conv["persona"]),
-        }
+        yield await asyncio.to_thread(self._sent_view, user, conv_id)
         async for upd in self.stream(user, conv_id, gen, _session(request)):
             yield upd
 
@@ -338,7 +350,8 @@ class ChatUI:
             yield gr.skip()
             return
         try:
-            gen = self.service.regenerate(user, conv_id, msg_id, settings_of(temperature, top_p, max_tokens, seed, n))
+            settings = settings_of(temperature, top_p, max_tokens, seed, n)
+            gen = await asyncio.to_thread(self.service.regenerate, user, conv_id, msg_id, settings)
         except NotFound:
             gr.Warning("That message does not exist.")
             yield gr.skip()
@@ -370,18 +383,13 @@ class ChatUI:
         try:
             if msg_id is None:
                 raise NotFound("no such message")
-            gen = self.service.edit(
-                user,
-                conv_id,
-                msg_id,
-                unescape_html(str(value or "")),
-                settings_of(temperature, top_p, max_tokens, seed, n),
-            )
+            text, settings = unescape_html(str(value or "")), settings_of(temperature, top_p, max_tokens, seed, n)
+            gen = await asyncio.to_thread(self.service.edit, user, conv_id, msg_id, text, settings)
         except (NotFound, ValueError) as e:
             gr.Warning(str(e) if isinstance(e, ValueError) else "That message does not exist.")
-            yield self.render(user, conv_id) if conv_id else gr.skip()
+            yield await asyncio.to_thread(self.render, user, conv_id) if conv_id else gr.skip()
             return
-        yield self.waiting_view(user, conv_id)
+        yield await asyncio.to_thread(self.waiting_view, user, conv_id)
         async for upd in self.stream(user, conv_id, gen, _session(request)):
             yield upd
 
