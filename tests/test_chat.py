@@ -335,3 +335,55 @@ def test_one_turn_at_a_time_per_conversation(svc):
     again = run(lambda: svc.send(user, cid, "And another thing", GREEDY))
     assert again.status == "done"
     assert [m["role"] for m in svc.store.active_path(user, cid)] == ["system", "user", "assistant", "user", "assistant"]
+
+
+# ---- a full disk: refused in words, nothing half-written ------------------------------------------
+def fill_disk(store, monkeypatch):
+    """Make `store` as full as a full disk: every connection (open or opened later) may not grow the
+    file past its current size, so a write that needs a new page fails as ENOSPC would (SQLITE_FULL)."""
+    import sqlite3
+
+    pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+    real_connect = sqlite3.connect
+
+    def limited(*a, **k):
+        conn = real_connect(*a, **k)
+        conn.execute(f"PRAGMA max_page_count = {pages}")
+        return conn
+
+    store.close()  # every thread reopens through `limited`
+    monkeypatch.setattr(sqlite3, "connect", limited)
+
+
+def test_a_full_disk_refuses_a_message_in_words_and_keeps_nothing(svc, monkeypatch):
+    from chatengine.app.store import StoreWriteError
+
+    cid = svc.new_conversation("alice")
+    run(lambda: svc.send("alice", cid, "Hi"))
+    before = svc.view("alice", cid)
+    fill_disk(svc.store, monkeypatch)
+    with pytest.raises(StoreWriteError, match="the server's disk is full: nothing was saved"):
+        svc.send("alice", cid, "A long message. " * 400)  # 6,400 characters: needs new pages
+    assert svc.view("alice", cid) == before  # rolled back: no half-written turn
+    assert not svc._claims and not svc.is_generating("alice", cid)  # the conversation is not left locked
+
+
+def test_a_reply_that_cannot_be_saved_says_so_and_frees_the_conversation(svc, monkeypatch):
+    from chatengine.app.store import StoreWriteError
+
+    cid = svc.new_conversation("alice")
+    real_update = svc.store.update_message
+
+    def full(user, mid, **cols):
+        if cols.get("status"):  # the final save of the reply
+            raise StoreWriteError("the server's disk is full: nothing was saved. Tell whoever runs this server.")
+        return real_update(user, mid, **cols)
+
+    monkeypatch.setattr(svc.store, "update_message", full)
+    last = run(lambda: svc.send("alice", cid, "Hi", dict(max_tokens=4)))
+    assert last.status == "error" and last.error.startswith("this reply could not be saved: the server's disk is full")
+    reply = svc.view("alice", cid)[-1]
+    assert reply["status"] == "error" and "disk is full" in reply["stats"]["error"]  # not "streaming" forever
+    assert not svc.is_generating("alice", cid) and not svc._claims
+    monkeypatch.setattr(svc.store, "update_message", real_update)
+    assert run(lambda: svc.send("alice", cid, "Again", dict(max_tokens=4))).status == "done"

@@ -66,3 +66,53 @@ def test_the_server_makes_its_data_dir_private(tmp_path, open_umask):
     with pytest.raises(ValueError, match="cannot read the users file"):  # it stops after the data dir
         server.create_app(data_dir=data, users_file=tmp_path / "missing.json")
     assert mode(data) == 0o700
+
+
+# ---- start-up checks: one clear line before the model loads ----------------------------------------
+def test_check_data_dir_refuses_what_it_cannot_use(tmp_path, monkeypatch):
+    from chatengine.app import datadir
+
+    assert datadir.check_data_dir(tmp_path / "ok") == tmp_path / "ok"
+    assert os.listdir(tmp_path / "ok") == []  # the write probe is gone
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(datadir.DataDirError, match="cannot write to the data directory .*--data-dir"):
+        datadir.check_data_dir(tmp_path / "file")
+    monkeypatch.setattr(datadir.shutil, "disk_usage", lambda p: _Usage(5 << 20))
+    with pytest.raises(datadir.DataDirError, match="only 5 MiB free .* at least 64 MiB"):
+        datadir.check_data_dir(tmp_path / "ok")
+
+
+class _Usage:
+    def __init__(self, free):
+        self.free = free
+
+
+def _start(tmp_path, data_dir):
+    """`python app.py` on data_dir; (exit code, stderr lines, seconds)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    app = Path(__file__).resolve().parents[1] / "app.py"
+    t = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(app), "--data-dir", str(data_dir), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    return proc.returncode, proc.stderr.strip().splitlines(), time.monotonic() - t
+
+
+def test_a_damaged_database_or_unusable_dir_stops_the_server_with_one_line(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "chat.db").write_bytes(b"this is not an SQLite database" * 100)
+    rc, err, _ = _start(tmp_path, data)
+    assert rc == 1 and len(err) == 1, err
+    assert err[0].startswith("error: the chat database") and "damaged" in err[0] and "move it aside" in err[0]
+    (tmp_path / "plain-file").write_text("x")
+    rc, err, _ = _start(tmp_path, tmp_path / "plain-file")
+    assert rc == 1 and len(err) == 1 and "cannot write to the data directory" in err[0], err

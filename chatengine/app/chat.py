@@ -42,7 +42,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from chatengine.app.store import ChatStore, NotFound
+from chatengine.app.store import ChatStore, NotFound, StoreWriteError
 from chatengine.sampling_params import SamplingParams
 
 __all__ = ["ChatService", "ChatSettings", "ReplyUpdate", "TurnTemplate", "NotFound"]
@@ -238,6 +238,9 @@ class ChatService:
         self._claims: dict[tuple[str, str], float] = {}
         self._claim_lock = threading.Lock()  # callers start turns from worker threads
         self.max_message_chars = engine.max_prompt_chars  # longer text is refused before tokenizing
+        # replies generated but not saved (disk full): shown as failed until the process ends; the
+        # next start marks them interrupted in the database
+        self._unsaved: dict[str, str] = {}
 
     # ---- conversations --------------------------------------------------------------------------
     def new_conversation(
@@ -274,6 +277,8 @@ class ChatService:
                 continue
             sibs = [s for s in self.store.siblings(user, m["id"]) if s["role"] == m["role"]]
             ids = [s["id"] for s in sibs]
+            if m["id"] in self._unsaved and m["status"] == "streaming":
+                m = dict(m, status="error", stats={**(m["stats"] or {}), "error": self._unsaved[m["id"]]})
             out.append(dict(m, k=ids.index(m["id"]) + 1, n=len(ids), sibling_ids=ids))
         return out
 
@@ -453,7 +458,11 @@ class ChatService:
         seed = s.seed + seed_offset if s.seed is not None else random.randrange(2**31)
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed)
         settings = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed, n=s.n)
-        mids = await asyncio.to_thread(self._add_replies, user, cid, parent_id, settings, s.n)
+        try:
+            mids = await asyncio.to_thread(self._add_replies, user, cid, parent_id, settings, s.n)
+        except BaseException:
+            self._claims.pop((user, cid), None)
+            raise
         turn = _Turn(f"chat-{uuid.uuid4().hex}")
         self._active.setdefault((user, cid), {})[turn.request_id] = turn
         run = _Reply(
@@ -477,11 +486,15 @@ class ChatService:
                     if run.absorb(out):
                         break
                     if run.save_due():  # every SAVE_EVERY_S, in a worker thread (an fsync stalls a loop)
-                        await asyncio.to_thread(run.save, None)
+                        await _in_thread(run.save_partial)
                     yield run.up
             except ValueError as e:  # the engine refused the request (length, memory)
                 run.up.error = str(e)
-            await asyncio.to_thread(run.finish, turn.stop_requested)
+            try:
+                await asyncio.to_thread(run.finish, turn.stop_requested)
+            except StoreWriteError as e:  # the reply was generated but cannot be kept: say so
+                run.failed_to_save(str(e))
+                self._unsaved.update(dict.fromkeys(mids, str(run.up.error)))
             yield run.up
         finally:
             # normal end, Stop, or the consumer closed us (cancelled event): keep what we have
@@ -588,6 +601,18 @@ class _Reply:
         else:
             up.status = "done"
         self.save(up.status)
+
+    def save_partial(self) -> None:
+        """Save the texts so far; a failed write is logged (the final save tries again and says so)."""
+        try:
+            self.save(None)
+        except StoreWriteError as e:
+            log.warning("could not save a partial reply: %s", e)
+
+    def failed_to_save(self, reason: str) -> None:
+        up = self.up
+        up.status, up.error = "error", f"this reply could not be saved: {reason}"
+        up.stats = [dict(st, error=up.error) for st in up.stats]
 
     def keep_partial(self) -> None:
         """The stream ended before finish() (Stop, a closed tab): save what came as aborted."""

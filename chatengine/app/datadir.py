@@ -1,12 +1,51 @@
 """The server's data directory (chat database, KV store, server secret): private to the user who
-runs the server, whatever the umask. Conversations are there in plain text."""
+runs the server, whatever the umask. Conversations are there in plain text.
+
+`check_data_dir` runs before the model loads, so a directory the server cannot use costs one clear
+line at once instead of a traceback after the load."""
 
 import logging
 import os
+import shutil
 import stat
+import uuid
 from pathlib import Path
 
 log = logging.getLogger("chatengine.server")
+
+
+MIN_FREE_BYTES = 64 << 20  # room for the database to grow and its WAL to checkpoint
+
+
+class DataDirError(ValueError):
+    """The data directory cannot be used; the message says why and what to do, in one line."""
+
+
+def check_data_dir(path: str | os.PathLike, min_free_bytes: int = MIN_FREE_BYTES) -> Path:
+    """make_private(path), then prove a file can be written and synced there and enough space is free."""
+    where = os.fspath(path)
+    try:
+        root = make_private(path)
+        probe = root / f".write-check-{uuid.uuid4().hex}"
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            os.write(fd, b"ok")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+        free = shutil.disk_usage(root).free
+    except OSError as e:
+        raise DataDirError(
+            f"cannot write to the data directory {where} ({e.strerror or e}): "
+            "fix its permissions or choose another with --data-dir"
+        ) from None
+    if free < min_free_bytes:
+        raise DataDirError(
+            f"only {free >> 20} MiB free on the disk of the data directory {where}; the server needs at least "
+            f"{min_free_bytes >> 20} MiB to save conversations: free some space or choose another --data-dir"
+        )
+    return root
 
 
 def make_private(path: str | os.PathLike) -> Path:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import socket
+import sqlite3
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from types import SimpleNamespace
 from typing import Self
 
 from chatengine.app import access_log, auth
-from chatengine.app.datadir import create_private_file, make_private, warn_if_shared
+from chatengine.app.datadir import check_data_dir, create_private_file, warn_if_shared
 from chatengine.app.login_throttle import LoginThrottle, LoginThrottleMiddleware
 from chatengine.app.no_uploads import NoUploadsMiddleware
 from chatengine.app.session_guard import SessionOwnerMiddleware
@@ -80,14 +81,19 @@ def create_app(
     from chatengine.app.ui.layout import CSS, build_ui, theme
     from chatengine.personas import load_personas
 
-    data = make_private(data_dir)  # conversations in plain text: nobody else on the machine reads them
+    # checks that can fail run before the model loads: a bad directory or database costs one line at once
+    data = check_data_dir(data_dir)  # private: conversations are there in plain text
     if users_file is not None:
         warn_if_shared(users_file)
     users = auth.load_users(users_file) if users_file is not None else None
+    store = _open_store(data / DB_FILE)
     own_engine = engine is None
     if own_engine:
-        engine = AsyncLLM(model, **engine_kwargs(data, disk_kv=disk_kv, **(engine_options or {})))
-    store = _open_store(data / DB_FILE)
+        try:
+            engine = AsyncLLM(model, **engine_kwargs(data, disk_kv=disk_kv, **(engine_options or {})))
+        except BaseException:
+            store.close()
+            raise
     service = ChatService(engine, store, load_personas())
     app = build_api(engine, users, model_name=str(engine.model_id))
     demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n, admins=auth.admins(users))
@@ -114,11 +120,19 @@ def create_app(
 
 
 def _open_store(path: Path):
-    from chatengine.app.store import ChatStore
+    from chatengine.app.store import ChatStore, StoreDamaged, StoreWriteError
 
-    create_private_file(path)
-    store = ChatStore(path)
-    interrupted = store.recover_interrupted()
+    try:
+        create_private_file(path)
+        store = ChatStore(path)
+        interrupted = store.recover_interrupted()
+    except (sqlite3.DatabaseError, StoreDamaged) as e:
+        raise ValueError(
+            f"the chat database {path} is damaged ({e}): restore it from a backup, or move it aside "
+            "to start with an empty history"
+        ) from None
+    except (OSError, StoreWriteError) as e:
+        raise ValueError(f"cannot open the chat database {path} ({e}): check the disk and the data directory") from None
     if interrupted:
         log.info("marked %d replies interrupted by the last shutdown", interrupted)
     return store

@@ -121,6 +121,30 @@ class NotFound(LookupError):
     """No such conversation or message for this user (whether or not another user has it)."""
 
 
+class StoreDamaged(RuntimeError):
+    """The database file failed SQLite's integrity check."""
+
+
+class StoreWriteError(RuntimeError):
+    """The database could not take a write (disk full, read-only, I/O error); the message says so
+    in words a user can act on, and the write left nothing behind (its transaction rolled back)."""
+
+
+# SQLite's primary result codes (the low byte of an extended code) that mean "cannot write here"
+_WRITE_FAILURES = {
+    sqlite3.SQLITE_FULL: "the server's disk is full",
+    sqlite3.SQLITE_READONLY: "the server's database has become read-only",
+    sqlite3.SQLITE_IOERR: "the server's disk failed a write",
+    sqlite3.SQLITE_CANTOPEN: "the server cannot open its database files",
+}
+
+
+def write_failure(e: sqlite3.Error) -> StoreWriteError | None:
+    """The StoreWriteError that a failed write of SQLite means, or None for other errors (bugs)."""
+    reason = _WRITE_FAILURES.get((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF)
+    return StoreWriteError(f"{reason}: nothing was saved. Tell whoever runs this server.") if reason else None
+
+
 class ChatStore:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
@@ -161,13 +185,19 @@ class ChatStore:
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite_utils.Database]:
         db = self.db
-        db.execute("BEGIN IMMEDIATE")
         try:
-            yield db
-            db.commit()
-        except BaseException:
-            db.rollback()
-            raise
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.commit()
+            except BaseException:
+                db.rollback()
+                raise
+        except sqlite3.Error as e:
+            failure = write_failure(e)
+            if failure is None:
+                raise
+            raise failure from e
 
     def _rows(self, sql: str, params: dict) -> list[dict]:
         return list(self.db.query(sql, params))
@@ -429,7 +459,7 @@ class ChatStore:
         process died as 'interrupted'. Returns how many were marked."""
         result = self.db.execute("PRAGMA quick_check").fetchone()[0]
         if result != "ok":
-            raise RuntimeError(f"{self.path}: SQLite quick_check failed: {result}")
+            raise StoreDamaged(f"SQLite quick_check: {result}")
         with self._write() as db:
             return db.execute(
                 "UPDATE messages SET status = 'interrupted', updated_at = ? WHERE status = 'streaming'", [time.time()]

@@ -21,6 +21,7 @@ import gradio as gr
 
 from chatengine.app.chat import ChatService, NotFound
 from chatengine.app.session_guard import SessionOwners
+from chatengine.app.store import StoreWriteError
 from chatengine.app.ui.components import Components
 from chatengine.app.ui.monitor import EngineMonitor
 from chatengine.app.ui.render import (
@@ -277,6 +278,8 @@ class ChatUI:
                     continue
                 last = now
                 yield self._progress(view, up)
+        except StoreWriteError as e:  # the reply could not even be started: nothing was kept
+            gr.Warning(str(e))
         finally:
             await gen.aclose()
             self.painting[session, conv_id] -= 1
@@ -335,7 +338,7 @@ class ChatUI:
             gr.Warning("That conversation does not exist; start a new chat.")
             yield gr.skip()
             return
-        except ValueError as e:
+        except (ValueError, StoreWriteError) as e:
             gr.Warning(str(e))
             yield gr.skip()
             return
@@ -356,7 +359,7 @@ class ChatUI:
             gr.Warning("That message does not exist.")
             yield gr.skip()
             return
-        except ValueError as e:
+        except (ValueError, StoreWriteError) as e:
             gr.Warning(str(e))
             yield gr.skip()
             return
@@ -385,8 +388,8 @@ class ChatUI:
                 raise NotFound("no such message")
             text, settings = unescape_html(str(value or "")), settings_of(temperature, top_p, max_tokens, seed, n)
             gen = await asyncio.to_thread(self.service.edit, user, conv_id, msg_id, text, settings)
-        except (NotFound, ValueError) as e:
-            gr.Warning(str(e) if isinstance(e, ValueError) else "That message does not exist.")
+        except (NotFound, ValueError, StoreWriteError) as e:
+            gr.Warning("That message does not exist." if isinstance(e, NotFound) else str(e))
             yield await asyncio.to_thread(self.render, user, conv_id) if conv_id else gr.skip()
             return
         yield await asyncio.to_thread(self.waiting_view, user, conv_id)
