@@ -47,7 +47,10 @@ def reopen_and_read(tmp_path, data: bytes):
 def test_an_intact_file_reads_back_bit_for_bit(tmp_path, block_file):
     data, page = block_file
     got, disk, _ = reopen_and_read(tmp_path, data)
-    assert got is not None and got[0] == META and torch.equal(got[1], page)
+    assert got is not None and torch.equal(got[1], page)
+    meta = got[0]
+    assert (meta.hash, meta.parent, meta.owner) == (META.hash, META.parent, META.owner)
+    assert meta.token_ids is None and meta.holds((11, 12)) and not meta.holds((11, 13))
     assert disk.num_damaged == 0
 
 
@@ -69,12 +72,68 @@ def test_every_cut_is_a_miss(tmp_path, block_file):
 
 
 def test_a_header_that_parses_but_lies_is_a_miss(tmp_path, block_file):
-    """A flip that leaves valid JSON (a token id changed) is caught by the checksum over the header."""
+    """A flip that leaves valid JSON (the owner changed) is caught by the checksum over the header."""
     data, _ = block_file
     magic, version, n, crc = PREFIX.unpack(data[: PREFIX.size])
     header = json.loads(data[PREFIX.size : PREFIX.size + n])
-    header["tokens"] = [11, 13]
+    header["owner"] = "00" * 8
     raw = json.dumps(header).encode()
     forged = PREFIX.pack(magic, version, len(raw), crc) + raw + data[PREFIX.size + n :]
     got, disk, path = reopen_and_read(tmp_path, forged)
     assert got is None and not path.exists() and disk.num_damaged == 1
+
+
+def test_a_block_file_keeps_no_token_ids(tmp_path):
+    """What verifies a hit (a digest keyed by the block hash), never the conversation's tokens."""
+    tokens = (31337, 27182, 16180, 14142)
+    meta = BlockMeta(b"s" * 16, b"p" * 16, tokens, b"o" * 8)
+    disk = store(tmp_path)
+    disk.write_behind(meta, torch.zeros(SHAPE), block=True)
+    disk.close()
+    data = disk.path(meta.hash).read_bytes()
+    header = json.loads(data[PREFIX.size : PREFIX.size + PREFIX.unpack(data[: PREFIX.size])[2]])
+    assert "tokens" not in header and set(header) >= {"digest", "hash", "owner"}
+    assert not any(str(t).encode() in data for t in tokens)
+    assert torch.tensor(tokens, dtype=torch.int32).numpy().tobytes()[:8] not in data
+    reread = store(tmp_path).meta(meta.hash)
+    assert reread.holds(tokens) and not reread.holds(tokens[::-1])
+
+
+def test_files_of_version_2_with_plain_token_ids_are_purged(tmp_path, block_file):
+    data, _ = block_file
+    magic, _, n, crc = PREFIX.unpack(data[: PREFIX.size])
+    old = PREFIX.pack(magic, 2, n, crc) + data[PREFIX.size :]
+    got, disk, path = reopen_and_read(tmp_path, old)
+    assert got is None and not path.exists()
+
+
+def test_other_roots_are_cleaned_oldest_first_within_the_budget(tmp_path):
+    import os
+
+    for k, root in enumerate((b"a" * 16, b"b" * 16)):  # two older models' stores, 3 blocks each
+        old = DiskStore(tmp_path, root, 1 << 20, SHAPE, torch.float32)
+        for i in range(3):
+            old.write_behind(BlockMeta(bytes([k, i]) * 8, b"p" * 16, (i,), b""), torch.zeros(SHAPE), block=True)
+        old.close()
+        for path in (tmp_path / root.hex()).glob("*/*.kv"):
+            os.utime(path, (1000 + k, 1000 + k))  # root "a" is the older one
+    size = next(tmp_path.glob("*/*/*.kv")).stat().st_size  # (every file the same size)
+    fresh = DiskStore(tmp_path, ROOT, 3 * size + size // 2, SHAPE, torch.float32)  # room for 3 of the 6
+    left = sorted(p.parent.parent.name for p in tmp_path.glob("*/*/*.kv"))
+    assert fresh.num_stale == 3 and left == [(b"b" * 16).hex()] * 3  # the older root went first, whole
+    assert not (tmp_path / (b"a" * 16).hex()).exists()
+    big = DiskStore(tmp_path, ROOT, 1 << 30, SHAPE, torch.float32)  # a budget with room keeps the rest
+    assert big.num_stale == 0 and len(list(tmp_path.glob("*/*/*.kv"))) == 3
+
+
+def test_drop_owner_files_reaches_every_root(tmp_path):
+    from chatengine.engine.kv.disk_store import drop_owner_files
+
+    for root in (b"a" * 16, b"b" * 16):
+        disk = DiskStore(tmp_path, root, 1 << 20, SHAPE, torch.float32)
+        for i, owner in enumerate((b"u" * 8, b"v" * 8, b"")):
+            disk.write_behind(BlockMeta(root[:8] + bytes([i]) * 8, b"p" * 16, (i,), owner), torch.zeros(SHAPE), True)
+        disk.close()
+    assert drop_owner_files(tmp_path, b"u" * 8) == 2
+    left = [DiskStore(tmp_path, r, 1 << 20, SHAPE, torch.float32) for r in (b"a" * 16, b"b" * 16)]
+    assert all(sorted(m[2].owner for m in d.index.values()) == [b"", b"v" * 8] for d in left)

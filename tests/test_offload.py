@@ -299,6 +299,27 @@ def test_forget_user_drops_their_blocks(tmp_path):
     e.shutdown()
 
 
+def test_forget_prompts_drops_one_conversations_pages_from_every_tier(tmp_path):
+    """A deleted conversation's private pages leave the device, host memory and disk; the same
+    user's other conversation and a public persona prefix keep theirs."""
+    p = SamplingParams(temperature=0, max_tokens=4)
+    e = LLM("dummy:tiny", kv_store_dir=str(tmp_path / "kv"), num_kv_blocks=32, register_personas=False)
+    e.engine.personas["p"] = list(range(200, 220))  # a public prefix: 20 tokens, its first block shared
+    gone, kept = list(range(200, 220)) + list(range(40)), list(range(200, 220)) + list(range(100, 140))
+    e.generate([gone], p, user="zoe")
+    e.generate([kept], p, user="zoe")
+    e.engine.offload_cached_blocks()  # some pages to host memory ...
+    e.engine.flush_kv()  # ... and all of them to disk
+    disk = e.engine.tiers.disk
+    before = len(disk.index)
+    dropped = e.forget_prompts("zoe", [gone + [7, 7, 7]])  # the stored branch runs past the cached blocks
+    assert dropped > 0
+    assert len(disk.index) == before - 2  # the private full blocks 16..31 and 32..47 of `gone`, on disk
+    assert e.generate([gone], p, user="zoe")[0].num_cached_tokens == 16  # only the public persona block
+    assert e.generate([kept], p, user="zoe")[0].num_cached_tokens == 48
+    e.shutdown()
+
+
 def test_idle_pages_move_to_host_memory_proactively():
     import asyncio
     import time

@@ -76,6 +76,11 @@ class AsyncLLM(EngineFacade):
     def forget_user(self, user: str) -> None:
         self._post(("forget", user))
 
+    def forget_prompts(self, user: str, prompts: list[list[int]]) -> None:
+        """Drop the user's private KV pages of these token sequences (a deleted conversation's
+        branches) from every tier, on the engine's thread, soon."""
+        self._post(("forget_prompts", user, [list(p) for p in prompts]))
+
     def shutdown(self) -> None:
         """Abort what runs, stop the loop and flush the KV cache to the disk store (if any)."""
         if self._stopped:
@@ -134,6 +139,9 @@ class AsyncLLM(EngineFacade):
                     return
                 if item[0] == "forget":
                     engine.forget_user(item[1])
+                    continue
+                if item[0] == "forget_prompts":
+                    engine.forget_prompts(item[1], item[2])
                     continue
                 if item[0] == "add":
                     _, req, loop, queue = item

@@ -63,6 +63,10 @@ class LLM(EngineFacade):
     def forget_user(self, user: str) -> int:
         return self.engine.forget_user(user)
 
+    def forget_prompts(self, user: str, prompts: list[list[int]]) -> int:
+        """Drop the user's private KV pages of these token sequences from every tier (see LLMEngine)."""
+        return self.engine.forget_prompts(user, prompts)
+
     def shutdown(self) -> None:
         """Abort what runs and flush the KV cache to the disk store (if any)."""
         self.engine.close()

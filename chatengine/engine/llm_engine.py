@@ -17,7 +17,14 @@ import uuid
 
 from chatengine.config import EngineConfig
 from chatengine.engine.kv.block_manager import BlockManager, owner_tag
-from chatengine.engine.kv.hashing import load_or_create_secret, model_fingerprint, user_salt
+from chatengine.engine.kv.disk_store import drop_owner_files
+from chatengine.engine.kv.hashing import (
+    hash_blocks,
+    load_or_create_secret,
+    model_fingerprint,
+    salt_start_block,
+    user_salt,
+)
 from chatengine.engine.kv.tiers import TieredCache
 from chatengine.engine.kv.transfers import KVTransfers
 from chatengine.engine.loader import load_model
@@ -108,6 +115,24 @@ class LLMEngine:
         owner = owner_tag(user_salt(self.secret, user))
         n = self.block_manager.drop_owner(owner)
         return n + (self.tiers.drop_owner(owner) if self.tiers is not None else 0)
+
+    def forget_prompts(self, user: str, prompts: list[list[int]]) -> int:
+        """Drop the user's private KV blocks of these token sequences (a deleted conversation's
+        branches) from every tier; the public persona blocks they start with stay. Blocks that a
+        running request uses stay too. Returns the number of blocks dropped."""
+        salt, bs, hashes = user_salt(self.secret, user), self.config.block_size, set()
+        for ids in prompts:
+            first = salt_start_block(self.public_prefix_len(ids), bs)
+            hashes.update(hash_blocks(self.block_manager.root, ids, bs, first, salt)[first:])
+        n = self.block_manager.drop_hashes(hashes)
+        return n + (self.tiers.drop_hashes(hashes) if self.tiers is not None else 0)
+
+    @staticmethod
+    def forget_user_on_disk(kv_store_dir: str, data_dir: str, user: str) -> int:
+        """Delete a user's KV block files under every model root of a disk store, for a server that
+        is not running (the CLI's delete-user). Returns how many files went."""
+        owner = owner_tag(user_salt(load_or_create_secret(data_dir), user))
+        return drop_owner_files(kv_store_dir, owner)
 
     def close(self) -> None:
         for request_id in list(self.requests):

@@ -48,6 +48,7 @@ class Block:
         return BlockMeta(self.hash, self.parent, self.token_ids, self.owner)
 
     def set_hash(self, meta: BlockMeta) -> None:
+        assert meta.token_ids is not None, "a device block knows its tokens (restores carry the request's)"
         self.hash, self.parent, self.token_ids, self.owner = meta.hash, meta.parent, meta.token_ids, meta.owner
 
     def clear_hash(self) -> None:
@@ -200,7 +201,8 @@ class BlockManager:
             hashes = self.block_hashes(seq, num_hit)
             for i in range(len(cached_blocks), num_hit):  # restored: published now, copied before the forward
                 block_id = self._take_free()
-                meta = self.tiers.host.index[hashes[i]][1]
+                meta = self.tiers.host.index[hashes[i]][1]  # (its tokens: seq's, as lookup verified)
+                meta = BlockMeta(meta.hash, meta.parent, tuple(seq.block_tokens(i)), meta.owner)
                 self.blocks[block_id].set_hash(meta)
                 self.cached[meta.hash] = block_id
                 seq.block_table.append(block_id)
@@ -332,10 +334,17 @@ class BlockManager:
 
     def drop_owner(self, owner: bytes) -> int:
         """Unpublish free cached blocks of one user (a deleted user); blocks in use are left alone."""
+        return self._drop_free(lambda block: block.owner == owner)
+
+    def drop_hashes(self, hashes: set[bytes]) -> int:
+        """Unpublish free cached blocks with these hashes (a deleted conversation's); blocks in use stay."""
+        return self._drop_free(lambda block: block.hash in hashes)
+
+    def _drop_free(self, match) -> int:
         n = 0
         for block_id in list(self.free_lru):
             block = self.blocks[block_id]
-            if block.hash is not None and block.owner == owner:
+            if block.hash is not None and match(block):
                 del self.cached[block.hash]
                 block.clear_hash()
                 self.free_lru.move_to_end(block_id, last=False)

@@ -1,10 +1,13 @@
 """The disk store: one file per KV block under a directory named by the model's root fingerprint.
 
 Layout: `<kv_store_dir>/<root hex>/<hash[:2]>/<hash hex>.kv`, one file per block: a fixed
-prefix (magic, version, header length), a JSON header (root, hash, parent, owner, token ids, dtype,
-shape, crc32 of the payload) and the raw page bytes. Files are written to a temp name and renamed,
-so a crash leaves either the whole file or none. Anything that fails to verify is a miss and is
-deleted. The index is rebuilt by scanning the directory at start; a size budget evicts the LRU.
+prefix (magic, version, header length, crc32 of header and payload), a JSON header (root, hash,
+parent, owner tag, a keyed digest of the token ids, dtype, shape) and the raw page bytes. The file
+never spells out the tokens: the digest verifies a hit, and the text cannot be read back from it.
+Files are written to a temp name and renamed, so a crash leaves either the whole file or none.
+Anything that fails to verify is a miss and is deleted. The index is rebuilt by scanning the
+directory at start; a size budget evicts the LRU, and the files of other roots (other weights, an
+older format) go first, since this model can never hit them.
 """
 
 import json
@@ -22,7 +25,8 @@ import torch
 from chatengine.engine.kv.block_meta import BlockMeta
 
 log = logging.getLogger("chatengine.kv.disk")
-MAGIC, VERSION = b"CEKV", 2  # 2: the checksum covers the header too (files of version 1 are misses)
+# 2: the checksum covers the header too; 3: a digest of the token ids instead of the ids (older files are misses)
+MAGIC, VERSION = b"CEKV", 3
 PREFIX = struct.Struct("<4sHII")  # magic, format version, header length, crc32 of header + payload
 
 
@@ -42,8 +46,9 @@ class DiskStore:
         os.chmod(self.dir, 0o700)
         self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()  # LRU: head evicted first
         self.lock = threading.Lock()
-        self.num_dropped = self.num_write_errors = self.num_damaged = 0
+        self.num_dropped = self.num_write_errors = self.num_damaged = self.num_stale = 0
         self._scan()
+        self._clean_other_roots()
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self.writer.start()
@@ -65,6 +70,25 @@ class DiskStore:
             self.index[meta.hash] = (path, path.stat().st_size, meta)
         for tmp in self.dir.glob("*/.*.tmp"):  # a crash mid-write leaves only temp files behind
             self._delete(tmp)
+
+    def _clean_other_roots(self) -> None:
+        """Delete other roots' block files, oldest first, until everything fits the budget: blocks of
+        weights no longer served would otherwise fill the disk for good."""
+        room = self.budget - self.num_bytes
+        others = [(p.stat().st_mtime, p) for p in _block_files(self.dir.parent) if p.parent.parent != self.dir]
+        total = sum(p.stat().st_size for _, p in others)
+        for _, path in sorted(others, key=lambda x: x[0]):
+            if total <= room:
+                break
+            total -= path.stat().st_size
+            self._delete(path)
+            self.num_stale += 1
+        for d in self.dir.parent.glob("*/*"):  # emptied fan-out and root directories go too
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        for d in self.dir.parent.iterdir():
+            if d != self.dir and d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
 
     @property
     def num_bytes(self) -> int:
@@ -120,7 +144,7 @@ class DiskStore:
                 "hash": meta.hash.hex(),
                 "parent": meta.parent.hex(),
                 "owner": meta.owner.hex(),
-                "tokens": list(meta.token_ids),
+                "digest": meta.tokens_digest().hex(),
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "shape": list(self.block_shape),
             }
@@ -178,7 +202,11 @@ class DiskStore:
         ):
             raise ValueError("block of another model, dtype or layout")
         meta = BlockMeta(
-            bytes.fromhex(h["hash"]), bytes.fromhex(h["parent"]), tuple(h["tokens"]), bytes.fromhex(h["owner"])
+            bytes.fromhex(h["hash"]),
+            bytes.fromhex(h["parent"]),
+            None,
+            bytes.fromhex(h["owner"]),
+            bytes.fromhex(h["digest"]),
         )
         if path.name != f"{meta.hash.hex()}.kv":
             raise ValueError("file name does not match its hash")
@@ -239,3 +267,25 @@ class DiskStore:
         self.flush()
         self.queue.put(None)
         self.writer.join(timeout=10)
+
+
+def _block_files(kv_dir: Path) -> list[Path]:
+    """Every block file under every root of a KV store directory."""
+    return [p for p in kv_dir.glob("*/*/*.kv") if p.is_file()]
+
+
+def drop_owner_files(kv_dir: str | Path, owner: bytes) -> int:
+    """Delete every block file salted for one user, under every root (for a server that is not
+    running: a running one keeps its own index). Unreadable files are left to the next start's scan."""
+    n = 0
+    for path in _block_files(Path(kv_dir)):
+        try:
+            with open(path, "rb") as f:
+                magic, version, size, _ = PREFIX.unpack(f.read(PREFIX.size))
+                header = json.loads(f.read(size)) if magic == MAGIC and version == VERSION else {}
+            if header.get("owner") == owner.hex():
+                path.unlink()
+                n += 1
+        except (OSError, ValueError, AttributeError, struct.error):
+            continue
+    return n

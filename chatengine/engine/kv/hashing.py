@@ -71,6 +71,13 @@ def hash_block(parent: bytes, token_ids: list[int] | tuple, extra: bytes = b"") 
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE, person=_BLOCK_PERSON).digest()
 
 
+def tokens_digest(block_hash: bytes, token_ids) -> bytes:
+    """A digest of a block's token ids keyed by its hash: verifies a hit on a block file without the
+    file spelling out the conversation's tokens."""
+    data = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE, key=block_hash[:64], person=b"chatengine/toks").digest()
+
+
 def extend_chain(
     hashes: list[bytes],
     root: bytes,

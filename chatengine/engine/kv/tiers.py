@@ -77,7 +77,7 @@ class TieredCache:
             entry = host.index.get(h)
             if entry is not None:
                 slot, meta = entry
-                if meta.token_ids != tuple(tokens):
+                if not meta.holds(tokens):
                     break
                 if slot in host.loading:
                     if not host.loading[slot][1].done():
@@ -98,7 +98,7 @@ class TieredCache:
         started = False
         for h, tokens in zip(hashes, token_lists):
             meta = self.disk.meta(h)
-            if meta is None or meta.token_ids != tuple(tokens) or h in self.host.index:
+            if meta is None or not meta.holds(tokens) or h in self.host.index:
                 break
             _, slot = self.claim(meta)
             if slot is None:
@@ -209,10 +209,17 @@ class TieredCache:
 
     def drop_owner(self, owner: bytes) -> int:
         """Forget every block salted for one user (host and disk). Returns how many."""
+        return self._drop(lambda h, meta: meta.owner == owner)
+
+    def drop_hashes(self, hashes: set[bytes]) -> int:
+        """Forget these blocks (host and disk): a deleted conversation's. Returns how many."""
+        return self._drop(lambda h, meta: h in hashes)
+
+    def _drop(self, match) -> int:
         n = 0
         if self.host is not None:
             for h, (slot, meta) in list(self.host.index.items()):
-                if meta.owner == owner and h not in self.host.pinned:
+                if match(h, meta) and h not in self.host.pinned:
                     self._settle(slot)  # nothing may land in the slot once it is free
                     if self.host.index.pop(h, None) is not None:
                         self.host.free_slots.append(slot)
@@ -220,7 +227,7 @@ class TieredCache:
         if self.disk is not None:
             self.disk.flush()
             for h, (_, _, meta) in list(self.disk.index.items()):
-                if meta.owner == owner:
+                if match(h, meta):
                     self.disk.drop(h)
                     n += 1
         return n
