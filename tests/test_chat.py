@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from chatengine import AsyncLLM
+from chatengine import AsyncLLM, SamplingParams
 from chatengine.app.chat import ChatService, TurnTemplate
 from chatengine.app.store import ChatStore, NotFound
 from chatengine.personas import load_personas
@@ -387,3 +387,26 @@ def test_a_reply_that_cannot_be_saved_says_so_and_frees_the_conversation(svc, mo
     assert not svc.is_generating("alice", cid) and not svc._claims
     monkeypatch.setattr(svc.store, "update_message", real_update)
     assert run(lambda: svc.send("alice", cid, "Again", dict(max_tokens=4))).status == "done"
+
+
+def test_deleting_a_conversation_drops_its_cached_pages(svc, async_engine):
+    """Every branch's private pages leave the cache; the public persona prefix stays shared."""
+    user = "dora"
+    cid = svc.new_conversation(user)
+    first = run(lambda: svc.send(user, cid, "Name three colours and say why you like them.", GREEDY))
+    run(lambda: svc.regenerate(user, cid, first.message_ids[0], dict(GREEDY, temperature=1.0, seed=3)))
+    assert len(svc.store.leaves(user, cid)) == 2  # two branches
+    prompt = svc.engine.calls[-1]["prompt"]
+    public = async_engine.engine.public_prefix_len(prompt) // 16 * 16
+
+    def cached() -> int:
+        async def go():
+            async for out in async_engine.generate(prompt, SamplingParams(max_tokens=1), user=user):
+                pass
+            return out.num_cached_tokens
+
+        return asyncio.run(go())
+
+    assert cached() > public  # the conversation's own pages hit
+    svc.delete_conversation(user, cid)
+    assert cached() == public  # (the forget runs on the engine's thread before the next request)

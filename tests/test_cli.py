@@ -108,3 +108,36 @@ def test_chat_history_drops_oldest_turns_to_fit():
     assert len(ids) == 30 and [m["content"][0] for m in history] == ["c"]  # the oldest turn went
     with pytest.raises(ValueError, match="too long"):
         _fit(engine, base, [{"role": "user", "content": "x" * 95}], max_tokens=16)
+
+
+def test_delete_user_removes_their_history_and_disk_pages_only(tmp_path, capsys):
+    """`chatengine delete-user` on a stopped server's data dir: the user's conversations and their
+    KV block files go (every model root); another user's stay; a running server's dir is refused."""
+    from chatengine import LLM, SamplingParams
+    from chatengine.app.datadir import lock_data_dir
+    from chatengine.app.store import ChatStore
+
+    data = tmp_path / "data"
+    data.mkdir()
+    store = ChatStore(data / "chat.db")
+    for user in ("zoe", "yan"):
+        store.create_conversation(user, title=f"{user}'s plans")
+    store.close()
+    llm = LLM("dummy:tiny", kv_store_dir=str(data / "kv"), data_dir=str(data), num_kv_blocks=32)
+    p = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([list(range(40))], p, user="zoe")
+    llm.generate([list(range(100, 140))], p, user="yan")
+    llm.shutdown()  # flushes every page to disk
+    files = lambda: len(list((data / "kv").glob("*/*/*.kv")))  # noqa: E731
+    before = files()
+    held = lock_data_dir(data)  # a server running on it
+    assert main(["delete-user", "zoe", "--data-dir", str(data)]) == 1
+    assert "in use by a running chatengine server" in capsys.readouterr().err
+    held.close()
+    assert main(["delete-user", "zoe", "--data-dir", str(data)]) == 0
+    assert "deleted user 'zoe': 1 conversations, 2 cached KV pages" in capsys.readouterr().out
+    assert files() == before - 2
+    store = ChatStore(data / "chat.db")
+    assert store.list_conversations("zoe") == [] and len(store.list_conversations("yan")) == 1
+    store.close()
+    assert main(["delete-user", "zoe", "--data-dir", str(tmp_path / "nowhere")]) == 2

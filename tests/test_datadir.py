@@ -59,13 +59,13 @@ def test_a_users_file_others_can_read_is_warned_about(tmp_path, caplog):
 
 
 def test_the_server_makes_its_data_dir_private(tmp_path, open_umask):
-    """create_app's first step (no model loaded for this: the users file is checked before)."""
+    """create_app's first steps (no model loaded for this: a missing model stops it after the store)."""
     from chatengine.app import server
 
     data = tmp_path / "data"
-    with pytest.raises(ValueError, match="cannot read the users file"):  # it stops after the data dir
-        server.create_app(data_dir=data, users_file=tmp_path / "missing.json")
-    assert mode(data) == 0o700
+    with pytest.raises(ValueError):
+        server.create_app(data_dir=data, model=str(tmp_path / "no-such-model"))
+    assert mode(data) == 0o700 and mode(data / "chat.db") == 0o600
 
 
 # ---- start-up checks: one clear line before the model loads ----------------------------------------
@@ -116,3 +116,13 @@ def test_a_damaged_database_or_unusable_dir_stops_the_server_with_one_line(tmp_p
     (tmp_path / "plain-file").write_text("x")
     rc, err, _ = _start(tmp_path, tmp_path / "plain-file")
     assert rc == 1 and len(err) == 1 and "cannot write to the data directory" in err[0], err
+
+
+def test_one_server_per_data_dir(tmp_path):
+    from chatengine.app.datadir import DataDirError, lock_data_dir
+
+    first = lock_data_dir(tmp_path)
+    with pytest.raises(DataDirError, match=f"in use by a running chatengine server \\(pid {os.getpid()}\\)"):
+        lock_data_dir(tmp_path)
+    first.close()
+    lock_data_dir(tmp_path).close()  # free again once the holder is gone

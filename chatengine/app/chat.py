@@ -266,7 +266,23 @@ class ChatService:
         self.store.rename_conversation(user, cid, title)
 
     def delete_conversation(self, user: str, cid: str) -> None:
+        """Delete the conversation and drop its private KV pages from every cache tier (its text is
+        gone from memory and disk, not only from the database). Refused while a reply is written."""
+        if self.is_generating(user, cid):
+            raise ValueError("a reply is still being written in this conversation: stop it first")
+        prompts = self._branch_ids(user, cid)
         self.store.delete_conversation(user, cid)
+        if prompts:
+            self.engine.forget_prompts(user, prompts)
+
+    def _branch_ids(self, user: str, cid: str) -> list[list[int]]:
+        """Token ids of every branch, root to tip: together their blocks are all the conversation's
+        cached pages. (A template that is re-rendered per turn gives each user turn's prompt.)"""
+        if self.template.incremental:
+            branches = [self.store.prompt_token_ids(user, m["id"]) for m in self.store.leaves(user, cid)]
+            return [ids for ids in branches if ids]
+        users = [m for m in self.store.active_path(user, cid) if m["role"] == "user"]
+        return [self.engine.apply_chat_template(self._path_messages(user, m["id"])) for m in users]
 
     def view(self, user: str, cid: str) -> list[dict]:
         """The active branch without the system message: message dicts plus ``k``, ``n`` (this is

@@ -16,10 +16,11 @@ DESCRIPTION = """\
 chatengine: a multi-user chat app on its own paged-KV LLM engine.
 
 commands:
-  serve   run the web UI and the OpenAI-compatible HTTP API (/v1) in one process;
-          `chatengine serve --help` lists its flags (the same as `python app.py`)
-  chat    chat with the model in this terminal (streaming, multi-turn; /reset, /quit)
-  bench   run a benchmark script from benchmarks/ (`chatengine bench --list`)
+  serve        run the web UI and the OpenAI-compatible HTTP API (/v1) in one process;
+               `chatengine serve --help` lists its flags (the same as `python app.py`)
+  chat         chat with the model in this terminal (streaming, multi-turn; /reset, /quit)
+  delete-user  delete a user's conversations and cached KV pages from a data dir (server stopped)
+  bench        run a benchmark script from benchmarks/ (`chatengine bench --list`)
 """
 
 CHAT_HELP = """\
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chatengine", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", metavar="{serve,chat,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,chat,delete-user,bench}")
     sub.add_parser(
         "serve", help="run the web UI and the OpenAI-compatible API (see `chatengine serve --help`)", add_help=False
     )
@@ -109,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--kv-cache-gib", type=float, default=0.5, help="memory for the KV cache on CPU, in GiB (default 0.5)"
     )
+    delete = sub.add_parser(
+        "delete-user",
+        help="delete a user's conversations and cached KV pages (with the server stopped)",
+        description="Delete everything a user left in a data directory: their conversations and "
+        "messages in the database and their private KV pages in the disk cache (of every model). "
+        "The server must be stopped (it holds the user's pages in memory); remove the user from the "
+        "--users file too, or they can sign in again with an empty history.",
+    )
+    delete.add_argument("user", help="the user name, as in the --users file ('local' without --users)")
+    delete.add_argument("--data-dir", default="./data", help="the server's --data-dir (default ./data)")
     sub.add_parser("bench", help="run a benchmark from benchmarks/ (see `chatengine bench --help`)", add_help=False)
     return parser
 
@@ -123,6 +134,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "chat":
         return chat(args)
+    if args.command == "delete-user":
+        return delete_user(args.user, args.data_dir)
     parser.print_help()
     return 2
 
@@ -132,6 +145,36 @@ def serve(argv: list[str]) -> int:
     from chatengine.app import server
 
     server.main(argv)
+    return 0
+
+
+# ---- delete-user --------------------------------------------------------------------------------
+def delete_user(user: str, data_dir: str) -> int:
+    from chatengine import LLMEngine
+    from chatengine.app.datadir import DataDirError, lock_data_dir
+    from chatengine.app.server import DB_FILE, KV_DIR
+    from chatengine.app.store import ChatStore
+
+    root = Path(data_dir)
+    if not (root / DB_FILE).is_file():
+        print(f"chatengine delete-user: no chat database in {root} (is --data-dir right?)", file=sys.stderr)
+        return 2
+    try:
+        lock = lock_data_dir(root)
+    except DataDirError as e:
+        print(f"chatengine delete-user: {e}", file=sys.stderr)
+        return 1
+    try:
+        store = ChatStore(root / DB_FILE)
+        try:
+            conversations = len(store.list_conversations(user))
+            store.delete_user(user)
+        finally:
+            store.close()
+        pages = LLMEngine.forget_user_on_disk(str(root / KV_DIR), str(root), user) if (root / KV_DIR).is_dir() else 0
+    finally:
+        lock.close()
+    print(f"deleted user {user!r}: {conversations} conversations, {pages} cached KV pages")
     return 0
 
 

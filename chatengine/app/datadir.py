@@ -4,6 +4,7 @@ runs the server, whatever the umask. Conversations are there in plain text.
 `check_data_dir` runs before the model loads, so a directory the server cannot use costs one clear
 line at once instead of a traceback after the load."""
 
+import fcntl
 import logging
 import os
 import shutil
@@ -46,6 +47,32 @@ def check_data_dir(path: str | os.PathLike, min_free_bytes: int = MIN_FREE_BYTES
             f"{min_free_bytes >> 20} MiB to save conversations: free some space or choose another --data-dir"
         )
     return root
+
+
+LOCK_FILE = ".lock"
+
+
+def lock_data_dir(root: str | os.PathLike):
+    """An exclusive lock on the data directory for as long as the returned file stays open (the OS
+    drops it when the process dies): two servers on one directory would corrupt each other's KV
+    store, and a user deleted offline would come back from a running server's memory."""
+    path = Path(root) / LOCK_FILE
+    f = open(path, "a+")  # noqa: SIM115 - held open for the life of the lock
+    os.chmod(path, 0o600)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise DataDirError(
+            f"the data directory {os.fspath(root)} is in use by a running chatengine server ({holder}): "
+            "stop it first, or choose another --data-dir"
+        ) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()}")
+    f.flush()
+    return f
 
 
 def make_private(path: str | os.PathLike) -> Path:

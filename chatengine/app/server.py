@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from typing import Self
 
 from chatengine.app import access_log, auth
-from chatengine.app.datadir import check_data_dir, create_private_file, warn_if_shared
+from chatengine.app.datadir import check_data_dir, create_private_file, lock_data_dir, warn_if_shared
 from chatengine.app.login_throttle import LoginThrottle, LoginThrottleMiddleware
 from chatengine.app.no_uploads import NoUploadsMiddleware
 from chatengine.app.session_guard import SessionOwnerMiddleware
@@ -82,17 +82,23 @@ def create_app(
     from chatengine.personas import load_personas
 
     # checks that can fail run before the model loads: a bad directory or database costs one line at once
-    data = check_data_dir(data_dir)  # private: conversations are there in plain text
     if users_file is not None:
         warn_if_shared(users_file)
     users = auth.load_users(users_file) if users_file is not None else None
-    store = _open_store(data / DB_FILE)
+    data = check_data_dir(data_dir)  # private: conversations are there in plain text
+    lock = lock_data_dir(data)  # one server per data dir, and none while users are deleted offline
+    try:
+        store = _open_store(data / DB_FILE)
+    except BaseException:
+        lock.close()
+        raise
     own_engine = engine is None
     if own_engine:
         try:
             engine = AsyncLLM(model, **engine_kwargs(data, disk_kv=disk_kv, **(engine_options or {})))
         except BaseException:
             store.close()
+            lock.close()
             raise
     service = ChatService(engine, store, load_personas())
     app = build_api(engine, users, model_name=str(engine.model_id))
@@ -115,7 +121,7 @@ def create_app(
         app.add_middleware(LoginThrottleMiddleware, throttle=LoginThrottle())
         app.add_middleware(SessionOwnerMiddleware, user_of=_gradio_user_of(app))
     access_log.install()
-    app.state.chat = SimpleNamespace(engine=engine, store=store, own_engine=own_engine)
+    app.state.chat = SimpleNamespace(engine=engine, store=store, own_engine=own_engine, lock=lock)
     return app
 
 
@@ -166,6 +172,7 @@ def close_app(app) -> None:
     if chat.own_engine:
         chat.engine.shutdown()
     chat.store.close()
+    chat.lock.close()
 
 
 class ServerThread:

@@ -442,6 +442,17 @@ class ChatStore:
             self.get_conversation(user, conv_id)  # NotFound, or empty
         return [_message(r) for r in rows]
 
+    def leaves(self, user: str, conv_id: str) -> list[dict]:
+        """The messages of a conversation that nothing replies to: the tips of all its branches."""
+        self.get_conversation(user, conv_id)  # NotFound for others' conversations
+        rows = self._rows(
+            "SELECT m.* FROM messages m JOIN conversations c ON c.id = m.conversation_id"
+            " WHERE m.conversation_id = :cid AND c.user_id = :user"
+            " AND NOT EXISTS (SELECT 1 FROM messages k WHERE k.parent_id = m.id) ORDER BY m.rowid",
+            dict(cid=conv_id, user=user),
+        )
+        return [_message(r) for r in rows]
+
     def prompt_token_ids(self, user: str, msg_id: str) -> list[int] | None:
         """The stored token ids from the root to ``msg_id``, concatenated; None if any message on
         the path has none (then the caller re-templates the text)."""

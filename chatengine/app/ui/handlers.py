@@ -236,6 +236,9 @@ class ChatUI:
                 self.service.delete_conversation(user, conv_id)
             except NotFound:
                 gr.Warning("That conversation does not exist.")
+            except (ValueError, StoreWriteError) as e:  # a reply still streams there; a full disk
+                gr.Warning(str(e))
+                return {self.c.confirm_row: gr.update(visible=False)}
         return {
             **self.new_chat(persona_name, request),
             self.c.conv_list: self.conv_list(user, None),
