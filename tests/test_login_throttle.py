@@ -68,6 +68,19 @@ def test_the_sign_in_route_answers_429_with_retry_after():
         assert seen[-1] == "bob"  # the form reaches the route unchanged
 
 
+def test_a_multipart_form_counts_against_the_same_username():
+    """Gradio's own sign-in page posts multipart/form-data: its failures count per name too, so
+    switching encodings cannot dodge the per-username limit."""
+    app, seen = login_app(LoginThrottle(per_username=(2, 300.0), per_address=(50, 300.0)))
+    multipart = lambda name, pw: {"username": (None, name), "password": (None, pw)}  # noqa: E731
+    with TestClient(app) as client:
+        assert client.post("/login", files=multipart("alice", "guess")).status_code == 400
+        assert client.post("/login", data={"username": "alice", "password": "guess"}).status_code == 400
+        assert client.post("/login", files=multipart("alice", "right")).status_code == 429
+        assert client.post("/login", files=multipart("bob", "right")).status_code == 200
+        assert seen == ["alice", "alice", "bob"]
+
+
 def test_an_unknown_user_costs_a_known_users_hashing(monkeypatch):
     users = {"alice": {"password": auth.hash_password("pw", iterations=1234)}}
     calls = []

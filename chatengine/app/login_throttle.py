@@ -9,7 +9,6 @@ the response status (200: signed in, which clears that username's failures; 400:
 import math
 import time
 from collections import deque
-from urllib.parse import parse_qs
 
 PER_USERNAME = (5, 300.0)  # failures allowed per window (s) for one username
 PER_ADDRESS = (20, 300.0)  # ... and from one client address, whatever names it tries
@@ -66,8 +65,7 @@ class LoginThrottleMiddleware:
                 return await _answer(send, 413, b'{"detail": "sign-in form too large"}')
             if not message.get("more_body"):
                 break
-        form = parse_qs(body.decode("latin-1"))
-        username = (form.get("username") or [""])[0].strip()
+        username = await _username_of(scope, messages)
         address = (scope.get("client") or ("?", 0))[0]
         wait = self.throttle.retry_after(username, address)
         if wait > 0:
@@ -87,6 +85,24 @@ class LoginThrottleMiddleware:
             await send(message)
 
         await self.app(scope, receive_again, watch)
+
+
+async def _username_of(scope, messages: list[dict]) -> str:
+    """The form's username, urlencoded or multipart (Gradio's own sign-in page sends multipart):
+    the same name must count the same failures whichever way it is sent."""
+    from starlette.requests import Request
+
+    replay = iter(messages)
+
+    async def receive():
+        return next(replay, {"type": "http.request", "body": b"", "more_body": False})
+
+    try:
+        form = await Request(scope, receive).form(max_files=0, max_fields=16)
+        name = form.get("username")
+    except Exception:  # a malformed form: Gradio refuses it; count it under the address only
+        return ""
+    return name.strip() if isinstance(name, str) else ""
 
 
 async def _answer(send, status: int, body: bytes, headers=()) -> None:

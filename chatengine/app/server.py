@@ -23,6 +23,7 @@ from typing import Self
 
 from chatengine.app import access_log, auth
 from chatengine.app.datadir import check_data_dir, create_private_file, lock_data_dir, warn_if_shared
+from chatengine.app.login_page import LoginPageMiddleware
 from chatengine.app.login_throttle import LoginThrottle, LoginThrottleMiddleware
 from chatengine.app.no_uploads import NoUploadsMiddleware
 from chatengine.app.session_guard import SessionOwnerMiddleware
@@ -119,7 +120,9 @@ def create_app(
     app.add_middleware(NoUploadsMiddleware)  # no feature takes files
     if login is not None:  # password guessing: 429 with Retry-After past a few failures
         app.add_middleware(LoginThrottleMiddleware, throttle=LoginThrottle())
-        app.add_middleware(SessionOwnerMiddleware, user_of=_gradio_user_of(app))
+        user_of = _gradio_user_of(app)
+        app.add_middleware(SessionOwnerMiddleware, user_of=user_of)
+        app.add_middleware(LoginPageMiddleware, user_of=user_of, title=title, message="Sign in to chatengine")
     access_log.install()
     app.state.chat = SimpleNamespace(engine=engine, store=store, own_engine=own_engine, lock=lock)
     return app

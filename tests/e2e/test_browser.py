@@ -337,3 +337,27 @@ def test_reload_and_sigkill_mid_reply(server, chat_page, browser_ctx):
     wait_idle(page)
     expect(last_bot(page)).to_contain_text("tokens")
     page.screenshot(path=str(ARTIFACTS / "06-after-restart.png"))
+
+
+def test_a_failed_sign_in_keeps_the_name_and_says_why(server, browser_ctx):
+    """A wrong password empties only the password; past the throttle's limit the page says how
+    long to wait (Gradio's own page emptied both fields and showed nothing on a 429)."""
+    browser_ctx.clear_cookies()
+    page = browser_ctx.new_page()
+    page.errors = []
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.goto(server.url)
+    for attempt in range(6):  # "carol" does not exist: her failures count against her name only
+        if attempt == 0:
+            page.get_by_label("username").fill("carol")
+        page.get_by_label("password").fill(f"guess-{attempt}")
+        page.get_by_role("button", name="Login").click()
+        if attempt < 5:
+            expect(page.locator("#error")).to_have_text("Wrong username or password.")
+            page.locator("#error").evaluate("e => e.textContent = ''")
+    expect(page.locator("#error")).to_contain_text("Too many failed sign-ins: try again in")
+    assert page.get_by_label("username").input_value() == "carol"
+    assert page.get_by_label("password").input_value() == ""
+    page.screenshot(path=str(ARTIFACTS / "07-sign-in-throttled.png"))
+    login(page, server.url, "alice", "pw-alice")  # another name still signs in
+    assert not page.errors, page.errors
