@@ -94,3 +94,28 @@ def test_an_unknown_user_costs_a_known_users_hashing(monkeypatch):
     assert not auth.verify_password(users, "alice", "wrong")
     assert not auth.verify_password(users, "nobody", "wrong")
     assert calls == [1234, 1234]
+
+
+def test_password_hashing_runs_at_the_lowest_cpu_priority(monkeypatch):
+    """Guesses that pass the throttle still cost PBKDF2; it runs one at a time on a nice-19 thread,
+    so it takes CPU only when the engine leaves some."""
+    import asyncio
+    import os
+    import threading
+
+    from chatengine.app import server
+
+    seen = []
+
+    def record(users, name, password):
+        seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), threading.get_ident()))
+        return name == "alice"
+
+    monkeypatch.setattr(server.auth, "verify_password", record)
+    check = server._login_check({"alice": {"password": "x"}})
+
+    async def go():
+        return await asyncio.gather(*(check(n, "pw") for n in ("alice", "eve", "bob")))
+
+    assert asyncio.run(go()) == [True, False, False]
+    assert {nice for nice, _ in seen} == {19} and len({t for _, t in seen}) == 1  # one thread, nice 19

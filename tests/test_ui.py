@@ -296,3 +296,15 @@ def test_a_session_belongs_to_its_user(alice, server):
         bob_http.close()
         alice_http.close()
     assert texts(send(alice, "Hello again")[1])[-2] == "Hello again"  # alice's session still serves alice
+
+
+def test_a_message_too_large_for_the_model_is_refused_unread(server):
+    """A 4 MB UI event is answered 413 after the cap's worth of bytes, in words the page shows;
+    nothing reaches Gradio's JSON parser or the tokenizer."""
+    http = _signed_in(server, "bob")
+    try:
+        body = {"data": ["x" * 4_000_000], "fn_index": 0, "session_hash": "bobs-tab"}
+        r = http.post("/gradio_api/queue/join", json=body)
+        assert r.status_code == 413 and "This message is too long" in r.json()["detail"]
+    finally:
+        http.close()

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs
 
 PREFIX = "/gradio_api/"
 CLOSED = ("call/", "call/v2/")
-MAX_BODY_BYTES = 8 << 20  # a UI event's JSON; messages are capped far below this by the handlers
+MAX_BODY_BYTES = 8 << 20  # a UI event's JSON (the server passes a cap fitted to the model's context)
 MAX_SESSIONS = 200_000  # oldest bindings go first (Gradio drops a closed session's state within the hour)
 
 
@@ -70,9 +70,19 @@ def cookies_of(scope) -> dict[str, str]:
 class SessionOwnerMiddleware:
     """`user_of(cookies)` names the signed-in user (None: nobody)."""
 
-    def __init__(self, app, user_of: Callable[[dict[str, str]], str | None], owners: SessionOwners | None = None):
+    def __init__(
+        self,
+        app,
+        user_of: Callable[[dict[str, str]], str | None],
+        owners: SessionOwners | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        too_large: str = "request too large",
+    ):
+        """Bodies past `max_body_bytes` get 413 with `too_large` (Gradio's page shows that text) as
+        soon as that many bytes came: a 4 MB message is neither read whole nor parsed."""
         self.app, self.user_of = app, user_of
         self.owners = owners or SessionOwners()
+        self.max_body_bytes, self.too_large = max_body_bytes, too_large
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
@@ -83,9 +93,9 @@ class SessionOwnerMiddleware:
         hashes = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash", [])
         hashes += [h for h in [session_in_path(path)] if h]
         if scope["method"] == "POST":
-            body, receive = await _buffer(receive)
+            body, receive = await _buffer(receive, self.max_body_bytes)
             if body is None:
-                return await _answer(send, 413, "request too large")
+                return await _answer(send, 413, self.too_large)
             hashes += [h for h in [session_in_body(body)] if h]
         if hashes:
             user = self.user_of(cookies_of(scope))
@@ -96,14 +106,15 @@ class SessionOwnerMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _buffer(receive):
-    """(the whole body, a receive that replays it and then waits as the original does), or (None, _)."""
+async def _buffer(receive, limit: int):
+    """(the whole body, a receive that replays it and then waits as the original does), or (None, _)
+    past `limit` bytes."""
     messages, size = [], 0
     while True:
         message = await receive()
         messages.append(message)
         size += len(message.get("body", b""))
-        if size > MAX_BODY_BYTES:
+        if size > limit:
             return None, receive
         if message["type"] != "http.request" or not message.get("more_body"):
             break
