@@ -119,3 +119,42 @@ def test_password_hashing_runs_at_the_lowest_cpu_priority(monkeypatch):
 
     assert asyncio.run(go()) == [True, False, False]
     assert {nice for nice, _ in seen} == {19} and len({t for _, t in seen}) == 1  # one thread, nice 19
+
+
+def test_one_check_at_a_time_per_address():
+    """A second attempt from an address whose first is still being checked gets 429 at once, so one
+    address cannot queue guesses ahead of other people's sign-ins; another address goes through."""
+    import asyncio
+
+    import httpx
+    from fastapi import FastAPI, Form
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+    release = asyncio.Event()
+
+    @app.post("/login")
+    async def login(username: str = Form(...), password: str = Form(...)):
+        if username == "slow":
+            await release.wait()
+        return JSONResponse({"detail": "Incorrect credentials."}, status_code=400)
+
+    app.add_middleware(LoginThrottleMiddleware, throttle=LoginThrottle())
+
+    async def go():
+        def client(address):
+            transport = httpx.ASGITransport(app=app, client=(address, 1234))
+            return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+        async with client("10.0.0.1") as a, client("10.0.0.2") as b:
+            first = asyncio.create_task(a.post("/login", data={"username": "slow", "password": "x"}))
+            await asyncio.sleep(0.05)
+            again = await a.post("/login", data={"username": "x", "password": "y"})
+            other = await b.post("/login", data={"username": "x", "password": "y"})
+            release.set()
+            return again, other, await first
+
+    again, other, first = asyncio.run(go())
+    assert again.status_code == 429 and "still being checked" in again.json()["detail"]
+    assert again.headers["retry-after"] == "1"
+    assert other.status_code == 400 and first.status_code == 400

@@ -3,7 +3,8 @@ and past a limit the sign-in route answers 429 with Retry-After before any passw
 
 A pure ASGI middleware in front of Gradio's POST /login: it reads the form's username (replaying the
 body to Gradio unchanged), refuses a throttled username or address, and records the outcome from
-the response status (200: signed in, which clears that username's failures; 400: a failure).
+the response status (200: signed in, which clears that username's failures; 400: a failure). An
+address gets one check at a time (429 while its previous attempt is being checked).
 """
 
 import math
@@ -20,6 +21,9 @@ class LoginThrottle:
         self.limits = {"user": per_username, "addr": per_address}
         self.clock = clock
         self.failures: dict[tuple[str, str], deque] = {}
+        # addresses whose sign-in is being checked now: password hashing runs one at a time, so
+        # without this one address could queue guesses ahead of everyone else's sign-in
+        self.checking: set[str] = set()
 
     def _window(self, kind: str, key: str) -> deque:
         limit, window = self.limits[kind]
@@ -71,6 +75,9 @@ class LoginThrottleMiddleware:
         if wait > 0:
             detail = f'{{"detail": "Too many failed sign-ins: try again in {wait} s."}}'.encode()
             return await _answer(send, 429, detail, [(b"retry-after", str(wait).encode())])
+        if address in self.throttle.checking:  # one check per address at a time: no queue of guesses
+            detail = b'{"detail": "A sign-in from this address is still being checked: try again in a moment."}'
+            return await _answer(send, 429, detail, [(b"retry-after", b"1")])
         replay = iter(messages)
 
         async def receive_again():
@@ -84,7 +91,11 @@ class LoginThrottleMiddleware:
                     self.throttle.failed(username, address)
             await send(message)
 
-        await self.app(scope, receive_again, watch)
+        self.throttle.checking.add(address)
+        try:
+            await self.app(scope, receive_again, watch)
+        finally:
+            self.throttle.checking.discard(address)
 
 
 async def _username_of(scope, messages: list[dict]) -> str:
