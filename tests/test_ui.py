@@ -308,3 +308,9 @@ def test_a_message_too_large_for_the_model_is_refused_unread(server):
         assert r.status_code == 413 and "This message is too long" in r.json()["detail"]
     finally:
         http.close()
+
+
+def test_the_api_is_rate_limited_per_user_when_users_sign_in(server):
+    """One API key cannot flood the server: 120 requests a minute by default (--api-rate-limit)."""
+    limiter = server.app.state.api.access.limiter
+    assert limiter is not None and limiter.per_minute == 120
