@@ -27,6 +27,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step N+1 before step N's tokens are back; None: on CUDA
+    tensor_parallel_size: int = 1  # ranks (GPUs) the weights and KV heads are split over; one process each
     seed: int = 0  # seed of dummy weights and of unseeded sampling
     debug_checks: bool = False  # check block-manager invariants after every step
 
@@ -43,6 +44,13 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be an integer in [1, 64], got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.kv_store_dir:
+            raise ValueError(
+                "the disk tier of the KV cache (kv_store_dir) does not work with tensor_parallel_size > 1 yet: "
+                "leave kv_store_dir unset (the host tier works)"
+            )
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
         if self.cpu_offload_gib < 0 or self.kv_store_gib <= 0:

@@ -16,6 +16,7 @@ import time
 import uuid
 
 from chatengine.config import EngineConfig
+from chatengine.engine.distributed import TPGroup
 from chatengine.engine.kv.block_manager import BlockManager, owner_tag
 from chatengine.engine.kv.disk_store import drop_owner_files
 from chatengine.engine.kv.hashing import (
@@ -29,10 +30,12 @@ from chatengine.engine.kv.tiers import TieredCache
 from chatengine.engine.kv.transfers import KVTransfers
 from chatengine.engine.loader import load_model
 from chatengine.engine.model_runner import ModelRunner, resolve_device_dtype
+from chatengine.engine.models.parallel_layers import check_split
 from chatengine.engine.request import Request
 from chatengine.engine.scheduler import Scheduler
 from chatengine.engine.sequence import Sequence
 from chatengine.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode
+from chatengine.engine.tp_worker import max_model_len_of, start_ranks, stop_ranks
 from chatengine.outputs import CompletionOutput, RequestOutput
 from chatengine.sampling_params import SamplingParams
 
@@ -47,12 +50,22 @@ class LLMEngine:
         loaded = load_model(config.model, seed=config.seed, dtype=dtype, device=str(device))
         mc = self.model_config = loaded.config
         self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        self.max_model_len = max_model_len_of(config, mc)
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context ({mc.max_position_embeddings})"
             )
-        self.runner = ModelRunner(config, loaded, device, dtype, self.max_model_len)
+        # tensor parallelism: ranks 1..N-1 in their own processes, this one rank 0
+        self.group: TPGroup | None = None
+        self._ranks: list = []
+        if config.tensor_parallel_size > 1:
+            check_split(mc, config.tensor_parallel_size)  # before any process starts
+            self.group, self._ranks = start_ranks(config)
+        try:
+            self.runner = ModelRunner(config, loaded, device, dtype, self.max_model_len, self.group)
+        except BaseException:
+            self._stop_ranks()
+            raise
         self.weights_digest, self.hf_dir = loaded.weights_digest, loaded.hf_dir
         del loaded
         # the root of every block-hash chain: other weights, dtype or layout can never hit these blocks
@@ -89,6 +102,7 @@ class LLMEngine:
         num_host = int(config.cpu_offload_gib * 2**30) // runner.block_bytes
         if config.kv_store_dir:  # restores go through host memory: room for at least one whole context
             num_host = max(num_host, self.block_manager.num_blocks_for(self.max_model_len) + 1)
+        runner.share_host_pool(num_host)  # tensor parallelism: each rank a pool of its slices, same slots
         return TieredCache(
             root,
             runner.kv_cache.shape[1:],
@@ -141,6 +155,12 @@ class LLMEngine:
         self.flush_kv()
         if self.tiers is not None:
             self.tiers.close()
+        self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
+        if self.group is not None:
+            stop_ranks(self.group, self._ranks)
+            self.group = None
 
     # ---- personas -------------------------------------------------------------------------------
     def persona_prefix_ids(self, system_prompt: str) -> list[int]:

@@ -29,8 +29,10 @@ import torch
 
 from chatengine.config import EngineConfig
 from chatengine.engine.attention import get_backend
+from chatengine.engine.distributed import Op, TPGroup
 from chatengine.engine.loader import LoadedModel
 from chatengine.engine.models.llama import AttentionMetadata, LlamaModel
+from chatengine.engine.models.parallel_layers import kv_heads_per_rank, split
 from chatengine.engine.sampler import Sampler
 from chatengine.engine.sequence import Sequence
 from chatengine.kernels import cache_ops, paged_attention
@@ -39,6 +41,7 @@ from chatengine.sampling_params import SamplingParams
 
 log = logging.getLogger("chatengine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EAGER, DECODE_GRAPH, PREFILL_GRAPH = range(3)  # how a step's forward runs (the same on every rank)
 ALIGN = 32  # staging regions start at multiples of 32 int32 (128 bytes)
 
 
@@ -95,8 +98,8 @@ class Staging:
     """One step shape's place in the staging buffers: `staging[name]` = (offset, length) of an index
     array, `end` the bytes to upload, `views` the device tensors of each array."""
 
-    def __init__(self, offsets: dict[str, tuple[int, int]], dev: torch.Tensor):
-        self.offsets = offsets
+    def __init__(self, key: tuple[int, int, int, int], offsets: dict[str, tuple[int, int]], dev: torch.Tensor):
+        self.key, self.offsets = key, offsets  # key: (T, B, S, W), what another rank rebuilds it from
         self.end = offsets["_end"][0]
         self.views = {name: dev[off : off + n] for name, (off, n) in offsets.items() if name != "_end"}
 
@@ -158,15 +161,26 @@ class BlockTableRows:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_model_len: int
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        group: TPGroup | None = None,
     ):
+        """`group`: the tensor-parallel ranks (None: this process alone). This runner holds its rank's
+        slice of the weights and of every KV page; rank 0 shares each step with the others."""
         self.config, self.device, self.dtype = config, device, dtype
+        self.group = group or TPGroup.single(device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         mc = self.model_config = loaded.config
+        self.num_heads = split(mc.num_heads, self.group, "num_heads")  # this rank's
+        self.num_kv_heads = kv_heads_per_rank(mc.num_kv_heads, self.group)
         self.backend = get_backend(config.attention_backend, device.type)
         with torch.device("meta"):
-            model = LlamaModel(mc, self.backend, max_model_len)
+            model = LlamaModel(mc, self.backend, max_model_len, self.group)
         model.to_empty(device=device)
         model.load_hf_state_dict(loaded.state_dict)
         self.model = model.to(dtype).eval()
@@ -197,17 +211,18 @@ class ModelRunner:
         self.num_graph_steps = 0  # decode steps replayed
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # padded T -> ...
         self.num_prefill_graph_steps = 0  # one-sequence chunks replayed
-        self.block_bytes = mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-        self.num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
+        self.block_bytes = mc.num_layers * 2 * self.block_size * self.num_kv_heads * mc.head_dim * dtype.itemsize
+        # every rank holds the same block ids: the pool is what the tightest rank can hold
+        self.num_blocks = self.group.min_int(config.num_kv_blocks or self._num_blocks_from_budget())
         if self.num_blocks < 2:
             raise ValueError(
                 f"the KV budget holds only {self.num_blocks} blocks of {self.block_bytes} bytes; "
                 "raise kv_cache_gib / gpu_memory_utilization or set num_kv_blocks"
             )
         # page-first: one block is one contiguous span (all layers, K and V)
-        self.kv_cache = torch.zeros(
-            self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device
-        )
+        page = (mc.num_layers, 2, self.block_size, self.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(self.num_blocks, *page, dtype=dtype, device=device)
+        self.host_pages: torch.Tensor | None = None  # ranks > 0: their slice of the host tier's pool
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.name == "triton":
                 self._capture_graphs()
@@ -230,7 +245,7 @@ class ModelRunner:
             mc.num_layers,
             2,
             self.block_size,
-            mc.num_kv_heads,
+            self.num_kv_heads,
             mc.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -349,7 +364,7 @@ class ModelRunner:
         if lay is None:
             if len(self._stagings) >= 512:
                 self._stagings.clear()
-            lay = self._stagings[T, B, S, W] = Staging(_layout(T, B, S, W), self._dev)
+            lay = self._stagings[T, B, S, W] = Staging((T, B, S, W), _layout(T, B, S, W), self._dev)
         return lay
 
     def _upload(self, lay: Staging, num_pending: int = 0) -> dict[str, torch.Tensor]:
@@ -419,7 +434,7 @@ class ModelRunner:
         for bs in reversed(self.graph_batch_sizes()):  # largest first: the others reuse its pool
             lay, *_ = self._stage([], [], pad_to=bs)  # all lanes padded: reads and writes nothing
             block_d = 1 << (mc.head_dim - 1).bit_length()  # the kernel's padded head_dim
-            splits = paged_attention._decode_splits(bs * mc.num_kv_heads, self.max_model_len, sms, block_d)
+            splits = paged_attention._decode_splits(bs * self.num_kv_heads, self.max_model_len, sms, block_d)
             self.graphs[bs] = self._capture(lay, bs, 1, splits, pool)
             pool = self.graphs[bs][0].pool()
         for Tp in reversed(self.prefill_graph_sizes()):
@@ -438,7 +453,7 @@ class ModelRunner:
             off, _ = lay["cu_seqlens_q"]
             h[off : off + 2] = (0, Tp)
             splits = paged_attention._prefill_splits(
-                1, Tp, mc.num_heads // mc.num_kv_heads, mc.num_kv_heads, self.max_model_len, sms
+                1, Tp, self.num_heads // self.num_kv_heads, self.num_kv_heads, self.max_model_len, sms
             )
             self.prefill_graphs[Tp] = self._capture(lay, 1, Tp, splits, pool)
             pool = self.prefill_graphs[Tp][0].pool()
@@ -452,28 +467,60 @@ class ModelRunner:
         """Queue the forward; returns (logits of the sampling rows, samples, device views of the step)."""
         B = len(seqs)
         if self.graphs and B <= self.max_graph_bs and max(num_new_tokens) == 1:
-            bs = next(b for b in self._graph_sizes if b >= B)
-            lay, samples, _, _, _, num_pending = self._stage(seqs, num_new_tokens, pad_to=bs)
-            d = self._upload(lay, num_pending)
-            graph, logits = self.graphs[bs]
-            graph.replay()
-            self.num_graph_steps += 1
+            mode = DECODE_GRAPH
+            key = next(b for b in self._graph_sizes if b >= B)
+            lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens, pad_to=key)
+        elif self.prefill_graphs and B == 1 and num_new_tokens[0] <= self._prefill_sizes[-1]:
+            mode = PREFILL_GRAPH
+            key = next(t for t in self._prefill_sizes if t >= num_new_tokens[0])
+            lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens, pad_tokens=key)
+        else:
+            mode, key = EAGER, B
+            lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens)
+        d = self._upload(lay, num_pending)
+        if self.group.is_parallel:  # the other ranks run the same forward on their slices
+            self.group.send_op(Op.FORWARD, mode, key, max_q, max_k, *lay.key)
+            self.group.share(self._dev[: lay.end])
+        logits = self._run(mode, key, d, max_q, max_k)
+        if mode == DECODE_GRAPH:
             logits = logits[:B]
             if not samples.all():  # a 1-token chunk that does not end its prompt
                 logits = logits[torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
-            return logits, samples.tolist(), d
-        if self.prefill_graphs and B == 1 and num_new_tokens[0] <= self._prefill_sizes[-1]:
-            Tp = next(t for t in self._prefill_sizes if t >= num_new_tokens[0])
-            lay, samples, _, _, _, num_pending = self._stage(seqs, num_new_tokens, pad_tokens=Tp)
-            d = self._upload(lay, num_pending)
-            graph, logits = self.prefill_graphs[Tp]
+        elif mode == PREFILL_GRAPH and not samples.all():
+            logits = logits[:0]
+        return logits, samples.tolist(), d
+
+    def _run(self, mode: int, key: int, d: dict[str, torch.Tensor], max_q: int, max_k: int) -> torch.Tensor:
+        """The forward over a staged step (graph replay or eager): the logits of its logits_indices rows
+        (padded rows too, for a graph)."""
+        if mode == DECODE_GRAPH:
+            graph, logits = self.graphs[key]
+            graph.replay()
+            self.num_graph_steps += 1
+            return logits
+        if mode == PREFILL_GRAPH:
+            graph, logits = self.prefill_graphs[key]
             graph.replay()
             self.num_prefill_graph_steps += 1
-            return (logits if samples.all() else logits[:0]), samples.tolist(), d
-        input_ids, positions, meta, logits_indices, samples, d = self.prepare(seqs, num_new_tokens)
+            return logits
+        meta = StepMetadata(
+            slot_mapping=d["slot_mapping"],
+            cu_seqlens_q=d["cu_seqlens_q"],
+            seq_lens=d["seq_lens"],
+            block_tables=d["block_tables"].view(key, -1),
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+        )
         if hasattr(self.backend, "begin_step"):  # torch backend: per-step plan shared by the layers
-            self.backend.begin_step(meta, positions)
-        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices), samples, d
+            self.backend.begin_step(meta, d["positions"])
+        return self.model(d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
+
+    @torch.inference_mode()
+    def follow_forward(self, mode: int, key: int, max_q: int, max_k: int, T: int, B: int, S: int, W: int) -> None:
+        """A rank other than 0: run the forward rank 0 just staged (its staging buffer, broadcast)."""
+        lay = self._staging(T, B, S, W)
+        self.group.share(self._dev[: lay.end])
+        self._run(mode, key, lay.views, max_q, max_k)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
         """Sampled ids (len(seqs),) int64 on the device, without a host sync."""
@@ -520,6 +567,16 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole pages (all layers, K and V) src -> dst, e.g. a forked sequence's partial tail."""
+        if self.group.is_parallel:
+            self.group.send_op(Op.COPY_BLOCKS, len(pairs))
+            self.group.share_ints([i for p in pairs for i in p], 2 * len(pairs))
+        self._copy_blocks(pairs)
+
+    def follow_copy_blocks(self, n: int) -> None:
+        flat = self.group.share_ints(None, 2 * n)
+        self._copy_blocks(list(zip(flat[::2], flat[1::2])))
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         cache_ops.copy_blocks(self.kv_cache, src, dst)
@@ -544,11 +601,41 @@ class ModelRunner:
         pages.copy_(self._queue_index_select(block_ids), non_blocking=True)
         return pages, self._record()
 
+    # With tensor parallelism each rank keeps its slice of a page in its own host pool, at the same
+    # slot: rank 0 names the blocks and slots, every rank copies its slice (a page's slices move
+    # together).
+    def share_host_pool(self, num_blocks: int) -> None:
+        """Rank 0: have the other ranks allocate their slices of a host pool of num_blocks pages."""
+        if self.group.is_parallel:
+            self.group.send_op(Op.HOST_POOL, num_blocks)
+
+    def follow_host_pool(self, num_blocks: int) -> None:
+        pin = self.device.type == "cuda"
+        self.host_pages = torch.empty((num_blocks, *self.kv_cache.shape[1:]), dtype=self.dtype, pin_memory=pin)
+
+    def _share_copy(self, op: int, block_ids: list[int], slots: list[int]) -> None:
+        if self.group.is_parallel:
+            self.group.send_op(op, len(block_ids))
+            self.group.share_ints(block_ids + slots, 2 * len(block_ids))
+
+    def follow_copy(self, op: int, n: int) -> None:
+        """A rank other than 0: the save or restore rank 0 just made, on this rank's slices."""
+        ids = self.group.share_ints(None, 2 * n)
+        assert self.host_pages is not None, "a host-tier copy before the host pool was shared"
+        save = op == Op.SAVE_BLOCKS
+        done = (self._save if save else self._restore)(ids[:n], self.host_pages, ids[n:])
+        if done is not None:
+            done.synchronize()  # the next op may reuse the slot
+
     def queue_save_blocks(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
         """host_pages[slots[i]] = kv_cache[block_ids[i]], the reverse of `restore_blocks`: on CUDA
         (host_pages pinned) queued on the compute stream behind the steps in flight, without a host
         wait, as one D2H copy per run of consecutive slots; returns the event that marks the copies
         landed. On CPU the copies are done on return (None)."""
+        self._share_copy(Op.SAVE_BLOCKS, block_ids, slots)
+        return self._save(block_ids, host_pages, slots)
+
+    def _save(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
         if self.device.type != "cuda":
             cache_ops.copy_pages(host_pages, slots, self.kv_cache, block_ids)
             return None
@@ -570,6 +657,10 @@ class ModelRunner:
         copy per run of consecutive slots and blocks. On CUDA the copies run on a side stream that the
         compute stream then waits for, so the next forward sees the restored pages; returns the event
         that marks them done (the host pool must not overwrite those slots before it), else None."""
+        self._share_copy(Op.RESTORE_BLOCKS, block_ids, slots)
+        return self._restore(block_ids, host_pages, slots)
+
+    def _restore(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
         if self.device.type != "cuda":
             cache_ops.copy_pages(self.kv_cache, block_ids, host_pages, slots)
             return None

@@ -12,7 +12,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from chatengine.engine.distributed import TPGroup
 from chatengine.engine.loader import ModelConfig
+from chatengine.engine.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    kv_heads_per_rank,
+    split,
+)
 
 
 @dataclass
@@ -79,14 +88,19 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend):
+    """This rank's query heads and the KV heads they read (all of them on one rank)."""
+
+    def __init__(self, config: ModelConfig, layer: int, backend, group: TPGroup):
         super().__init__()
         self.layer, self.backend = layer, backend
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads = split(config.num_heads, group, "num_heads")
+        self.num_kv_heads, self.head_dim = kv_heads_per_rank(config.num_kv_heads, group), config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v fused into one matmul; loaded from the separate HF weights
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, group
+        )
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, group)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rope, kv_cache, meta: AttentionMetadata):
@@ -103,11 +117,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, backend):
+    def __init__(self, config: ModelConfig, backend, group: TPGroup):
         super().__init__()
         self.backend = backend
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate = split(config.intermediate_size, group, "intermediate_size")  # this rank's share
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * self.intermediate, False, group)
+        self.down_proj = RowParallelLinear(self.intermediate, config.hidden_size, group)
 
     def forward(self, x):
         return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
@@ -118,12 +133,12 @@ class DecoderLayer(nn.Module):
     is fused into the next norm: layer i returns (mlp_out, residual) and layer i+1's input norm adds
     them, as Hugging Face's `residual + mlp_out` followed by its norm does (same rounding)."""
 
-    def __init__(self, config: ModelConfig, layer: int, backend):
+    def __init__(self, config: ModelConfig, layer: int, backend, group: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
-        self.self_attn = Attention(config, layer, backend)
+        self.self_attn = Attention(config, layer, backend, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
-        self.mlp = MLP(config, backend)
+        self.mlp = MLP(config, backend, group)
 
     def forward(self, x, residual, positions, rope, kv_cache, meta):
         if residual is None:  # first layer: x is the embedding
@@ -136,13 +151,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend, max_positions: int):
+    """`group`: the tensor-parallel ranks this model's weights are split over (one: the whole model)."""
+
+    def __init__(self, config: ModelConfig, backend, max_positions: int, group: TPGroup | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        group = group or TPGroup()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, group) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, group)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(config, max_positions)
@@ -159,7 +177,7 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up."""
+        """Copy HF-named weights in, fusing q/k/v and gate/up, each rank taking its slice."""
         if self.config.tie_word_embeddings:  # re-tie: to_empty() gives each module fresh storage
             self.lm_head.weight = self.embed_tokens.weight
         own = dict(self.named_parameters())
@@ -167,20 +185,29 @@ class LlamaModel(nn.Module):
         layer: Any
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
-            attn = layer.self_attn
-            attn.qkv_proj.weight.copy_(torch.cat([sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-            if attn.qkv_proj.bias is not None:
-                attn.qkv_proj.bias.copy_(torch.cat([sd.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            layer.mlp.gate_up_proj.weight.copy_(
-                torch.cat([sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")])
-            )
-        if self.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        fused = {n for n in own if "qkv_proj" in n or "gate_up_proj" in n}
-        missing = set(own) - fused - set(sd) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+            attn, mlp = layer.self_attn, layer.mlp
+            q, kv, n = attn.q_size, attn.kv_size, mlp.intermediate
+            for param in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
+                full = [_take(sd, p + f"self_attn.{x}_proj.{param}") for x in "qkv"]
+                attn.qkv_proj.load_rows(list(zip(full, (q, kv, kv))), param)
+            attn.o_proj.load_full(_take(sd, p + "self_attn.o_proj.weight"))
+            gate, up = _take(sd, p + "mlp.gate_proj.weight"), _take(sd, p + "mlp.up_proj.weight")
+            mlp.gate_up_proj.load_rows([(gate, n), (up, n)])
+            mlp.down_proj.load_full(_take(sd, p + "mlp.down_proj.weight"))
+        self.embed_tokens.load_full(_take(sd, "embed_tokens.weight"))
+        if not self.config.tie_word_embeddings:
+            self.lm_head.load_full(_take(sd, "lm_head.weight"))
+        sd.pop("lm_head.weight", None)
+        replicated = {n for n in own if not any(k in n for k in ("_proj", "embed_tokens", "lm_head"))}
+        if replicated - set(sd):
+            raise ValueError(f"weights missing from the checkpoint: {sorted(replicated - set(sd))[:5]}")
         for name, tensor in sd.items():
             if name not in own:
                 raise ValueError(f"unexpected weight {name!r} for a {type(self).__name__}")
             own[name].copy_(tensor)
+
+
+def _take(sd: dict, name: str) -> torch.Tensor:
+    if name not in sd:
+        raise ValueError(f"weights missing from the checkpoint: [{name!r}]")
+    return sd.pop(name)
