@@ -1,73 +1,163 @@
-"""Tensor parallelism on CPU with gloo: the split layers equal the whole ones, and an engine over two
-ranks (two processes) gives TP=1's greedy tokens, with prefix-cache hits, n > 1 samples and pages
-restored from the host tier."""
+"""Tensor parallelism on CPU with gloo: the split layers equal the whole ones (two ranks, two
+processes), every rank loads the same weights and keeps its slice, and an engine over two ranks gives
+TP=1's greedy tokens with prefix-cache hits, n > 1 samples and pages back from the host tier. A rank
+that dies is a clear error at once, an idle engine outlives the collective timeout, and shutdown
+stops the ranks."""
 
+import asyncio
 import os
+import signal
+import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+from torch.nn import functional as F
 
-from chatengine import LLM, SamplingParams
-from chatengine.engine.distributed import TPGroup, free_address
+from chatengine import LLM, AsyncLLM, SamplingParams
+from chatengine.engine.loader import load_model
+from chatengine.engine.models.llama import LlamaModel
 from chatengine.engine.models.parallel_layers import (
     ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ParallelLMHead,
+    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     kv_heads_per_rank,
 )
+from chatengine.engine.parallel import group as group_module
+from chatengine.engine.parallel.group import TPGroup, connect_store, host_store
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = [list(range(1, 40)), list(range(50, 70)), list(range(3, 100)), [7] * 33]
 
 
-# ---- the layers, two ranks ------------------------------------------------------------------------
+# ---- the layers over two ranks (two processes) ----------------------------------------------------
+def _check_layers(group: TPGroup) -> None:
+    rank, g = group.rank, torch.Generator().manual_seed(0)
+    x = torch.randn(5, 12, generator=g)
+
+    col = ColumnParallelLinear(12, 4, True, group)  # 8 outputs over 2 ranks
+    w, b = torch.randn(8, 12, generator=g), torch.randn(8, generator=g)
+    col.load_parts([(w, 4)])
+    col.load_parts([(b, 4)], "bias")
+    torch.testing.assert_close(col(x), F.linear(x, w, b)[:, rank * 4 : (rank + 1) * 4])
+
+    # q: 4 heads of 2 dims (2 a rank); k, v: 1 head, replicated on both ranks
+    qkv = QKVParallelLinear(12, 2, num_heads=2, num_kv_heads=1, bias=False, group=group)
+    q, k, v = torch.randn(8, 12, generator=g), torch.randn(2, 12, generator=g), torch.randn(2, 12, generator=g)
+    qkv.load(q, k, v)
+    out = qkv(x)
+    torch.testing.assert_close(out[:, :4], F.linear(x, q)[:, rank * 4 : (rank + 1) * 4])
+    torch.testing.assert_close(out[:, 4:], torch.cat([F.linear(x, k), F.linear(x, v)], -1))
+
+    gate_up = MergedColumnParallelLinear(12, 3, group)  # intermediate 6 over 2 ranks
+    gate, up = torch.randn(6, 12, generator=g), torch.randn(6, 12, generator=g)
+    gate_up.load(gate, up)
+    mine = slice(rank * 3, (rank + 1) * 3)
+    torch.testing.assert_close(gate_up(x), torch.cat([F.linear(x, gate)[:, mine], F.linear(x, up)[:, mine]], -1))
+
+    row = RowParallelLinear(4, 12, group)  # 8 inputs over 2 ranks, partial sums all-reduced
+    w_row, h = torch.randn(12, 8, generator=g), torch.randn(5, 8, generator=g)
+    row.load(w_row)
+    torch.testing.assert_close(row(h[:, rank * 4 : (rank + 1) * 4]), F.linear(h, w_row), rtol=1e-5, atol=1e-5)
+
+    ids = torch.tensor([0, 4, 9, 10, 3, 5])
+    emb, head = torch.randn(11, 12, generator=g), torch.randn(11, 12, generator=g)  # vocab 11: padded to 12
+    embedding = VocabParallelEmbedding(11, 12, group)
+    embedding.load(emb)
+    torch.testing.assert_close(embedding(ids), emb[ids])
+    lm_head = ParallelLMHead(12, 11, group)
+    lm_head.load(head)
+    torch.testing.assert_close(lm_head(x), F.linear(x, head))
+
+
 def _layers_on_rank(rank: int, address: str, out: dict) -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)  # inference layers
-    group = TPGroup.join(rank, 2, address, "cpu")
+    group = TPGroup.join(rank, 2, connect_store(address, 2), "cpu")
     try:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(5, 12, generator=g)
-        ids = torch.tensor([0, 4, 9, 10, 3])
-        w_col, b_col = torch.randn(8, 12, generator=g), torch.randn(8, generator=g)
-        w_row = torch.randn(12, 8, generator=g)
-        emb, head = torch.randn(11, 12, generator=g), torch.randn(11, 12, generator=g)  # vocab 11: padded to 12
-
-        col = ColumnParallelLinear(12, 4, True, group)
-        col.load_rows([(w_col, 4)])
-        col.load_rows([(b_col, 4)], "bias")
-        full = nn.functional.linear(x, w_col, b_col)
-        torch.testing.assert_close(col(x), full[:, rank * 4 : (rank + 1) * 4])
-
-        row = RowParallelLinear(4, 12, group)
-        row.load_full(w_row)
-        part = x[:, :8][:, rank * 4 : (rank + 1) * 4]
-        torch.testing.assert_close(row(part), nn.functional.linear(x[:, :8], w_row), rtol=1e-5, atol=1e-5)
-
-        embedding = VocabParallelEmbedding(11, 12, group)
-        embedding.load_full(emb)
-        torch.testing.assert_close(embedding(ids), emb[ids])
-
-        lm_head = ParallelLMHead(12, 11, group)
-        lm_head.load_full(head)
-        torch.testing.assert_close(lm_head(x), nn.functional.linear(x, head))
+        _check_layers(group)
         out[rank] = "ok"
     finally:
         group.leave()
 
 
 def test_split_layers_equal_the_whole_ones():
-    address, manager = free_address(), mp.get_context("spawn").Manager()
-    out = manager.dict()
-    procs = [mp.get_context("spawn").Process(target=_layers_on_rank, args=(r, address, out)) for r in range(2)]
+    ctx = mp.get_context("spawn")
+    store, address = host_store(2)  # both ranks connect to it: neither has to start first
+    out = ctx.Manager().dict()
+    procs = [ctx.Process(target=_layers_on_rank, args=(r, address, out)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
     assert dict(out) == {0: "ok", 1: "ok"}, [p.exitcode for p in procs]
+
+
+def test_one_rank_is_the_plain_layers_without_collectives(monkeypatch):
+    def no_collectives(*args, **kwargs):
+        raise AssertionError("a collective on one rank")
+
+    for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "broadcast"):
+        monkeypatch.setattr(torch.distributed, name, no_collectives, raising=False)
+    one, g = TPGroup.single(torch.device("cpu")), torch.Generator().manual_seed(1)
+    x, h = torch.randn(5, 12, generator=g), torch.randn(5, 8, generator=g)
+    q, k, v, b = (torch.randn(n, *rest, generator=g) for n, *rest in ((8, 12), (2, 12), (2, 12), (12,)))
+    qkv = QKVParallelLinear(12, 2, num_heads=4, num_kv_heads=1, bias=True, group=one)
+    qkv.load(q, k, v)
+    qkv.load(b[:8], b[8:10], b[10:], "bias")
+    assert type(qkv).forward is nn.Linear.forward  # the plain matmul: no wrapper, no collective
+    assert torch.equal(qkv(x), F.linear(x, torch.cat([q, k, v]), b))
+    row, w_row = RowParallelLinear(8, 12, one), torch.randn(12, 8, generator=g)
+    row.load(w_row)
+    assert torch.equal(row(h), F.linear(h, w_row))
+    embedding, lm_head = VocabParallelEmbedding(8, 12, one), ParallelLMHead(12, 8, one)
+    embedding.load(q)
+    lm_head.load(q)
+    ids = torch.tensor([0, 7, 3])
+    assert embedding.weight.shape == (8, 12) and torch.equal(embedding(ids), q[ids])
+    assert torch.equal(lm_head(x), F.linear(x, q))
+    llm = LLM("dummy:tiny", num_kv_blocks=16)
+    assert llm.generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen"])  # KV heads split; one KV head replicated
+def test_each_rank_keeps_its_slice_of_the_same_weights(shape):
+    """Loading needs no collective: the two ranks' models, built in one process, put back together
+    are the one-rank model (the dummy loader makes the same full weights from the seed each time)."""
+    torch.set_grad_enabled(False)
+    whole, halves = _model(shape, TPGroup()), [_model(shape, TPGroup(r, 2)) for r in range(2)]
+    cfg = whole.config
+    D, H, KV = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    for name, w in whole.named_parameters():
+        parts = [dict(h.named_parameters())[name] for h in halves]
+        if "qkv_proj" in name:  # rank r: [its half of the q heads | its KV heads' k | their v]
+            q, k, v = w.split([H * D, KV * D, KV * D])
+            for r, part in enumerate(parts):
+                n_kv, first = kv_heads_per_rank(KV, TPGroup(r, 2)), r * KV // 2  # one KV head: on both
+                kv = slice(first * D, (first + n_kv) * D)
+                assert torch.equal(part, torch.cat([q[r * H * D // 2 : (r + 1) * H * D // 2], k[kv], v[kv]]))
+        elif "gate_up" in name:
+            n = parts[0].shape[0] // 2
+            assert torch.equal(torch.cat([p[:n] for p in parts] + [p[n:] for p in parts]), w)
+        elif "o_proj" in name or "down_proj" in name:
+            assert torch.equal(torch.cat(parts, dim=1), w)
+        elif "embed_tokens" in name or "lm_head" in name:
+            assert torch.equal(torch.cat(parts)[: w.shape[0]], w)
+        else:  # norms: replicated
+            assert torch.equal(parts[0], w) and torch.equal(parts[1], w)
+
+
+def _model(shape: str, group: TPGroup) -> LlamaModel:
+    loaded = load_model(f"dummy:{shape}", seed=5)
+    model = LlamaModel(loaded.config, None, 64, group)
+    model.load_hf_state_dict(loaded.state_dict)
+    return model
 
 
 def test_kv_heads_are_split_or_replicated():
@@ -86,6 +176,13 @@ def test_a_split_that_does_not_divide_is_a_clear_error():
         LLM("dummy:tiny", tensor_parallel_size=2, kv_store_dir="/tmp/x")
 
 
+def test_serve_has_the_flag():
+    from chatengine.app.server import ENGINE_FLAGS, build_parser
+
+    assert "tensor_parallel_size" in ENGINE_FLAGS
+    assert build_parser().parse_args(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+
+
 # ---- an engine over two ranks ---------------------------------------------------------------------
 def _tokens(outs) -> list:
     return [[c.token_ids for c in o.outputs] for o in outs]
@@ -94,7 +191,8 @@ def _tokens(outs) -> list:
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen"])  # KV heads split; one KV head replicated
 def test_tp2_gives_tp1_greedy_tokens_with_cache_hits_samples_and_host_restores(shape):
     seeded = SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=11)
-    opts = dict(num_kv_blocks=24, cpu_offload_gib=0.01, seed=3)
+    others = [list(range(100 + 7 * i, 200 + 7 * i)) for i in range(3)]  # 3 x 7 blocks: the pool is 24
+    opts = dict(num_kv_blocks=24, cpu_offload_gib=0.01, seed=3, debug_checks=True)
     results = []
     for tp in (1, 2):
         llm = LLM(f"dummy:{shape}", tensor_parallel_size=tp, **opts)
@@ -104,22 +202,27 @@ def test_tp2_gives_tp1_greedy_tokens_with_cache_hits_samples_and_host_restores(s
             samples = llm.generate([PROMPTS[2]], seeded)  # n=3 forks share the prompt's pages
             moved = llm.engine.offload_cached_blocks()  # every idle page to host memory ...
             restored = llm.generate(PROMPTS[:2], GREEDY)  # ... and back from it
+            pressed = llm.generate(others, GREEDY)  # evicts PROMPTS[0]'s pages: written back to host
+            evicted = llm.stats()["cpu_blocks_used"]
+            back = llm.generate(PROMPTS[:1], GREEDY)[0]  # restored from host memory
             stats = llm.stats()
-            results.append((_tokens(first), again.outputs[0].token_ids, _tokens(samples), _tokens(restored)))
+            results.append(
+                (_tokens(first), again.outputs[0].token_ids, _tokens(samples), _tokens(restored), _tokens(pressed))
+            )
+            results[-1] += (back.outputs[0].token_ids,)
             assert again.num_cached_tokens == 32  # two full blocks of 16
-            assert moved > 0 and restored[0].num_cached_tokens == 32 and stats["kv_blocks_used"] == 0
+            assert moved > 0 and restored[0].num_cached_tokens == 32
+            assert evicted > 0 and back.num_cached_tokens == 32 and stats["kv_blocks_used"] == 0
         finally:
             llm.shutdown()
     assert results[0] == results[1]
-    assert results[0][1] == results[0][0][0][0]  # the cache changed nothing
+    assert results[0][1] == results[0][0][0][0] == results[0][5]  # the cache changed nothing
+    assert len(set(map(tuple, results[0][2][0]))) > 1  # three samples, not one copied
 
 
 def test_tp2_runs_in_an_async_engine_and_shuts_down():
-    import asyncio
-
-    from chatengine import AsyncLLM
-
     engine = AsyncLLM("dummy:tiny", tensor_parallel_size=2, num_kv_blocks=32)
+    procs = engine.engine.ranks.procs
 
     async def one():
         async for out in engine.generate(PROMPTS[0], GREEDY):
@@ -130,7 +233,41 @@ def test_tp2_runs_in_an_async_engine_and_shuts_down():
         got = asyncio.run(one())
     finally:
         engine.shutdown()
+    assert not any(p.is_alive() for p in procs) and engine.engine.ranks is None
     ref = LLM("dummy:tiny", num_kv_blocks=32)
     assert got == ref.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
     ref.shutdown()
-    assert os.environ.get("NCCL_NVLS_ENABLE", "0") == "0"
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast off, for every rank
+
+
+def test_a_rank_that_dies_is_a_clear_error_not_a_hang():
+    llm = LLM("dummy:tiny", tensor_parallel_size=2, num_kv_blocks=32)
+    try:
+        llm.generate([PROMPTS[0]], GREEDY)
+        (worker,) = llm.engine.ranks.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        t = time.monotonic()
+        for _ in range(2):  # this request fails with the reason, and every later one at once
+            (out,) = llm.generate([PROMPTS[1]], GREEDY)
+            assert out.outputs[0].finish_reason == "error"
+            assert out.error.startswith("TensorParallelError: tensor-parallel rank 1 died (exit code -9)")
+        assert time.monotonic() - t < 15
+        assert llm.stats()["kv_blocks_used"] == 0  # the failed requests gave their blocks back
+    finally:
+        t = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - t < 15
+
+
+def test_an_idle_engine_outlives_the_collective_timeout(monkeypatch):
+    """Idle ranks wait on their plan pipe, not in a collective that would time out."""
+    monkeypatch.setenv("CHATENGINE_TP_TIMEOUT_S", "3")  # the spawned rank reads it at import
+    monkeypatch.setattr(group_module, "TIMEOUT", timedelta(seconds=3))
+    llm = LLM("dummy:tiny", tensor_parallel_size=2, num_kv_blocks=32)
+    try:
+        first = llm.generate([PROMPTS[1]], GREEDY)
+        time.sleep(4)
+        assert llm.generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()

@@ -16,7 +16,6 @@ import time
 import uuid
 
 from chatengine.config import EngineConfig
-from chatengine.engine.distributed import TPGroup
 from chatengine.engine.kv.block_manager import BlockManager, owner_tag
 from chatengine.engine.kv.disk_store import drop_owner_files
 from chatengine.engine.kv.hashing import (
@@ -29,13 +28,13 @@ from chatengine.engine.kv.hashing import (
 from chatengine.engine.kv.tiers import TieredCache
 from chatengine.engine.kv.transfers import KVTransfers
 from chatengine.engine.loader import load_model
-from chatengine.engine.model_runner import ModelRunner, resolve_device_dtype
+from chatengine.engine.model_runner import ModelRunner, context_len, resolve_device_dtype
 from chatengine.engine.models.parallel_layers import check_split
+from chatengine.engine.parallel.ranks import WorkerRanks
 from chatengine.engine.request import Request
 from chatengine.engine.scheduler import Scheduler
 from chatengine.engine.sequence import Sequence
 from chatengine.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode
-from chatengine.engine.tp_worker import max_model_len_of, start_ranks, stop_ranks
 from chatengine.outputs import CompletionOutput, RequestOutput
 from chatengine.sampling_params import SamplingParams
 
@@ -50,19 +49,19 @@ class LLMEngine:
         loaded = load_model(config.model, seed=config.seed, dtype=dtype, device=str(device))
         mc = self.model_config = loaded.config
         self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
-        self.max_model_len = max_model_len_of(config, mc)
+        self.max_model_len = context_len(config, mc)
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context ({mc.max_position_embeddings})"
             )
         # tensor parallelism: ranks 1..N-1 in their own processes, this one rank 0
-        self.group: TPGroup | None = None
-        self._ranks: list = []
+        self.ranks: WorkerRanks | None = None
         if config.tensor_parallel_size > 1:
             check_split(mc, config.tensor_parallel_size)  # before any process starts
-            self.group, self._ranks = start_ranks(config)
+            self.ranks = WorkerRanks(config, device)
         try:
-            self.runner = ModelRunner(config, loaded, device, dtype, self.max_model_len, self.group)
+            group, plan = (self.ranks.group, self.ranks.plan) if self.ranks is not None else (None, None)
+            self.runner = ModelRunner(config, loaded, device, dtype, self.max_model_len, group, plan)
         except BaseException:
             self._stop_ranks()
             raise
@@ -158,9 +157,9 @@ class LLMEngine:
         self._stop_ranks()
 
     def _stop_ranks(self) -> None:
-        if self.group is not None:
-            stop_ranks(self.group, self._ranks)
-            self.group = None
+        if self.ranks is not None:
+            self.ranks.stop(getattr(self, "runner", None))
+            self.ranks = None
 
     # ---- personas -------------------------------------------------------------------------------
     def persona_prefix_ids(self, system_prompt: str) -> list[int]:

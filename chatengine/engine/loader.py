@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,11 +163,59 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
 
+class LazyWeights(Mapping):
+    """HF parameter names -> tensors, each made or read only when asked for. A loader that `pop`s each
+    tensor, keeps its slice and drops the rest holds one full tensor at a time, never the model:
+    with tensor parallelism no rank holds the full weights.
+
+    fetch(name, keep): the tensor; keep=False when it is being popped (a cache may let it go)."""
+
+    def __init__(self, names: Iterable[str], fetch: Callable[[str, bool], torch.Tensor]):
+        self._names = dict.fromkeys(names)  # an ordered set
+        self._fetch = fetch
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._fetch(name, True)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def pop(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        tensor = self._fetch(name, False)
+        del self._names[name]
+        return tensor
+
+
+class _InOrder:
+    """A fetch over tensors that can only be made in one order (one random stream): asking for a later
+    one makes and keeps those before it until they are asked for."""
+
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]):
+        self.stream = stream
+        self.made: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, keep: bool) -> torch.Tensor:
+        while name not in self.made:
+            made, tensor = next(self.stream)
+            self.made[made] = tensor
+        return self.made[name] if keep else self.made.pop(name)
+
+
 @dataclass
 class LoadedModel:
     model_id: str  # what the user asked for, normalised
     config: ModelConfig
-    state_dict: dict  # HF parameter names -> tensors (CPU)
+    state_dict: Mapping  # HF parameter names -> tensors (CPU), a LazyWeights: read when taken
     tokenizer: object | None  # a transformers tokenizer, None for dummy weights
     weights_digest: str  # identifies the weights (for the prefix-cache fingerprint)
     hf_dir: str | None = None  # the HF directory the weights came from, if any
@@ -223,7 +272,7 @@ def _config_from_hf(cfg) -> ModelConfig:
 
 
 def _load_hf_dir(path: Path, digest: str | None = None, model_id: str | None = None) -> LoadedModel:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -234,9 +283,9 @@ def _load_hf_dir(path: Path, digest: str | None = None, model_id: str | None = N
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ValueError(f"no *.safetensors weights in {path}")
-    state_dict = {}
-    for shard in shards:
-        state_dict.update(load_file(shard))
+    files = [safe_open(shard, framework="pt") for shard in shards]  # memory-mapped: read when taken
+    where = {name: f for f in files for name in f.keys()}
+    state_dict = LazyWeights(where, lambda name, keep: where[name].get_tensor(name))
     if digest is None:  # a cheap, stable digest: shard names, sizes and the first/last MiB of each
         h = hashlib.sha256()
         for shard in shards:
@@ -318,23 +367,31 @@ def _dummy(shape: str, seed: int, dtype: torch.dtype, device: str) -> LoadedMode
     def rand(*shape, std=0.02):
         return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
 
-    sd = {"model.embed_tokens.weight": rand(config.vocab_size, H), "model.norm.weight": 1 + rand(H)}
+    # (name, shape, offset) in the one order the random stream makes them: every rank makes the same
+    # full tensors from the seed, one at a time, and keeps its slice
+    specs = [("model.embed_tokens.weight", (config.vocab_size, H), 0), ("model.norm.weight", (H,), 1)]
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        sd[p + "self_attn.q_proj.weight"] = rand(config.num_heads * D, H)
-        sd[p + "self_attn.k_proj.weight"] = rand(config.num_kv_heads * D, H)
-        sd[p + "self_attn.v_proj.weight"] = rand(config.num_kv_heads * D, H)
-        sd[p + "self_attn.o_proj.weight"] = rand(H, config.num_heads * D)
+        specs += [
+            (p + "self_attn.q_proj.weight", (config.num_heads * D, H), 0),
+            (p + "self_attn.k_proj.weight", (config.num_kv_heads * D, H), 0),
+            (p + "self_attn.v_proj.weight", (config.num_kv_heads * D, H), 0),
+            (p + "self_attn.o_proj.weight", (H, config.num_heads * D), 0),
+        ]
         if config.attention_bias:
             for name, n in (("q", config.num_heads), ("k", config.num_kv_heads), ("v", config.num_kv_heads)):
-                sd[p + f"self_attn.{name}_proj.bias"] = rand(n * D)
-        sd[p + "mlp.gate_proj.weight"] = rand(I, H)
-        sd[p + "mlp.up_proj.weight"] = rand(I, H)
-        sd[p + "mlp.down_proj.weight"] = rand(H, I)
-        sd[p + "input_layernorm.weight"] = 1 + rand(H)
-        sd[p + "post_attention_layernorm.weight"] = 1 + rand(H)
+                specs.append((p + f"self_attn.{name}_proj.bias", (n * D,), 0))
+        specs += [
+            (p + "mlp.gate_proj.weight", (I, H), 0),
+            (p + "mlp.up_proj.weight", (I, H), 0),
+            (p + "mlp.down_proj.weight", (H, I), 0),
+            (p + "input_layernorm.weight", (H,), 1),
+            (p + "post_attention_layernorm.weight", (H,), 1),
+        ]
     if not config.tie_word_embeddings:
-        sd["lm_head.weight"] = rand(config.vocab_size, H)
+        specs.append(("lm_head.weight", (config.vocab_size, H), 0))
+    stream = ((name, 1 + rand(*size) if offset else rand(*size)) for name, size, offset in specs)
+    sd = LazyWeights([name for name, _, _ in specs], _InOrder(stream))
     return LoadedModel(f"dummy:{shape}", config, sd, None, f"dummy:{shape}:seed={seed}")
 
 

@@ -18,6 +18,8 @@ The CUDA fast path (bf16 by default):
 `enforce_eager=True`, the torch attention backend, or a CPU device take the eager path.
 """
 
+import contextlib
+import functools
 import itertools
 import logging
 import random
@@ -29,10 +31,11 @@ import torch
 
 from chatengine.config import EngineConfig
 from chatengine.engine.attention import get_backend
-from chatengine.engine.distributed import Op, TPGroup
-from chatengine.engine.loader import LoadedModel
+from chatengine.engine.loader import LoadedModel, ModelConfig
 from chatengine.engine.models.llama import AttentionMetadata, LlamaModel
 from chatengine.engine.models.parallel_layers import kv_heads_per_rank, split
+from chatengine.engine.parallel.group import TPGroup
+from chatengine.engine.parallel.plan import Op, PlanSender
 from chatengine.engine.sampler import Sampler
 from chatengine.engine.sequence import Sequence
 from chatengine.kernels import cache_ops, paged_attention
@@ -56,6 +59,25 @@ def resolve_device_dtype(name: str | None, dtype: str | None) -> tuple[torch.dev
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return device, DTYPES[dtype]
+
+
+def context_len(config: EngineConfig, mc: ModelConfig) -> int:
+    """The context every rank sizes for: the setting, or the model's capped at 8192."""
+    return config.max_model_len or min(mc.max_position_embeddings, 8192)
+
+
+def _reported(method):
+    """Rank 0 of a tensor-parallel engine: a collective that fails because another rank died raises
+    a TensorParallelError that names the rank and its error (see PlanSender.guard)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.plan is None:
+            return method(self, *args, **kwargs)
+        with self.plan.guard():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -168,11 +190,16 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         group: TPGroup | None = None,
+        plan: PlanSender | None = None,
     ):
         """`group`: the tensor-parallel ranks (None: this process alone). This runner holds its rank's
-        slice of the weights and of every KV page; rank 0 shares each step with the others."""
+        slice of the weights and of every KV page. `plan`: rank 0's pipes to the other ranks, which
+        it tells what to run before each forward, page copy or host-tier copy (None on the others:
+        they are told). Every rank builds its runner at the same time: the collectives of the pool
+        size, the CUDA memory profile and the graph captures pair up, and no op is sent before the
+        end (the others run their own profile and captures)."""
         self.config, self.device, self.dtype = config, device, dtype
-        self.group = group or TPGroup.single(device)
+        self.group, self.plan = group or TPGroup.single(device), None
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         mc = self.model_config = loaded.config
@@ -180,10 +207,10 @@ class ModelRunner:
         self.num_kv_heads = kv_heads_per_rank(mc.num_kv_heads, self.group)
         self.backend = get_backend(config.attention_backend, device.type)
         with torch.device("meta"):
-            model = LlamaModel(mc, self.backend, max_model_len, self.group)
-        model.to_empty(device=device)
+            model = LlamaModel(mc, self.backend, max_model_len, self.group).to(dtype)
+        model.to_empty(device=device)  # in the final dtype: no full-precision copy of the slice
         model.load_hf_state_dict(loaded.state_dict)
-        self.model = model.to(dtype).eval()
+        self.model = model.eval()
         self.model.rope.build()
         self.sampler = Sampler(device, config.seed)
         self._sample_seeds = random.Random(config.seed)  # per-step seeds of the fused sampler
@@ -212,6 +239,12 @@ class ModelRunner:
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # padded T -> ...
         self.num_prefill_graph_steps = 0  # one-sequence chunks replayed
         self.block_bytes = mc.num_layers * 2 * self.block_size * self.num_kv_heads * mc.head_dim * dtype.itemsize
+        with plan.guard() if plan is not None else contextlib.nullcontext():  # a rank that dies: said
+            self._make_pool_and_graphs()
+        self.plan = plan
+
+    def _make_pool_and_graphs(self) -> None:
+        config, mc, dtype, device = self.config, self.model_config, self.dtype, self.device
         # every rank holds the same block ids: the pool is what the tightest rank can hold
         self.num_blocks = self.group.min_int(config.num_kv_blocks or self._num_blocks_from_budget())
         if self.num_blocks < 2:
@@ -222,7 +255,7 @@ class ModelRunner:
         # page-first: one block is one contiguous span (all layers, K and V)
         page = (mc.num_layers, 2, self.block_size, self.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(self.num_blocks, *page, dtype=dtype, device=device)
-        self.host_pages: torch.Tensor | None = None  # ranks > 0: their slice of the host tier's pool
+        self.host_slice: torch.Tensor | None = None  # ranks > 0: their slices of the host tier's pages
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.name == "triton":
                 self._capture_graphs()
@@ -264,6 +297,14 @@ class ModelRunner:
         peak, current = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
         budget = total * self.config.gpu_memory_utilization - used - (peak - current)
         return max(int(budget) // self.block_bytes, 0)
+
+    def close(self) -> None:
+        """Drop the CUDA graphs (those of a tensor-parallel rank hold NCCL work that must be gone
+        before its communicator is)."""
+        self.graphs.clear()
+        self.prefill_graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- batch tensors ------------------------------------------------------------------------
     def _stage(
@@ -478,9 +519,9 @@ class ModelRunner:
             mode, key = EAGER, B
             lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens)
         d = self._upload(lay, num_pending)
-        if self.group.is_parallel:  # the other ranks run the same forward on their slices
-            self.group.send_op(Op.FORWARD, mode, key, max_q, max_k, *lay.key)
-            self.group.share(self._dev[: lay.end])
+        if self.plan is not None:  # the other ranks run the same forward on their slices
+            self.plan.send(Op.FORWARD, mode, key, max_q, max_k, *lay.key)
+            self.group.broadcast(self._dev[: lay.end])  # with this step's sampled placeholders filled
         logits = self._run(mode, key, d, max_q, max_k)
         if mode == DECODE_GRAPH:
             logits = logits[:B]
@@ -519,7 +560,7 @@ class ModelRunner:
     def follow_forward(self, mode: int, key: int, max_q: int, max_k: int, T: int, B: int, S: int, W: int) -> None:
         """A rank other than 0: run the forward rank 0 just staged (its staging buffer, broadcast)."""
         lay = self._staging(T, B, S, W)
-        self.group.share(self._dev[: lay.end])
+        self.group.broadcast(self._dev[: lay.end])
         self._run(mode, key, lay.views, max_q, max_k)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
@@ -534,6 +575,7 @@ class ModelRunner:
             return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31))
         return self.sampler(logits.float(), params, [s.generator for s in seqs])
 
+    @_reported
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> LaunchedStep:
         """Queue the forward of the scheduled tokens and the sampling; returns at once on CUDA.
@@ -552,6 +594,7 @@ class ModelRunner:
         host.copy_(tokens, non_blocking=True)
         return LaunchedStep(samples, host, self._record())
 
+    @_reported
     def collect(self, step: LaunchedStep) -> list[int | None]:
         """Wait for a launched step; the sampled token of each sequence (None: mid-prefill)."""
         if step.token_ids is None:
@@ -565,21 +608,18 @@ class ModelRunner:
         """launch + collect: one step, synchronously."""
         return self.collect(self.launch(seqs, num_new_tokens))
 
+    @_reported
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole pages (all layers, K and V) src -> dst, e.g. a forked sequence's partial tail."""
-        if self.group.is_parallel:
-            self.group.send_op(Op.COPY_BLOCKS, len(pairs))
-            self.group.share_ints([i for p in pairs for i in p], 2 * len(pairs))
-        self._copy_blocks(pairs)
+        src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
+        if self.plan is not None:
+            self.plan.send(Op.COPY_BLOCKS, src, dst)
+        self.copy_pages(src, dst)
 
-    def follow_copy_blocks(self, n: int) -> None:
-        flat = self.group.share_ints(None, 2 * n)
-        self._copy_blocks(list(zip(flat[::2], flat[1::2])))
-
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        cache_ops.copy_blocks(self.kv_cache, src, dst)
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """This rank's slices of pages src -> dst (rank 0's copy_blocks, on every rank)."""
+        src_ids, dst_ids = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        cache_ops.copy_blocks(self.kv_cache, src_ids, dst_ids)
 
     def make_generator(self, seed: int, index: int) -> torch.Generator:
         return self.sampler.make_generator(seed, index)
@@ -601,38 +641,36 @@ class ModelRunner:
         pages.copy_(self._queue_index_select(block_ids), non_blocking=True)
         return pages, self._record()
 
-    # With tensor parallelism each rank keeps its slice of a page in its own host pool, at the same
-    # slot: rank 0 names the blocks and slots, every rank copies its slice (a page's slices move
-    # together).
+    # With tensor parallelism each rank keeps its slices of the host tier's pages in its own memory,
+    # at the same slots as rank 0's pool: rank 0 names the blocks and slots, every rank copies its
+    # slice, so a page's slices always move together. The other ranks' copies queue on their compute
+    # stream like rank 0's; their host memory is read by nothing else, so they never wait for them.
+    @_reported
     def share_host_pool(self, num_blocks: int) -> None:
         """Rank 0: have the other ranks allocate their slices of a host pool of num_blocks pages."""
-        if self.group.is_parallel:
-            self.group.send_op(Op.HOST_POOL, num_blocks)
+        if self.plan is not None:
+            self.plan.send(Op.HOST_POOL, num_blocks)
 
-    def follow_host_pool(self, num_blocks: int) -> None:
+    def make_host_slice(self, num_blocks: int) -> None:
         pin = self.device.type == "cuda"
-        self.host_pages = torch.empty((num_blocks, *self.kv_cache.shape[1:]), dtype=self.dtype, pin_memory=pin)
+        self.host_slice = torch.empty((num_blocks, *self.kv_cache.shape[1:]), dtype=self.dtype, pin_memory=pin)
 
-    def _share_copy(self, op: int, block_ids: list[int], slots: list[int]) -> None:
-        if self.group.is_parallel:
-            self.group.send_op(op, len(block_ids))
-            self.group.share_ints(block_ids + slots, 2 * len(block_ids))
+    def save_to_host_slice(self, block_ids: list[int], slots: list[int]) -> None:
+        assert self.host_slice is not None, "a host-tier copy before the host pool was made"
+        self._save(block_ids, self.host_slice, slots)
 
-    def follow_copy(self, op: int, n: int) -> None:
-        """A rank other than 0: the save or restore rank 0 just made, on this rank's slices."""
-        ids = self.group.share_ints(None, 2 * n)
-        assert self.host_pages is not None, "a host-tier copy before the host pool was shared"
-        save = op == Op.SAVE_BLOCKS
-        done = (self._save if save else self._restore)(ids[:n], self.host_pages, ids[n:])
-        if done is not None:
-            done.synchronize()  # the next op may reuse the slot
+    def restore_from_host_slice(self, block_ids: list[int], slots: list[int]) -> None:
+        assert self.host_slice is not None, "a host-tier copy before the host pool was made"
+        self._restore(block_ids, self.host_slice, slots)
 
+    @_reported
     def queue_save_blocks(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
         """host_pages[slots[i]] = kv_cache[block_ids[i]], the reverse of `restore_blocks`: on CUDA
         (host_pages pinned) queued on the compute stream behind the steps in flight, without a host
         wait, as one D2H copy per run of consecutive slots; returns the event that marks the copies
         landed. On CPU the copies are done on return (None)."""
-        self._share_copy(Op.SAVE_BLOCKS, block_ids, slots)
+        if self.plan is not None:
+            self.plan.send(Op.SAVE_BLOCKS, block_ids, slots)
         return self._save(block_ids, host_pages, slots)
 
     def _save(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
@@ -652,12 +690,14 @@ class ModelRunner:
         done.record()
         return done
 
+    @_reported
     def restore_blocks(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):
         """kv_cache[block_ids[i]] = host_pages[slots[i]], straight from the (pinned) host pool: one
         copy per run of consecutive slots and blocks. On CUDA the copies run on a side stream that the
         compute stream then waits for, so the next forward sees the restored pages; returns the event
         that marks them done (the host pool must not overwrite those slots before it), else None."""
-        self._share_copy(Op.RESTORE_BLOCKS, block_ids, slots)
+        if self.plan is not None:
+            self.plan.send(Op.RESTORE_BLOCKS, block_ids, slots)
         return self._restore(block_ids, host_pages, slots)
 
     def _restore(self, block_ids: list[int], host_pages: torch.Tensor, slots: list[int]):

@@ -12,16 +12,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from chatengine.engine.distributed import TPGroup
 from chatengine.engine.loader import ModelConfig
 from chatengine.engine.models.parallel_layers import (
-    ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ParallelLMHead,
+    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     kv_heads_per_rank,
     split,
 )
+from chatengine.engine.parallel.group import TPGroup
 
 
 @dataclass
@@ -97,8 +98,8 @@ class Attention(nn.Module):
         self.num_kv_heads, self.head_dim = kv_heads_per_rank(config.num_kv_heads, group), config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v fused into one matmul; loaded from the separate HF weights
-        self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, group
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.attention_bias, group
         )
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, group)
         self.scale = self.head_dim**-0.5
@@ -121,7 +122,7 @@ class MLP(nn.Module):
         super().__init__()
         self.backend = backend
         self.intermediate = split(config.intermediate_size, group, "intermediate_size")  # this rank's share
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * self.intermediate, False, group)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, self.intermediate, group)
         self.down_proj = RowParallelLinear(self.intermediate, config.hidden_size, group)
 
     def forward(self, x):
@@ -176,38 +177,38 @@ class LlamaModel(nn.Module):
         return self.lm_head(x)
 
     @torch.no_grad()
-    def load_hf_state_dict(self, sd: dict) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up, each rank taking its slice."""
+    def load_hf_state_dict(self, sd) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up, each rank keeping its slice. `sd` may be
+        lazy (a loader's LazyWeights): each tensor is taken (popped) once, so at most one full tensor
+        beyond this rank's slices is alive at a time."""
         if self.config.tie_word_embeddings:  # re-tie: to_empty() gives each module fresh storage
             self.lm_head.weight = self.embed_tokens.weight
         own = dict(self.named_parameters())
-        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        names = {k.removeprefix("model."): k for k in sd}  # our name -> the checkpoint's
+
+        def take(name: str) -> torch.Tensor:
+            if name not in names:
+                raise ValueError(f"weights missing from the checkpoint: [{name!r}]")
+            return sd.pop(names.pop(name))
+
+        self.embed_tokens.load(take("embed_tokens.weight"))
         layer: Any
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            q, kv, n = attn.q_size, attn.kv_size, mlp.intermediate
             for param in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
-                full = [_take(sd, p + f"self_attn.{x}_proj.{param}") for x in "qkv"]
-                attn.qkv_proj.load_rows(list(zip(full, (q, kv, kv))), param)
-            attn.o_proj.load_full(_take(sd, p + "self_attn.o_proj.weight"))
-            gate, up = _take(sd, p + "mlp.gate_proj.weight"), _take(sd, p + "mlp.up_proj.weight")
-            mlp.gate_up_proj.load_rows([(gate, n), (up, n)])
-            mlp.down_proj.load_full(_take(sd, p + "mlp.down_proj.weight"))
-        self.embed_tokens.load_full(_take(sd, "embed_tokens.weight"))
+                attn.qkv_proj.load(*(take(p + f"self_attn.{x}_proj.{param}") for x in "qkv"), param)
+            attn.o_proj.load(take(p + "self_attn.o_proj.weight"))
+            mlp.gate_up_proj.load(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
+            mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
         if not self.config.tie_word_embeddings:
-            self.lm_head.load_full(_take(sd, "lm_head.weight"))
-        sd.pop("lm_head.weight", None)
+            self.lm_head.load(take("lm_head.weight"))
+        elif "lm_head.weight" in names:
+            take("lm_head.weight")
         replicated = {n for n in own if not any(k in n for k in ("_proj", "embed_tokens", "lm_head"))}
-        if replicated - set(sd):
-            raise ValueError(f"weights missing from the checkpoint: {sorted(replicated - set(sd))[:5]}")
-        for name, tensor in sd.items():
+        if replicated - set(names):
+            raise ValueError(f"weights missing from the checkpoint: {sorted(replicated - set(names))[:5]}")
+        for name in list(names):
             if name not in own:
                 raise ValueError(f"unexpected weight {name!r} for a {type(self).__name__}")
-            own[name].copy_(tensor)
-
-
-def _take(sd: dict, name: str) -> torch.Tensor:
-    if name not in sd:
-        raise ValueError(f"weights missing from the checkpoint: [{name!r}]")
-    return sd.pop(name)
+            own[name].copy_(take(name))

@@ -1,14 +1,17 @@
-"""Linear layers split over the ranks of a TPGroup, Megatron-style, and how each takes its slice of
-a full Hugging Face weight.
+"""Linear and embedding layers split over the ranks of a TPGroup, Megatron-style, and how each takes
+its slice of a full Hugging Face weight (every rank reads the full tensor, keeps its rows/columns).
 
-- ColumnParallelLinear: the output features split; no communication (q/k/v, gate/up).
-- RowParallelLinear: the input features split; partial sums all-reduced (o_proj, down_proj).
-- VocabParallelEmbedding: rows of the vocabulary split; ids outside a rank's rows give zeros, and
+- ColumnParallelLinear: the output features split; no communication.
+  - QKVParallelLinear: q, k and v fused; each rank a share of the query heads and the KV heads they
+    read (a KV head is replicated on several ranks when there are fewer KV heads than ranks).
+  - MergedColumnParallelLinear: gate and up fused; each rank a share of the intermediate features.
+- RowParallelLinear: the input features split; the partial sums all-reduced (o_proj, down_proj).
+- VocabParallelEmbedding: the vocabulary's rows split; ids outside a rank's rows give zeros, and
   the all-reduce puts each row back together.
 - ParallelLMHead: logits of a rank's vocabulary rows, all-gathered to the full vocabulary.
 
 On one rank each is exactly the nn.Linear / nn.Embedding it replaces (same shapes, same kernels,
-no collectives), so single-GPU numerics do not change.
+no collectives), so single-GPU numerics and speed do not change.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from chatengine.engine.distributed import TPGroup
+from chatengine.engine.parallel.group import TPGroup
 
 
 def split(n: int, group: TPGroup, what: str) -> int:
@@ -37,11 +40,18 @@ def kv_heads_per_rank(num_kv_heads: int, group: TPGroup) -> int:
 
 
 def check_split(config, size: int) -> None:
-    """ValueError unless a model of this config splits over `size` ranks."""
+    """ValueError unless a model of this config splits over `size` ranks (checked before any starts)."""
     group = TPGroup(0, size)
     split(config.num_heads, group, "num_heads")
     kv_heads_per_rank(config.num_kv_heads, group)
     split(config.intermediate_size, group, "intermediate_size")
+
+
+def _rows(full: torch.Tensor, n: int, group: TPGroup) -> torch.Tensor:
+    """This rank's n rows of `full` (slices of n rows; when there are fewer slices than ranks, as with
+    replicated KV heads, consecutive ranks share a slice)."""
+    start = group.rank * (full.shape[0] // n) // group.size
+    return full.narrow(0, start * n, n)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -52,16 +62,34 @@ class ColumnParallelLinear(nn.Linear):
         self.group = group
 
     @torch.no_grad()
-    def load_rows(self, parts: list[tuple[torch.Tensor, int]], param: str = "weight") -> None:
-        """Fill from full tensors, each with the row count of one of its rank's slices, concatenated
-        (q, k, v or gate, up): part i contributes rows [r * n_i, (r + 1) * n_i)."""
-        rows = [full.narrow(0, start * n, n) for full, n, start in ((f, n, self._start(f, n)) for f, n in parts)]
-        getattr(self, param).copy_(torch.cat(rows))
+    def load_parts(self, parts: list[tuple[torch.Tensor, int]], param: str = "weight") -> None:
+        """Fill `param` from full tensors fused along the outputs (q, k, v or gate, up): from part
+        (full, n) this rank takes its n rows, and the pieces are concatenated in order."""
+        getattr(self, param).copy_(torch.cat([_rows(full, n, self.group) for full, n in parts]))
 
-    def _start(self, full: torch.Tensor, n: int) -> int:
-        """Index (in slices of n rows) of this rank's slice of `full`; replicated KV heads repeat."""
-        slices = full.shape[0] // n
-        return self.group.rank * slices // self.group.size
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v in one matmul: this rank's num_heads query heads, then its num_kv_heads KV heads'
+    keys, then their values (num_heads, num_kv_heads: this rank's counts)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, group):
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, group)
+
+    def load(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, param: str = "weight") -> None:
+        """From the full q_proj, k_proj, v_proj weights (or biases)."""
+        self.load_parts([(q, self.q_size), (k, self.kv_size), (v, self.kv_size)], param)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate and up in one matmul: this rank's `size` gate features, then its `size` up features."""
+
+    def __init__(self, hidden_size: int, size: int, group: TPGroup):
+        self.size = size
+        super().__init__(hidden_size, 2 * size, False, group)
+
+    def load(self, gate: torch.Tensor, up: torch.Tensor) -> None:
+        self.load_parts([(gate, self.size), (up, self.size)])
 
 
 class RowParallelLinear(nn.Linear):
@@ -75,42 +103,50 @@ class RowParallelLinear(nn.Linear):
         return self.group.all_reduce(F.linear(x, self.weight))
 
     @torch.no_grad()
-    def load_full(self, full: torch.Tensor) -> None:
+    def load(self, full: torch.Tensor) -> None:
         n = self.in_features
         self.weight.copy_(full.narrow(1, self.group.rank * n, n))
 
 
-class VocabParallelEmbedding(nn.Embedding):
-    """Rows [rank * n, (rank + 1) * n) of a vocabulary padded to a multiple of the ranks."""
+class _VocabRows:
+    """Rows [first, first + rows) of a vocabulary padded to a multiple of the ranks."""
 
+    group: TPGroup
+    first: int
+    rows: int
+
+    @torch.no_grad()
+    def load(self, full: torch.Tensor) -> None:
+        weight = self.weight  # type: ignore[attr-defined]  # the nn.Embedding's or nn.Linear's
+        mine = full[self.first : self.first + self.rows]
+        if mine.shape[0] < self.rows:  # the last rank's padding rows past the vocabulary stay zero
+            weight.zero_()
+        weight[: mine.shape[0]].copy_(mine)
+
+
+class VocabParallelEmbedding(_VocabRows, nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup):
         self.vocab_size, self.group = vocab_size, group
         self.rows = -(-vocab_size // group.size)
-        super().__init__(self.rows, hidden_size)
+        nn.Embedding.__init__(self, self.rows, hidden_size)
         self.first = group.rank * self.rows
 
     def forward(self, ids):
         if not self.group.is_parallel:
             return super().forward(ids)
         local = ids - self.first
-        outside = (local < 0) | (local >= self.rows)
+        outside = (local < 0) | (local >= self.rows)  # another rank's rows: zeros here
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.group.all_reduce(out.masked_fill(outside[:, None], 0))
 
-    @torch.no_grad()
-    def load_full(self, full: torch.Tensor) -> None:
-        mine = full[self.first : self.first + self.rows]
-        self.weight.zero_()  # the padding rows past the vocabulary stay zero
-        self.weight[: mine.shape[0]].copy_(mine)
 
-
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(_VocabRows, nn.Linear):
     """Logits of this rank's vocabulary rows, all-gathered: (n, vocab_size) on every rank."""
 
     def __init__(self, hidden_size: int, vocab_size: int, group: TPGroup):
         self.vocab_size, self.group = vocab_size, group
         self.rows = -(-vocab_size // group.size)
-        super().__init__(hidden_size, self.rows, bias=False)
+        nn.Linear.__init__(self, hidden_size, self.rows, bias=False)
         self.first = group.rank * self.rows
 
     def forward(self, x):
@@ -118,9 +154,3 @@ class ParallelLMHead(nn.Linear):
         if not self.group.is_parallel:
             return logits
         return self.group.all_gather_last(logits)[..., : self.vocab_size]
-
-    @torch.no_grad()
-    def load_full(self, full: torch.Tensor) -> None:
-        mine = full[self.first : self.first + self.rows]
-        self.weight.zero_()
-        self.weight[: mine.shape[0]].copy_(mine)

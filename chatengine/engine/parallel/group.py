@@ -1,0 +1,110 @@
+"""The torch.distributed group of one tensor-parallel engine, and the collectives its model runs.
+
+NCCL on CUDA (rank r on cuda:r), gloo on CPU. Rank 0 (the engine's process) hosts the rendezvous
+store; ranks 1..N-1 connect to it. With one rank (`TPGroup.single`) no method runs a collective:
+the model's layers call them unconditionally and pay nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# How long one collective may wait for the other ranks (a stuck rank fails the others instead of
+# hanging them). Idle ranks wait on their plan pipe, not in a collective, so idling never times out;
+# the longest honest wait is a rank still loading its weights while another is done.
+TIMEOUT = timedelta(seconds=float(os.environ.get("CHATENGINE_TP_TIMEOUT_S", 600)))
+
+
+def no_nvlink_multicast() -> None:
+    """NCCL's NVLink SHARP (multicast) stays off: the GPU machines we run on require it."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+
+def host_store(size: int) -> tuple[dist.TCPStore, str]:
+    """Rank 0: the rendezvous store on a free loopback port; returns (store, "host:port")."""
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    return store, f"127.0.0.1:{store.port}"
+
+
+def connect_store(address: str, size: int) -> dist.TCPStore:
+    """Ranks 1..N-1: the store rank 0 hosts at `address`."""
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), size, is_master=False, timeout=TIMEOUT)
+
+
+@dataclass
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @classmethod
+    def single(cls, device: torch.device) -> TPGroup:
+        return cls(0, 1, device)
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.size > 1
+
+    @classmethod
+    def join(cls, rank: int, size: int, store: dist.Store, device_type: str) -> TPGroup:
+        """Join the group of `size` ranks through `store` as `rank` (blocks until all have joined)."""
+        no_nvlink_multicast()
+        device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=TIMEOUT,
+            device_id=device if device.type == "cuda" else None,  # NCCL: connect now, not at the first op
+        )
+        return cls(rank, size, device)
+
+    def leave(self) -> None:
+        """Tear the group down (NCCL: with every rank; drop CUDA graphs that hold its work first)."""
+        if self.is_parallel and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- the model's collectives (no-ops on one rank) -----------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, in place."""
+        if self.is_parallel:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., n) on every rank -> (..., size * n): the ranks' pieces side by side, rank 0's first."""
+        if not self.is_parallel:
+            return x
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # (m, n)
+        parts = torch.empty((self.size * rows.shape[0], rows.shape[1]), dtype=x.dtype, device=x.device)
+        _all_gather_single(parts, rows)  # rank r's rows at [r * m, (r + 1) * m)
+        out = parts.view(self.size, *rows.shape).permute(1, 0, 2)  # (m, size, n)
+        return out.reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def min_int(self, value: int) -> int:
+        """The least of every rank's `value` (e.g. the KV blocks that fit: every rank's pool is the same)."""
+        if not self.is_parallel:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into `x` on every rank (same shape and dtype everywhere), on the device: on
+        CUDA the other ranks queue it without waiting on the host."""
+        if self.is_parallel:
+            dist.broadcast(x, src=0)
+        return x
+
+
+# torch 2.13 has all_gather_single; older releases (the GPU machines') only all_gather_into_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
