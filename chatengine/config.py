@@ -49,7 +49,7 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.kv_store_dir:
             raise ValueError(
                 "the disk tier of the KV cache (kv_store_dir) does not work with tensor_parallel_size > 1 yet: "
-                "leave kv_store_dir unset (the host tier works)"
+                "leave kv_store_dir unset, or serve with --no-disk-kv (the host tier works)"
             )
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")

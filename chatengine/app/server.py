@@ -45,6 +45,7 @@ ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",
+    "tensor_parallel_size",
 )
 
 
@@ -302,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-model-len", type=int, default=None, help="context length in tokens; default: the model's, capped at 8192"
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="GPUs to split the model over, one process each (engine default 1); the disk tier of the KV "
+        "cache is not supported above 1: use it with --no-disk-kv",
     )
     p.add_argument(
         "--no-disk-kv", action="store_true", help="keep the KV cache in memory only (no disk tier under --data-dir)"
