@@ -1,14 +1,23 @@
-"""Tensor parallelism on GPUs: logits against one GPU, and throughput.
+"""Tensor parallelism on GPUs: logits against one GPU, throughput against one GPU, and a model too big
+for one.
 
-    python benchmarks/tp_bench.py [--parts logits,throughput] [--shape llama-3.1-8b] [--tp 2]
+    python benchmarks/tp_bench.py [--part logits throughput big] [--shape llama-3.1-8b] [--tp 2]
+    python benchmarks/tp_bench.py --part big --big-shape llama-3.1-70b --big-tp 4
+    python benchmarks/tp_bench.py --dry-run            # prints the plan, touches no GPU
 
-- logits: the prefill logits of a few prompts at TP=1 and TP=N, fp32, on the same dummy weights;
-  prints the largest absolute difference (the promise: within 1e-4).
-- throughput: the nano-vllm workload (256 requests, prompt and output lengths uniform in
-  [100, 1024], bf16, temperature 0.6, ignore_eos) at TP=1 and TP=N in the same run; output tokens/s
-  and the ratio.
+Parts (logits and throughput by default):
+  logits      the last-token logits of 8 prompts (100..512 tokens) at TP=1 and TP=N, fp32, eager, on
+              the same dummy weights: the largest absolute difference (the promise: <= 1e-4), with the
+              torch attention reference (the same arithmetic on any number of heads) and with the
+              Triton kernels (their split counts follow the heads a rank holds)
+  throughput  the nano-vllm workload (256 requests, prompt and output lengths uniform in [100, 1024],
+              seed 0, random ids < 10000, ignore_eos, temperature 0.6; benchmarks/gpu_bench.py's)
+              in bf16 at TP=1 and TP=N in the same run: output tokens/s and the ratio (goal >= 1.6x)
+  big         the same workload on a shape one GPU cannot hold (llama-3.1-70b, 140 GB in bf16) at
+              TP=--big-tp only: load time, KV pages, output tokens/s
 
-Needs N GPUs (NVLink multicast stays off). Saves JSON + markdown under benchmarks/results/.
+Needs N GPUs; NVLink multicast stays off (the engine sets NCCL_NVLS_ENABLE=0). Saves JSON + markdown
+under --out and prints the table last.
 """
 
 from __future__ import annotations
@@ -25,29 +34,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import commit  # noqa: E402
+from benchmarks.gpu_bench import nano_workload  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
+from chatengine.engine.loader import DUMMY_SHAPES  # noqa: E402
 from chatengine.engine.sequence import Sequence  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+PARTS = ["logits", "throughput", "big"]
 
 
-def nano_workload(n: int = 256, seed: int = 0, max_in: int = 1024, max_out: int = 1024):
-    """nano-vllm's bench.py workload, the same RNG calls: (prompt ids, output lengths)."""
-    import random
-
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_in))] for _ in range(n)]
-    outs = [rng.randint(100, max_out) for _ in range(n)]
-    return prompts, outs
-
-
-def engine(shape: str, tp: int, dtype: str, **kw) -> LLM:
+def engine(shape: str, tp: int, dtype: str, args, **kw) -> LLM:
     cfg = dict(
         device="cuda",
         dtype=dtype,
         tensor_parallel_size=tp,
         max_num_seqs=256,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=4096,
         register_personas=False,
         gpu_memory_utilization=0.85,
@@ -56,8 +57,16 @@ def engine(shape: str, tp: int, dtype: str, **kw) -> LLM:
     return LLM(f"dummy:{shape}", **{**cfg, **kw})
 
 
+def release(llm: LLM) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
-    """(len(prompts), vocab) fp32 logits of each prompt's last token, straight from the runner."""
+    """(len(prompts), vocab) fp32 logits of each prompt's last token, straight from the runner (every
+    rank runs the same forward: rank 0 sends it)."""
     runner, bs, first, rows = llm.engine.runner, llm.engine.config.block_size, 0, []
     for p in prompts:
         seq = Sequence(p, SamplingParams(), block_size=bs)
@@ -70,69 +79,150 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 
 def part_logits(args, res) -> None:
     prompts = nano_workload(8, seed=1, max_in=512)[0]
-    got = {}
-    for tp in (1, args.tp):
-        llm = engine(args.shape, tp, "float32", enforce_eager=True)
-        got[tp] = prefill_logits(llm, prompts)
-        llm.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    diff = (got[1] - got[args.tp]).abs()
-    res["logits"] = {
-        "prompts": len(prompts),
-        "max_abs_diff": diff.max().item(),
-        "mean_abs_diff": diff.mean().item(),
-        "logit_scale": got[1].abs().max().item(),
-        "same_argmax": bool((got[1].argmax(-1) == got[args.tp].argmax(-1)).all()),
+    out = res["logits"] = {}
+    for backend in ("torch", "triton"):
+        got = {}
+        for tp in (1, args.tp):
+            llm = engine(args.shape, tp, "float32", args, enforce_eager=True, attention_backend=backend)
+            got[tp] = prefill_logits(llm, prompts)
+            release(llm)
+        diff = (got[1] - got[args.tp]).abs()
+        out[backend] = {
+            "prompts": len(prompts),
+            "max_abs_diff": diff.max().item(),
+            "mean_abs_diff": diff.mean().item(),
+            "largest_logit": got[1].abs().max().item(),
+            "same_argmax": bool((got[1].argmax(-1) == got[args.tp].argmax(-1)).all()),
+        }
+        print(f"[logits] {backend}: {json.dumps(out[backend])}", flush=True)
+
+
+def run_workload(llm: LLM, prompts, outs) -> dict:
+    llm.generate([list(range(1, 200))] * 8, SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True))
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outs]
+    t = time.perf_counter()
+    results = llm.generate(prompts, params)
+    dt = time.perf_counter() - t
+    n = sum(len(r.outputs[0].token_ids) for r in results)
+    assert n == sum(outs), (n, sum(outs))
+    runner = llm.engine.runner
+    return {
+        "seconds": dt,
+        "output_tokens": n,
+        "tok_s": n / dt,
+        "kv_blocks": llm.stats()["kv_blocks_total"],
+        "decode_graphs": len(runner.graphs),
+        "graph_steps": runner.num_graph_steps,
     }
-    print(json.dumps(res["logits"]), flush=True)
 
 
 def part_throughput(args, res) -> None:
     prompts, outs = nano_workload(args.num_requests)
-    res["throughput"] = {}
+    out = res["throughput"] = {}
     for tp in (1, args.tp):
-        llm = engine(args.shape, tp, "bfloat16")
-        llm.generate(prompts[:8], SamplingParams(max_tokens=8))  # warm-up
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outs]
-        t = time.perf_counter()
-        results = llm.generate(prompts, params)
-        dt = time.perf_counter() - t
-        n = sum(len(r.outputs[0].token_ids) for r in results)
-        res["throughput"][f"tp{tp}"] = {"seconds": dt, "output_tokens": n, "tok_s": n / dt}
-        print(f"TP={tp}: {n / dt:,.0f} output tok/s ({dt:.1f} s)", flush=True)
-        llm.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    t = res["throughput"]
-    t["ratio"] = t[f"tp{args.tp}"]["tok_s"] / t["tp1"]["tok_s"]
+        llm = engine(args.shape, tp, "bfloat16", args)
+        out[f"tp{tp}"] = run_workload(llm, prompts, outs)
+        release(llm)
+        row = out[f"tp{tp}"]
+        print(f"[throughput] {args.shape} TP={tp}: {row['tok_s']:,.0f} output tok/s ({row['seconds']:.1f} s)")
+    out["ratio"] = out[f"tp{args.tp}"]["tok_s"] / out["tp1"]["tok_s"]
+    print(f"[throughput] TP={args.tp} / TP=1: {out['ratio']:.2f}x", flush=True)
+
+
+def part_big(args, res) -> None:
+    prompts, outs = nano_workload(args.num_requests)
+    t = time.perf_counter()
+    llm = engine(args.big_shape, args.big_tp, "bfloat16", args)
+    load_s = time.perf_counter() - t
+    row = res["big"] = {
+        "shape": args.big_shape,
+        "tp": args.big_tp,
+        "load_s": load_s,
+        **run_workload(llm, prompts, outs),
+    }
+    release(llm)
+    print(
+        f"[big] {args.big_shape} TP={args.big_tp}: loaded in {load_s:.0f} s, {row['kv_blocks']} KV pages, "
+        f"{row['tok_s']:,.0f} output tok/s ({row['seconds']:.1f} s)",
+        flush=True,
+    )
+
+
+def markdown(res) -> str:
+    lines = [
+        f"# tp_bench {res['date']} ({res['commit']})",
+        "",
+        f"{res['gpus']} x {res['gpu']}, torch {res['torch']}",
+        "",
+    ]
+    if "logits" in res:
+        lines += [f"| logits (fp32, TP=1 vs TP={res['tp']}) | max abs diff | mean abs diff | same argmax |"]
+        lines += ["|---|---|---|---|"]
+        for backend, r in res["logits"].items():
+            lines.append(
+                f"| {backend} attention | {r['max_abs_diff']:.2e} | {r['mean_abs_diff']:.2e} | {r['same_argmax']} |"
+            )
+        lines.append("")
+    if "throughput" in res:
+        t = res["throughput"]
+        lines += [f"| {res['shape']} bf16, nano-vllm workload | output tok/s | seconds |", "|---|---|---|"]
+        for key in ("tp1", f"tp{res['tp']}"):
+            lines.append(f"| TP={key[2:]} | {t[key]['tok_s']:,.0f} | {t[key]['seconds']:.1f} |")
+        lines += [f"| ratio | {t['ratio']:.2f}x | |", ""]
+    if "big" in res:
+        b = res["big"]
+        lines.append(
+            f"{b['shape']} at TP={b['tp']}: loaded in {b['load_s']:.0f} s, {b['kv_blocks']} KV pages, "
+            f"{b['tok_s']:,.0f} output tok/s on the same workload ({b['seconds']:.1f} s)"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", nargs="+", choices=PARTS, default=["logits", "throughput"])
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(DUMMY_SHAPES))
+    p.add_argument("--tp", type=int, default=2, help="ranks of the parallel engine (compared with TP=1)")
+    p.add_argument("--big-shape", default="llama-3.1-70b", choices=sorted(DUMMY_SHAPES))
+    p.add_argument("--big-tp", type=int, default=4)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--dry-run", action="store_true", help="print what would run; touch no GPU")
+    return p
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="logits,throughput")
-    p.add_argument("--shape", default="llama-3.1-8b")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--num-requests", type=int, default=256)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    need = max(args.tp, args.big_tp if "big" in args.part else 1)
+    if args.dry_run:
+        print(
+            f"would run {args.part} on {args.shape} (TP=1 vs TP={args.tp}); big: {args.big_shape} at TP={args.big_tp}"
+        )
+        print(f"needs {need} GPUs; this machine has {torch.cuda.device_count()}")
+        return 0
+    if torch.cuda.device_count() < need:
+        sys.exit(f"error: needs {need} GPUs, this machine has {torch.cuda.device_count()}")
     res: dict = {
         "commit": commit(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0),
         "gpus": torch.cuda.device_count(),
         "torch": torch.__version__,
         "shape": args.shape,
         "tp": args.tp,
+        "args": vars(args),
     }
-    if "logits" in args.parts:
-        part_logits(args, res)
-    if "throughput" in args.parts:
-        part_throughput(args, res)
-    out = ROOT / "benchmarks" / "results" / f"tp_bench-{datetime.now(UTC):%Y-%m-%dT%H%M}-{res['commit']}.json"
-    out.write_text(json.dumps(res, indent=2))
-    print(json.dumps(res, indent=2))
+    for part in args.part:
+        {"logits": part_logits, "throughput": part_throughput, "big": part_big}[part](args, res)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"tp_bench-{datetime.now(UTC):%Y-%m-%dT%H%M}-{res['commit']}"
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    text = markdown(res)
+    stem.with_suffix(".md").write_text(text)
+    print(text)
+    print(f"saved {stem}.json and .md")
     return 0
 
 
