@@ -223,6 +223,8 @@ def test_tp2_gives_tp1_greedy_tokens_with_cache_hits_samples_and_host_restores(s
 def test_tp2_runs_in_an_async_engine_and_shuts_down():
     engine = AsyncLLM("dummy:tiny", tensor_parallel_size=2, num_kv_blocks=32)
     procs = engine.engine.ranks.procs
+    with pytest.raises(ValueError, match="one tensor-parallel engine per process"):
+        LLM("dummy:tiny", tensor_parallel_size=2, num_kv_blocks=32)
 
     async def one():
         async for out in engine.generate(PROMPTS[0], GREEDY):
@@ -271,3 +273,35 @@ def test_an_idle_engine_outlives_the_collective_timeout(monkeypatch):
         assert llm.generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     finally:
         llm.shutdown()
+
+
+# ---- on GPUs (skipped without two) ----------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(enforce_eager=True, async_scheduling=False, attention_backend="torch"),
+        dict(enforce_eager=True, async_scheduling=True),
+        dict(async_scheduling=False),  # CUDA graphs: decode and one-sequence prefill, all-reduces inside
+        dict(async_scheduling=True),  # the default on CUDA
+    ],
+    ids=["eager-torch-sync", "eager-async", "graphs-sync", "graphs-async"],
+)
+def test_cuda_tp2_gives_tp1_greedy_tokens(variant):
+    """NCCL, fp32: the same greedy tokens as one GPU, in each way a step can run, with host restores."""
+    opts = dict(device="cuda", dtype="float32", num_kv_blocks=64, cpu_offload_gib=0.05, register_personas=False)
+    prompts = [list(range(1, 40)), list(range(50, 70)), [7] * 33, list(range(3, 300))]
+    results = []
+    for tp in (1, 2):
+        llm = LLM("dummy:llama-3.2-1b", tensor_parallel_size=tp, **opts, **variant)
+        try:
+            first = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+            llm.engine.offload_cached_blocks()
+            again = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16))[0]
+            assert again.num_cached_tokens == 32
+            results.append((_tokens(first), again.outputs[0].token_ids))
+        finally:
+            t = time.monotonic()
+            llm.shutdown()
+            assert time.monotonic() - t < 60
+    assert results[0] == results[1]

@@ -34,6 +34,8 @@ class WorkerRanks:
         if device.type == "cuda" and torch.cuda.device_count() < size:
             have = torch.cuda.device_count()
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has {have}")
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise ValueError("one tensor-parallel engine per process: shut the other one down first")
         no_nvlink_multicast()  # before the spawn: the ranks inherit it
         self.device, self.stopping = device, False
         self.threads_before = worker.share_cpu(size, device.type)
@@ -63,6 +65,7 @@ class WorkerRanks:
             self.group = TPGroup.join(0, size, store, device.type)
         except BaseException:
             self._kill()
+            torch.set_num_threads(self.threads_before)
             raise
         self._watchdog = threading.Thread(target=self._watch, name="chatengine-tp-watchdog", daemon=True)
         self._watchdog.start()
@@ -119,9 +122,9 @@ class WorkerRanks:
         self.stopping = True
         healthy = self.plan.failure is None
         try:
-            if runner is not None:
-                runner.close()
-            if healthy:
+            if healthy:  # (its synchronize could wait forever on a step stuck on a dead rank)
+                if runner is not None:
+                    runner.close()
                 self.plan.send(Op.STOP)
                 self.group.leave()  # NCCL: with every rank
         except Exception:
@@ -131,8 +134,8 @@ class WorkerRanks:
             for p in self.procs:
                 p.join(max(0.0, deadline - time.monotonic()))
             self._kill()
-            if not healthy and self.device.type != "cuda":
-                self.group.leave()  # gloo's teardown is local; NCCL's would wait for the dead rank
+            if self.device.type != "cuda":
+                self.group.leave()  # if not left yet: gloo's teardown is local (NCCL's waits for every rank)
             torch.set_num_threads(self.threads_before)
 
     def _kill(self) -> None:
