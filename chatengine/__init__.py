@@ -5,6 +5,6 @@ from chatengine.engine.async_llm import AsyncLLM
 from chatengine.engine.llm import LLM
 from chatengine.engine.llm_engine import LLMEngine
 from chatengine.outputs import CompletionOutput, RequestOutput
-from chatengine.sampling_params import SamplingParams
+from chatengine.sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "AsyncLLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
+__all__ = ["LLM", "AsyncLLM", "LLMEngine", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "EngineConfig"]

@@ -1,9 +1,49 @@
-"""SamplingParams: the per-request knobs. temperature=0 means greedy."""
+"""SamplingParams: the per-request knobs. temperature=0 means greedy.
+
+The logits of a sampled row go through, in order: logit_bias, min_tokens (EOS and stop ids masked),
+repetition / frequency / presence penalties, the structured-output mask, temperature; then top-k /
+top-p and the draw. `logprobs` are taken after temperature (before top-k / top-p), so they describe
+the distribution that was sampled; greedy rows report plain log-softmax. Prompt logprobs are the
+model's raw log-softmax.
+"""
 
 import math
 from dataclasses import dataclass
 
 MAX_STOP_TOKEN_IDS = 64  # each sampled token is checked against them
+MAX_LOGPROBS = 20  # top candidates per token, as OpenAI allows
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
+
+
+@dataclass
+class StructuredOutputs:
+    """A constraint on the generated text; exactly one field set. Grammars compile once per spec
+    (cached) and each sampled token is masked to those the grammar allows next."""
+
+    json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (GBNF, with a `root` rule)
+
+    def validate(self) -> None:
+        set_fields = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_fields += ["json_object"] * bool(self.json_object)
+        if len(set_fields) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {set_fields or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
 
 
 @dataclass
@@ -17,12 +57,22 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # per generated token: the top `logprobs` candidates and the sampled one
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (no prefix-cache hits)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
 
     def validate(self, max_n: int, max_tokens_limit: int, vocab_size: int | None = None) -> None:
         """Raise ValueError with an actionable message for values the engine cannot serve
@@ -56,6 +106,43 @@ class SamplingParams:
         if len(stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 256 for s in stop):
             raise ValueError("stop must be at most 16 non-empty strings of at most 256 characters")
         self._validate_stop_token_ids(vocab_size)
+        self._validate_processing(max_tokens_limit, vocab_size)
+
+    def _validate_processing(self, max_tokens_limit: int, vocab_size: int | None) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 10:
+            raise ValueError(f"repetition_penalty must be a number in (0, 10] (1 disables it), got {r!r}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= min(self.max_tokens, max_tokens_limit):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {m!r}")
+        self._validate_logit_bias(vocab_size)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError("structured_outputs must be a StructuredOutputs (or a dict of its fields)")
+            self.structured_outputs.validate()
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
+        top = vocab_size if vocab_size is not None else 2**63
+        for t, b in bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < top:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {top}), got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
 
     def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
         ids = self.stop_token_ids or []
@@ -70,3 +157,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Penalties read the tokens generated so far, so a step must know them (no async overlap)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_history(self) -> bool:
+        """The next token's logits depend on the host knowing the last token (penalties, a grammar)."""
+        return self.penalized or self.structured_outputs is not None
+
+    @property
+    def processed(self) -> bool:
+        """Anything beyond temperature / top-k / top-p touches this row's logits."""
+        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
