@@ -270,9 +270,13 @@ def test_parse_request_builds_the_request_model():
     assert req.stream == StreamOptions(stream=True, include_usage=True)
     params = sampling_params(req.sampling, 10, LIMITS)
     assert params.max_tokens == 3 and params.top_k == 0 and params.n == 1
-    # without max_tokens: the room left in the context, the engine's limit and the KV pool, whichever is least
+    # completions without max_tokens: 16 (OpenAI's default), or less when the context is fuller
     req = parse_request("completion", {"prompt": [[1, 2]], "n": 2.0}, LIMITS)
     assert req.prompt == [1, 2] and req.sampling.n == 2
+    assert sampling_params(req.sampling, 40, LIMITS).max_tokens == 16
+    assert sampling_params(req.sampling, 85, LIMITS).max_tokens == 11  # the KV pool holds 96
+    # chat without max_tokens: the room left in the context, the engine's limit and the KV pool, whichever is least
+    req = parse_request("chat", {"messages": [{"role": "user", "content": "x"}]}, LIMITS)
     assert sampling_params(req.sampling, 40, LIMITS).max_tokens == 56
     assert sampling_params(req.sampling, 40, Limits(4, 100, 128, 96, default_max_tokens=8)).max_tokens == 8
 
@@ -283,7 +287,7 @@ def test_parse_request_builds_the_request_model():
         ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 101}, "max_tokens"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
-        ("chat", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}, "frequency_penalty"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}, "frequency_penalty"),
         ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("completion", {"prompt": [1, True]}, "prompt"),
     ],
@@ -373,9 +377,9 @@ BAD = [
     ("chat", chat_body(stop=[""]), 400, "stop"),
     ("chat", chat_body(stream="yes"), 400, "stream"),
     ("chat", chat_body(stream_options={"include_usage": True}), 400, "stream"),
-    ("chat", chat_body(logprobs=True), 400, "logprobs"),
+    ("chat", chat_body(logprobs="yes"), 400, "logprobs"),
     ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool"),
-    ("chat", chat_body(presence_penalty=1.0), 400, "presence_penalty"),
+    ("chat", chat_body(presence_penalty=3.0), 400, "presence_penalty"),
     ("chat", chat_body(model=7), 400, "model"),
     ("chat", json.dumps({"messages": [{"role": "user", "content": LONG}]}), 400, "context"),
     ("completions", json.dumps({"model": MODEL}), 400, "prompt"),
@@ -384,9 +388,9 @@ BAD = [
     ("completions", json.dumps({"prompt": [1, "a"]}), 400, "token ids"),
     ("completions", json.dumps({"prompt": [1, -1]}), 400, "token ids"),
     ("completions", json.dumps({"prompt": [1, 10**12]}), 400, "token ids"),
-    ("completions", json.dumps({"prompt": ["one", "two"]}), 400, "one prompt"),
+    ("completions", json.dumps({"prompt": ["one"] * 65}), 400, "at most 64"),
     ("completions", json.dumps({"prompt": 12}), 400, "prompt"),
-    ("completions", json.dumps({"prompt": "x", "echo": True}), 400, "echo"),
+    ("completions", json.dumps({"prompt": "x", "echo": "yes"}), 400, "echo"),
     ("completions", json.dumps({"prompt": LONG}), 400, "context"),
     ("completions", '{"prompt": "' + "a" * 1_100_000 + '"}', 413, "bytes"),
 ]

@@ -71,17 +71,20 @@ def create_app(
     max_n: int = 4,
     disk_kv: bool = True,
     api_rate_limit: int | None = API_RATE_LIMIT,
+    cors_origins: list[str] | None = None,
 ):
     """Build the ASGI app (FastAPI with the API routes and the Gradio UI mounted at "/").
 
     ``engine``: an AsyncLLM to use (tests share one; it stays up at close_app); otherwise one is built
     from ``model`` and ``engine_options``. ``api_rate_limit``: API requests per user per minute
     with ``users_file`` (None or 0: unlimited). ``users_file``: see ``auth.load_users``; None = a single
-    local user without login. ``app.state.chat`` holds the engine and the store.
+    local user without login. ``cors_origins``: origins whose pages may call the API (None: no CORS).
+    ``app.state.chat`` holds the engine and the store.
     """
     import gradio as gr
 
     from chatengine import AsyncLLM
+    from chatengine.app.api.cors import check_origins
     from chatengine.app.api.routes import build_api
     from chatengine.app.chat import ChatService
     from chatengine.app.ui.layout import CSS, build_ui, theme
@@ -91,6 +94,8 @@ def create_app(
     if users_file is not None:
         warn_if_shared(users_file)
     users = auth.load_users(users_file) if users_file is not None else None
+    if cors_origins:
+        check_origins(cors_origins)
     data = check_data_dir(data_dir)  # private: conversations are there in plain text
     lock = lock_data_dir(data)  # one server per data dir, and none while users are deleted offline
     try:
@@ -108,7 +113,9 @@ def create_app(
             raise
     service = ChatService(engine, store, load_personas())
     limit = api_rate_limit if users is not None and api_rate_limit else None
-    app = build_api(engine, users, model_name=str(engine.model_id), rate_limit_per_minute=limit)
+    app = build_api(
+        engine, users, model_name=str(engine.model_id), rate_limit_per_minute=limit, cors_origins=cors_origins
+    )
     demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n, admins=auth.admins(users))
     login = _login_check(users) if users is not None else None
     app = gr.mount_gradio_app(
@@ -321,6 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="API requests per user per minute with --users (429 past it); 0: unlimited",
     )
     p.add_argument(
+        "--cors-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        default=None,
+        help="let pages of these origins call the API from a browser (e.g. https://chat.example.org "
+        "http://localhost:3000; '*' for any); only /v1 and /health, never with cookies. Default: off",
+    )
+    p.add_argument(
         "--max-alternatives", type=int, default=4, help="largest n (parallel alternatives per turn) offered in the UI"
     )
     p.add_argument("--title", default="chatengine", help="name shown in the browser tab and sidebar")
@@ -347,6 +362,7 @@ def main(argv=None) -> None:
             max_n=args.max_alternatives,
             disk_kv=not args.no_disk_kv,
             api_rate_limit=args.api_rate_limit,
+            cors_origins=[o for arg in args.cors_origins or () for o in arg.split(",") if o] or None,
             engine_options=engine_options,
         )
     except ValueError as e:  # a bad flag value, users file or model path

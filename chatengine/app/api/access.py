@@ -6,6 +6,7 @@ users (local single-user mode) any key, or none, is accepted and the user is Non
 """
 
 import math
+import threading
 import time
 
 from starlette.requests import Request
@@ -24,17 +25,19 @@ class RateLimiter:
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
         self.buckets: dict[str | None, tuple[float, float]] = {}
+        self.lock = threading.Lock()  # requests with several prompts are charged from worker threads
 
-    def check(self, key: str | None) -> float:
-        """0.0 if allowed (a token is taken), else the seconds to wait."""
-        now = time.monotonic()
-        tokens, last = self.buckets.get(key, (self.capacity, now))
-        tokens = min(self.capacity, tokens + (now - last) * self.rate)
-        if tokens >= 1.0:
-            self.buckets[key] = (tokens - 1.0, now)
-            return 0.0
-        self.buckets[key] = (tokens, now)
-        return (1.0 - tokens) / self.rate
+    def check(self, key: str | None, cost: float = 1.0) -> float:
+        """0.0 if allowed (`cost` tokens are taken), else the seconds to wait."""
+        with self.lock:
+            now = time.monotonic()
+            tokens, last = self.buckets.get(key, (self.capacity, now))
+            tokens = min(self.capacity, tokens + (now - last) * self.rate)
+            if tokens >= cost:
+                self.buckets[key] = (tokens - cost, now)
+                return 0.0
+            self.buckets[key] = (tokens, now)
+            return (cost - tokens) / self.rate
 
 
 class Access:
@@ -75,11 +78,22 @@ class Access:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
         return user
 
-    def rate_limit(self, user: str | None) -> None:
-        """429 (with Retry-After) when `user` has used up their requests of the last minute."""
+    def rate_limit(self, user: str | None, cost: int = 1, why: str | None = None) -> None:
+        """429 (with Retry-After) when `user` has used up their requests of the last minute. `cost`:
+        how many requests to take; `why` (several prompts in one completions request, after the
+        request itself took one): a request that can never fit the limit is told so."""
         if self.limiter is None:
             return
-        wait = self.limiter.check(user)
+        if why is not None and cost + 1 > self.limiter.capacity:
+            raise APIError(
+                429,
+                f"{why}, each counted as a request; this server allows each user {self.limiter.per_minute} "
+                "requests a minute: send fewer prompts in one request",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "60"},
+            )
+        wait = self.limiter.check(user, cost)
         if wait > 0:
             raise APIError(
                 429,

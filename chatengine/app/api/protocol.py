@@ -14,13 +14,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 
-from chatengine import SamplingParams
+from chatengine import SamplingParams, StructuredOutputs
 
 Kind = Literal["chat", "completion"]  # the two routes: /v1/chat/completions, /v1/completions
 Role = Literal["system", "user", "assistant"]
 ROLE_ALIASES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
+MAX_PROMPTS = 64  # prompts in one completions request (each counts as a request for the rate limit)
+MAX_LOGPROBS = 20  # top candidates per token: OpenAI allows 20 on chat (5 on completions; vLLM 20)
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI, vLLM and SGLang
+STRUCTURED_FIELDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class APIError(Exception):
@@ -59,29 +64,45 @@ class ChatMessage(_Model):
 class StreamOptions(_Model):
     stream: bool = False
     include_usage: bool = False
-    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats (with include_usage): usage in every chunk
 
 
 class Sampling(_Model):
-    """The sampling fields of a request; max_tokens None: as long as the context and limits allow."""
+    """The sampling fields of a request; max_tokens None: as long as the context and limits allow (at
+    most default_max_tokens when set); max_tokens 0 (completions with echo): the prompt alone."""
+
+    model_config = ConfigDict(strict=True, frozen=True, arbitrary_types_allowed=True)
 
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int | None = None
+    default_max_tokens: int | None = None
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None  # top candidates shown per generated token; None: no logprobs
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions with echo)
+    echo: bool = False  # completions: the prompt is sent back before the completion
+    structured: StructuredOutputs | None = None
+    structured_param: str | None = None  # the request field `structured` came from (named in errors)
 
 
 class CompletionRequest(_Model):
-    """One request of either route: `messages` for chat, `prompt` (text or token ids) for completions."""
+    """One request of either route: `messages` for chat, `prompts` (each text or token ids) for
+    completions; `prompt` is the prompt when there is exactly one."""
 
     kind: Kind
     messages: list[ChatMessage] | None = None
     prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] | None = None
     stream: StreamOptions = StreamOptions()
     sampling: Sampling = Sampling()
 
@@ -96,6 +117,7 @@ class Limits:
     kv_capacity_tokens: int
     default_max_tokens: int | None = None
     max_prompt_chars: int | None = None  # longer prompt text is refused before tokenizing
+    vocab_size: int | None = None  # token ids (stop_token_ids, logit_bias keys) must be below it
 
     @classmethod
     def of(cls, engine, default_max_tokens: int | None = None) -> "Limits":
@@ -106,6 +128,7 @@ class Limits:
             engine.kv_capacity_tokens,
             default_max_tokens,
             engine.max_prompt_chars,
+            engine.vocab_size,
         )
 
 
@@ -115,40 +138,67 @@ def parse_request(kind: Kind, body: dict, limits: Limits) -> CompletionRequest:
     reject_unsupported(body, chat=chat)
     stream = parse_stream(body)
     if chat:
-        messages, prompt = parse_messages(body.get("messages")), None
+        messages, prompts = parse_messages(body.get("messages")), None
     else:
-        messages, prompt = None, parse_prompt(body.get("prompt"))
-    check_text_length(messages, prompt, limits)
+        messages, prompts = None, parse_prompts(body.get("prompt"))
+    check_text_length(messages, prompts, limits)
     return CompletionRequest(
-        kind=kind, messages=messages, prompt=prompt, stream=stream, sampling=parse_sampling(body, limits)
+        kind=kind,
+        messages=messages,
+        prompt=prompts[0] if prompts is not None and len(prompts) == 1 else None,
+        prompts=prompts,
+        stream=stream,
+        sampling=parse_sampling(body, limits, kind),
     )
 
 
-def check_text_length(messages: list[ChatMessage] | None, prompt, limits: Limits) -> None:
-    """Refuse text that cannot fit the context before the tokenizer spends time on it."""
+def check_text_length(messages: list[ChatMessage] | None, prompts: list | None, limits: Limits) -> None:
+    """Refuse text that cannot fit the context before the tokenizer spends time on it (each prompt
+    on its own: several prompts are several requests, and the body's size caps their sum)."""
     if limits.max_prompt_chars is None:
         return
-    chars = sum(len(m.content) for m in messages) if messages is not None else len(prompt or "")
-    if isinstance(prompt, list):
-        chars = 0  # token ids: their count is checked against the context as it is
-    if chars > limits.max_prompt_chars:
-        raise APIError(
-            400,
-            f"the {'messages' if messages is not None else 'prompt'} hold {chars} characters; this model reads at most "
-            f"{limits.max_model_len} tokens (about {limits.max_prompt_chars} characters): shorten the input",
-            param="messages" if messages is not None else "prompt",
-            code="context_length_exceeded",
-        )
+    if messages is not None:
+        texts = [("messages", sum(len(m.content) for m in messages))]
+    else:  # token ids: their count is checked against the context as it is
+        many = len(prompts or ()) > 1
+        texts = [
+            (f"prompt[{k}]" if many else "prompt", len(p)) for k, p in enumerate(prompts or ()) if isinstance(p, str)
+        ]
+    for what, chars in texts:
+        if chars > limits.max_prompt_chars:
+            raise APIError(
+                400,
+                f"the {what} {'holds' if what.startswith('prompt[') else 'hold'} {chars} characters; this model reads "
+                f"at most "
+                f"{limits.max_model_len} tokens (about {limits.max_prompt_chars} characters): shorten the input",
+                param="messages" if messages is not None else "prompt",
+                code="context_length_exceeded",
+            )
 
 
 def sampling_params(sampling: Sampling, prompt_len: int, limits: Limits) -> SamplingParams:
-    """The engine's SamplingParams; without max_tokens the completion may fill the context, capped by
-    the engine's max_tokens limit, the KV pool and the server's default_max_tokens."""
+    """The engine's SamplingParams. Without max_tokens the completion may fill the context, capped by
+    the engine's max_tokens limit, the KV pool, the server's default_max_tokens and the request's
+    default (completions: 16). An explicit max_tokens that does not fit after the prompt is a 400
+    naming both numbers (OpenAI and vLLM), never silently clamped. max_tokens 0 (echo) asks the
+    engine for one token, which the response drops (as vLLM)."""
     max_tokens = sampling.max_tokens
     if max_tokens is None:
         room = limits.max_model_len - prompt_len
         pool = limits.kv_capacity_tokens - prompt_len
-        max_tokens = max(1, min(room, limits.max_tokens, pool, limits.default_max_tokens or limits.max_tokens))
+        caps = (sampling.default_max_tokens, limits.default_max_tokens, limits.max_tokens)
+        max_tokens = max(1, min(room, pool, *(c for c in caps if c)))
+    else:
+        if prompt_len < limits.max_model_len < prompt_len + max_tokens:
+            raise APIError(
+                400,
+                f"this model's context is {limits.max_model_len} tokens, but {prompt_len + max_tokens} were asked for "
+                f"({prompt_len} in the prompt, {max_tokens} in max_tokens): lower max_tokens to at most "
+                f"{limits.max_model_len - prompt_len} or shorten the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        max_tokens = max(max_tokens, 1)
     return SamplingParams(
         n=sampling.n,
         temperature=sampling.temperature,
@@ -159,6 +209,14 @@ def sampling_params(sampling: Sampling, prompt_len: int, limits: Limits) -> Samp
         stop=list(sampling.stop),
         stop_token_ids=sampling.stop_token_ids,
         ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=dict(sampling.logit_bias) if sampling.logit_bias else None,
+        min_tokens=min(sampling.min_tokens, max_tokens),
+        structured_outputs=sampling.structured,
     )
 
 
@@ -292,11 +350,6 @@ def opt_int(body: dict, name: str, default, lo: int, hi: int):
 # ---- the fields of a request --------------------------------------------------------------------
 def reject_unsupported(body: dict, chat: bool) -> None:
     """400 for knobs this server cannot honour (silence would lie) and for a non-string model/user."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if opt_number(body, name, 0.0, -2.0, 2.0) != 0:
-            raise _unsupported(name, "is not supported by this server; leave it out or send 0")
-    if body.get("logit_bias") not in (None, {}):
-        raise _unsupported("logit_bias")
     _reject_unsupported_chat(body) if chat else _reject_unsupported_completion(body)
     for name in ("user", "model"):
         value = body.get(name)
@@ -309,25 +362,14 @@ def _unsupported(name: str, why: str = "is not supported by this server") -> API
 
 
 def _reject_unsupported_chat(body: dict) -> None:
-    if body.get("logprobs") not in (None, False):
-        raise _unsupported("logprobs")
-    if body.get("top_logprobs") not in (None, 0):
-        raise _unsupported("top_logprobs")
     for name in ("tools", "functions"):
         if body.get(name) not in (None, []):
             raise _unsupported(name, "(tool calling) is not supported by this server")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise _unsupported("tool_choice", "(tool calling) is not supported by this server")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", 'is not supported by this server: only {"type": "text"}')
 
 
 def _reject_unsupported_completion(body: dict) -> None:
-    if body.get("logprobs") not in (None, 0):
-        raise _unsupported("logprobs")
-    if body.get("echo") not in (None, False):
-        raise _unsupported("echo")
     if body.get("suffix") not in (None, ""):
         raise _unsupported("suffix")
 
@@ -346,7 +388,8 @@ def parse_stream(body: dict) -> StreamOptions:
     for name, value in (("include_usage", include), ("continuous_usage_stats", continuous)):
         if value is not None and not isinstance(value, bool):
             raise _bad_type(f"stream_options.{name}", "a boolean", value)
-    return StreamOptions(stream=stream, include_usage=bool(include), continuous_usage=bool(continuous))
+    # as vLLM: continuous_usage_stats only adds to include_usage
+    return StreamOptions(stream=stream, include_usage=bool(include), continuous_usage=bool(include and continuous))
 
 
 def parse_messages(value) -> list[ChatMessage]:
@@ -389,36 +432,49 @@ def _text_part(part, where: str) -> str:
     return part["text"]
 
 
-def parse_prompt(value) -> str | list[int]:
-    """A completions prompt: a string or a list of token ids (or a one-element list of either)."""
+def parse_prompts(value) -> list[str | list[int]]:
+    """The prompts of a completions request: a string, an array of token ids, or an array of up to
+    MAX_PROMPTS of either (OpenAI's batch form)."""
     if value is None:
         raise APIError(400, "'prompt' is required: a string or an array of token ids", param="prompt")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > MAX_PROMPTS:
+            raise APIError(
+                400,
+                f"'prompt' holds {len(value)} prompts; this server takes at most {MAX_PROMPTS} in one request",
+                param="prompt",
+            )
+        return [_one_prompt(v, f"prompt[{k}]" if len(value) > 1 else "prompt") for k, v in enumerate(value)]
+    return [_one_prompt(value, "prompt")]
+
+
+def _one_prompt(value, where: str) -> str | list[int]:
     if isinstance(value, str):
         if not value:
-            raise APIError(400, "'prompt' is empty", param="prompt")
+            raise APIError(400, f"'{where}' is empty", param="prompt")
         return value
     if isinstance(value, list):
         if not value:
-            raise APIError(400, "'prompt' is empty", param="prompt")
-        if all(isinstance(v, (str, list)) for v in value):
+            raise APIError(400, f"'{where}' is empty", param="prompt")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in value):
             raise APIError(
                 400,
-                f"'prompt' holds {len(value)} prompts; this server takes one prompt per "
-                "request (send several requests, or use 'n' for several samples)",
+                f"'{where}' as an array must hold integer token ids only (or be an array of prompts: "
+                "strings or arrays of token ids)",
                 param="prompt",
             )
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in value):
-            raise APIError(400, "'prompt' as an array must hold integer token ids only", param="prompt")
         return value
-    raise _bad_type("prompt", "a string or an array of token ids", value)
+    raise _bad_type(where, "a string or an array of token ids", value)
 
 
-def parse_sampling(body: dict, limits: Limits) -> Sampling:
-    """max_completion_tokens wins over max_tokens (both are type-checked)."""
+def parse_sampling(body: dict, limits: Limits, kind: Kind = "chat") -> Sampling:
+    """max_completion_tokens wins over max_tokens (both are type-checked). Completions default to 16
+    tokens and take max_tokens 0 with echo (the prompt alone, for its logprobs), as OpenAI and vLLM."""
+    chat = kind == "chat"
+    echo = False if chat else opt_bool(body, "echo")
     max_tokens = opt_int(body, "max_completion_tokens", None, 1, limits.max_tokens)
-    legacy = opt_int(body, "max_tokens", None, 1, limits.max_tokens)
+    legacy = opt_int(body, "max_tokens", None, 0 if echo else 1, limits.max_tokens)
+    max_tokens = max_tokens if max_tokens is not None else legacy
     n = opt_int(body, "n", 1, 1, limits.max_n)
     best_of = opt_int(body, "best_of", None, 1, limits.max_n)
     if best_of is not None and best_of != n:
@@ -430,17 +486,162 @@ def parse_sampling(body: dict, limits: Limits) -> Sampling:
         or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_token_ids)
     ):
         raise _bad_type("stop_token_ids", "an array of non-negative integers", stop_token_ids)
+    vocab = limits.vocab_size
+    if stop_token_ids and vocab is not None and max(stop_token_ids) >= vocab:
+        bad = [t for t in stop_token_ids if t >= vocab][:5]
+        raise APIError(
+            400,
+            f"'stop_token_ids' must be token ids in [0, {vocab}) (the model's vocabulary); got {bad}",
+            param="stop_token_ids",
+        )
+    seed = opt_int(body, "seed", None, -(2**63), 2**63 - 1)
+    min_tokens = opt_int(body, "min_tokens", 0, 0, limits.max_tokens)
+    if max_tokens is not None and min_tokens > max(max_tokens, 1):
+        raise APIError(
+            400, f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens"
+        )
+    logprobs, prompt_logprobs = parse_logprobs(body, chat, echo)
+    structured, structured_param = parse_structured(body)
     return Sampling(
         n=n,
         temperature=opt_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=opt_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=top_k,
-        max_tokens=max_tokens if max_tokens is not None else legacy,
-        seed=opt_int(body, "seed", None, 0, 2**63 - 1),
+        max_tokens=max_tokens,
+        default_max_tokens=None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
+        seed=None if seed is None else seed % 2**63,  # any int64, as OpenAI: negative ones map into the engine's range
         stop=parse_stop(body),
         stop_token_ids=stop_token_ids,
         ignore_eos=opt_bool(body, "ignore_eos"),
+        presence_penalty=opt_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=opt_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=opt_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        logit_bias=parse_logit_bias(body, vocab),
+        min_tokens=min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        echo=echo,
+        structured=structured,
+        structured_param=structured_param,
     )
+
+
+def parse_logprobs(body: dict, chat: bool, echo: bool) -> tuple[int | None, int | None]:
+    """(logprobs, prompt_logprobs): the top candidates to report per generated / prompt token.
+    Chat: `logprobs` true, with `top_logprobs` in [0, 20]; completions: `logprobs` in [0, 20] (OpenAI
+    allows 5, vLLM 20), and with echo the prompt's tokens too."""
+    if chat:
+        wanted = opt_bool(body, "logprobs")
+        top = opt_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        if top and not wanted:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top or 0) if wanted else None, None
+    value = body.get("logprobs")
+    if isinstance(value, bool):  # a chat-style boolean sent to completions: false is no logprobs
+        if value:
+            raise _bad_type("logprobs", f"an integer in [0, {MAX_LOGPROBS}] (completions)", value)
+        return None, None
+    k = opt_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    return k, k if echo and k is not None else None
+
+
+def parse_logit_bias(body: dict, vocab: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object of token ids (as strings) to a bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise _bad_type("logit_bias", 'an object of token ids to biases, e.g. {"50256": -100}', value)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise APIError(
+            400, f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}", param="logit_bias"
+        )
+    bias = {}
+    top = vocab if vocab is not None else 2**63
+    for key, b in value.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < top:
+            raise APIError(400, f"'logit_bias' keys must be token ids in [0, {top}), got {key!r}", param="logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise APIError(
+                400,
+                f"'logit_bias' values must be numbers in [-100, 100], got {b!r} for token {key}",
+                param="logit_bias",
+            )
+        bias[token] = float(b)
+    return bias
+
+
+def parse_structured(body: dict) -> tuple[StructuredOutputs | None, str | None]:
+    """The output constraint and the field it came from: `response_format` (json_object, json_schema),
+    vLLM's `structured_outputs` {json, json_object, regex, choice, grammar}, or its older `guided_json`,
+    `guided_regex`, `guided_choice`, `guided_grammar`. At most one of them; the engine checks the
+    schema, regex or grammar itself (a bad one is a 400 with its message)."""
+    found: list[tuple[StructuredOutputs, str]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        spec = _response_format(fmt)
+        if spec is not None:
+            found.append((spec, "response_format"))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad_type("structured_outputs", "an object with one of " + ", ".join(STRUCTURED_FIELDS), so)
+        unknown = sorted(k for k, v in so.items() if k not in STRUCTURED_FIELDS and v not in (None, False))
+        if unknown:
+            raise _unsupported(f"structured_outputs.{unknown[0]}")
+        fields = {k: so[k] for k in STRUCTURED_FIELDS if so.get(k) not in (None, False)}
+        if fields:
+            found.append((_structured(fields, "structured_outputs"), "structured_outputs"))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = body.get(f"guided_{name}")
+        if value is not None:
+            found.append((_structured({name: value}, f"guided_{name}"), f"guided_{name}"))
+    if body.get("guided_json_object"):
+        found.append((StructuredOutputs(json_object=True), "guided_json_object"))
+    if len(found) > 1:
+        names = ", ".join(param for _, param in found)
+        raise APIError(400, f"give one output constraint, not several ({names})", param=found[1][1])
+    return found[0] if found else (None, None)
+
+
+def _response_format(fmt) -> StructuredOutputs | None:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise _bad_type("response_format", 'an object with a "type" (text, json_object or json_schema)', fmt)
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise APIError(
+            400,
+            f"'response_format.type' must be text, json_object or json_schema; got {kind!r}",
+            param="response_format",
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad_type("response_format.json_schema", 'an object {"name", "schema", "strict"}', spec)
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise APIError(
+            400, "'response_format.json_schema.schema' must be a JSON schema object", param="response_format"
+        )
+    return _structured({"json": schema}, "response_format")
+
+
+def _structured(fields: dict, param: str) -> StructuredOutputs:
+    """A StructuredOutputs with the shape checks of its own validate(), as a 400 naming `param`."""
+    if len(fields) != 1:
+        raise APIError(
+            400, f"'{param}' needs exactly one of {', '.join(STRUCTURED_FIELDS)}; got {sorted(fields)}", param=param
+        )
+    spec = StructuredOutputs(**fields)
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise APIError(400, f"'{param}': {e}", param=param) from None
+    return spec
 
 
 def parse_stop(body: dict) -> list[str]:

@@ -38,6 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatengine import AsyncLLM
 from chatengine.app.api.access import Access
+from chatengine.app.api.cors import APICORSMiddleware, check_origins
+from chatengine.app.api.logprobs import TokenTexts
 from chatengine.app.api.protocol import (
     APIError,
     CompletionRequest,
@@ -86,31 +88,61 @@ class OpenAIService:
             "max_model_len": self.limits.max_model_len,
         }
 
-    def prepare(self, kind: Kind, body: dict, user: str | None) -> tuple[CompletionRequest, Job]:
+    def prepare(self, kind: Kind, body: dict, user: str | None) -> tuple[CompletionRequest, list[Job]]:
         """Validate, tokenize and check with the engine (run in a worker thread: long prompts must not
-        block other streams)."""
+        block other streams). One Job per prompt; each prompt past the first counts as one more
+        request for the rate limit, taken before anything is tokenized."""
         req = parse_request(kind, body, self.limits)
-        ids = self.tokenize(req)
-        params = sampling_params(req.sampling, len(ids), self.limits)
-        try:  # the engine's own checks (context length, KV pool, vocabulary), without adding anything
+        prompts = req.prompts if req.prompts is not None else [None]
+        if len(prompts) > 1:
+            self.access.rate_limit(user, cost=len(prompts) - 1, why=f"this request holds {len(prompts)} prompts")
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        s = req.sampling
+        texts = TokenTexts(self.engine.get_tokenizer()) if s.logprobs is not None else None
+        jobs = []
+        for k, prompt in enumerate(prompts):
+            ids = self.tokenize(req, prompt)
+            params = sampling_params(s, len(ids), self.limits)
+            self.check(kind, ids, params, user, s.structured_param)
+            echo = None
+            if s.echo:
+                echo = prompt if isinstance(prompt, str) else self.engine.get_tokenizer().decode(ids)
+            engine_id = f"{request_id}-{k}" if len(prompts) > 1 else None
+            jobs.append(
+                Job(
+                    kind,
+                    request_id,
+                    ids,
+                    params,
+                    user,
+                    self.model_name,
+                    logprobs=s.logprobs,
+                    texts=texts,
+                    echo=echo,
+                    generate=s.max_tokens != 0,
+                    prompt_index=k,
+                    engine_id=engine_id,
+                )
+            )
+        return req, jobs
+
+    def check(self, kind: Kind, ids: list[int], params, user: str | None, structured_param: str | None) -> None:
+        """The engine's own checks (context length, KV pool, vocabulary, a structured output's schema,
+        regex or grammar), without adding anything: a 400 naming the field."""
+        try:
             self.engine.check_request(ids, params, user=user)
         except ValueError as e:
             message = str(e)
-            param = (
-                "max_tokens"
-                if "max_tokens" in message
-                else "messages"
-                if kind == "chat" and "prompt" in message
-                else "prompt"
-                if "prompt" in message
-                else None
-            )
+            fields = ("max_tokens", "min_tokens", "stop_token_ids", "logit_bias", "logprobs", "seed")
+            param = next((f for f in fields if f in message), None)
+            if param is None and structured_param is not None and "prompt" not in message:
+                param = structured_param  # xgrammar's words for a bad schema, regex or grammar
+            elif param is None and "prompt" in message:
+                param = "messages" if kind == "chat" else "prompt"
             code = "context_length_exceeded" if "context" in message else None
             raise APIError(400, message, param=param, code=code) from None
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        return req, Job(kind, request_id, ids, params, user, self.model_name)
 
-    def tokenize(self, req: CompletionRequest) -> list[int]:
+    def tokenize(self, req: CompletionRequest, prompt: str | list[int] | None = None) -> list[int]:
         if req.messages is not None:
             try:
                 return self.engine.apply_chat_template([m.model_dump() for m in req.messages])
@@ -120,28 +152,29 @@ class OpenAIService:
                 raise APIError(
                     400, f"the model's chat template rejected these messages: {e}", param="messages"
                 ) from None
-        if isinstance(req.prompt, str):
+        prompt = prompt if prompt is not None else req.prompt
+        if isinstance(prompt, str):
             try:
-                return self.engine.encode(req.prompt)
+                return self.engine.encode(prompt)
             except ValueError as e:
                 raise APIError(400, str(e), param="prompt") from None
-        return list(req.prompt or ())
+        return list(prompt or ())
 
     async def complete(self, kind: Kind, request: Request) -> Response:
         """One chat or text completion, whole or streamed."""
         user = self.access.authenticate(request)
         self.access.rate_limit(user)
         body = await read_json_body(request, self.max_body_bytes)
-        req, job = await run_in_threadpool(self.prepare, kind, body, user)
+        req, jobs = await run_in_threadpool(self.prepare, kind, body, user)
         self.check_running()
         if req.stream.stream:
-            events = sse_events(self.engine, request, job, req.stream.include_usage, req.stream.continuous_usage)
+            events = sse_events(self.engine, request, jobs, req.stream.include_usage, req.stream.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            out = await final_output(self.engine, request, job)
+            outs = await final_output(self.engine, request, jobs)
         except ClientDisconnected:
             return Response(status_code=499)
-        return JSONResponse(completion_body(job, out))
+        return JSONResponse(completion_body(jobs, outs))
 
 
 # ---- routes -------------------------------------------------------------------------------------
@@ -240,6 +273,7 @@ def build_api(
     max_body_bytes: int = 1_000_000,
     rate_limit_per_minute: int | None = None,
     default_max_tokens: int | None = None,
+    cors_origins: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible routes for `engine`.
 
@@ -248,6 +282,7 @@ def build_api(
     max_body_bytes: larger request bodies get 413.
     rate_limit_per_minute: completion requests per user per minute (token bucket), None = unlimited.
     default_max_tokens: cap on the completion length when the request names none (None: fill the context).
+    cors_origins: origins whose pages may call the API from a browser ("*": any); None: no CORS.
     """
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("model_name must be a non-empty string")
@@ -263,4 +298,6 @@ def build_api(
         engine, access, model_name=model_name, max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens
     )
     app.include_router(router)
+    if cors_origins:
+        app.add_middleware(APICORSMiddleware, origins=check_origins(cors_origins))
     return app

@@ -4,6 +4,10 @@ and the response bodies built from them (one JSON object, or server-sent events)
 A client that disconnects (streaming or not) has its engine request aborted at once, which frees its
 KV blocks: a watcher task waits for the ASGI `http.disconnect` message. A streamed error after the
 headers went out is sent as `data: {"error": ...}` followed by `data: [DONE]`.
+
+A completions request with several prompts is one Job per prompt (one engine request each), relayed
+together: choice `prompt_index * n + i`, usage summed. Logprobs are shaped in `logprobs.py`; a
+streamed chunk carries those of the tokens it adds.
 """
 
 import asyncio
@@ -15,7 +19,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from chatengine import AsyncLLM, RequestOutput, SamplingParams
+from chatengine import AsyncLLM, CompletionOutput, RequestOutput, SamplingParams
+from chatengine.app.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from chatengine.app.api.protocol import APIError, Kind
 
 log = logging.getLogger("chatengine.api")
@@ -29,56 +34,75 @@ class ClientDisconnected(Exception):
 
 @dataclass(frozen=True)
 class Job:
-    """A validated, tokenized request on its way to the engine."""
+    """A validated, tokenized request on its way to the engine (one per prompt)."""
 
     kind: Kind
-    request_id: str
+    request_id: str  # the response's id
     prompt_token_ids: list[int]
     params: SamplingParams
     user: str | None
     model_name: str
+    logprobs: int | None = None  # top candidates shown per token (chat: top_logprobs); None: no logprobs
+    texts: TokenTexts | None = None  # token strings and bytes, with logprobs
+    echo: str | None = None  # completions with echo: the prompt's text, sent before the completion
+    generate: bool = True  # False: echo with max_tokens 0, the prompt alone (the one token made is dropped)
+    prompt_index: int = 0  # several prompts: this one's place; its choices are prompt_index * n + i
+    engine_id: str | None = None  # the engine's request id when it differs from request_id (several prompts)
+
+    @property
+    def rid(self) -> str:
+        return self.engine_id or self.request_id
 
 
 # ---- engine outputs -----------------------------------------------------------------------------
-async def watch_disconnect(engine: AsyncLLM, request: Request, request_id: str) -> None:
-    """Wait for the client to go away, then abort its engine request at once (frees its blocks
+async def watch_disconnect(engine: AsyncLLM, request: Request, request_ids: list[str]) -> None:
+    """Wait for the client to go away, then abort its engine requests at once (frees their blocks
     even while nobody is iterating the outputs, e.g. a stream blocked in a send)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            await engine.abort(request_id)
+            for request_id in request_ids:
+                await engine.abort(request_id)
             return
         await asyncio.sleep(0.05)
 
 
-async def engine_outputs(engine: AsyncLLM, request: Request, job: Job):
-    """The engine's outputs until finished. ClientDisconnected when the client goes away, 503 when the
-    engine stops; any early exit aborts the engine request (AsyncLLM frees its blocks)."""
-    agen = engine.generate(job.prompt_token_ids, job.params, request_id=job.request_id, user=job.user)
-    watcher = asyncio.ensure_future(watch_disconnect(engine, request, job.request_id))
-    pending = None
-    finished = False
+async def engine_outputs(engine: AsyncLLM, request: Request, jobs: list[Job]):
+    """(job, output) pairs from the engine until every job has finished, in the order they come.
+    ClientDisconnected when the client goes away, 503 when the engine stops; any early exit aborts
+    the unfinished engine requests (AsyncLLM frees their blocks)."""
+    agens = [engine.generate(j.prompt_token_ids, j.params, request_id=j.rid, user=j.user) for j in jobs]
+    watcher = asyncio.ensure_future(watch_disconnect(engine, request, [j.rid for j in jobs]))
+    pending: dict[asyncio.Future, int] = {}
+    unfinished = set(range(len(jobs)))
     try:
-        while not finished:
-            pending = asyncio.ensure_future(agen.__anext__())
-            await _wait_for(engine, pending, watcher)
-            task, pending = pending, None
-            try:
-                out = task.result()
-            except StopAsyncIteration:
-                return
-            finished = out.finished
-            yield out
+        for k, agen in enumerate(agens):
+            pending[asyncio.ensure_future(agen.__anext__())] = k
+        while pending:
+            done = await _wait_for(engine, set(pending), watcher)
+            for task in sorted(done, key=pending.__getitem__):
+                k = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    unfinished.discard(k)
+                    continue
+                if out.finished:
+                    unfinished.discard(k)
+                else:
+                    pending[asyncio.ensure_future(agens[k].__anext__())] = k
+                yield jobs[k], out
     finally:
         # synchronous first: under cancellation every await below may raise at once
         watcher.cancel()
-        if pending is not None:
-            pending.cancel()
-        if not finished:
-            await engine.abort(job.request_id)  # posts to the engine thread; does not suspend
-        if pending is not None:
-            await _quietly(pending)
-        await _quietly(agen.aclose())
+        for task in pending:
+            task.cancel()
+        for k in sorted(unfinished):
+            await engine.abort(jobs[k].rid)  # posts to the engine thread; does not suspend
+        for task in list(pending):
+            await _quietly(task)
+        for agen in agens:
+            await _quietly(agen.aclose())
 
 
 async def _quietly(awaitable) -> None:
@@ -87,12 +111,12 @@ async def _quietly(awaitable) -> None:
         await awaitable
 
 
-async def _wait_for(engine: AsyncLLM, pending: asyncio.Future, watcher: asyncio.Future) -> None:
-    """Until `pending` is done; checks every second that the engine still runs."""
+async def _wait_for(engine: AsyncLLM, pending: set[asyncio.Future], watcher: asyncio.Future) -> set:
+    """The futures of `pending` done once any is; checks every second that the engine still runs."""
     while True:
-        done, _ = await asyncio.wait({pending, watcher}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-        if pending in done:
-            return
+        done, _ = await asyncio.wait({*pending, watcher}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        if done & pending:
+            return done & pending
         if watcher in done:
             raise ClientDisconnected()
         if not engine.is_running:
@@ -109,63 +133,105 @@ def failure(out: RequestOutput) -> APIError | None:
     return None
 
 
-def usage(out: RequestOutput) -> dict:
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    prompt = len(out.prompt_token_ids)
+def usage(outs: list[RequestOutput], jobs: list[Job]) -> dict:
+    """Summed over the prompts of a request (echo with max_tokens 0 counts no completion tokens)."""
+    completion = sum(sum(len(c.token_ids) for c in out.outputs) for out, job in zip(outs, jobs) if job.generate)
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in outs)},
     }
 
 
 # ---- one JSON response --------------------------------------------------------------------------
-async def final_output(engine: AsyncLLM, request: Request, job: Job) -> RequestOutput:
-    """The finished output, or the APIError to answer (ClientDisconnected passes through)."""
-    final = None
+async def final_output(engine: AsyncLLM, request: Request, jobs: list[Job]) -> list[RequestOutput]:
+    """The finished output of each job, or the APIError to answer (ClientDisconnected passes through)."""
+    final: list[RequestOutput | None] = [None] * len(jobs)
     try:
-        async with aclosing(engine_outputs(engine, request, job)) as outs:
-            async for out in outs:
-                final = out
+        async with aclosing(engine_outputs(engine, request, jobs)) as outs:
+            async for job, out in outs:
+                final[job.prompt_index] = out
     except ValueError as e:  # refused by the engine when added
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
-    if final is None:
+    if any(out is None for out in final):
         raise APIError(503, "the engine returned no output", type="server_error")
-    err = failure(final)
-    if err is not None:
-        raise err
+    for out in final:
+        err = failure(out)
+        if err is not None:
+            raise err
     return final
 
 
-def completion_body(job: Job, out: RequestOutput) -> dict:
-    if job.kind == "chat":
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in out.outputs
-        ]
-        obj = "chat.completion"
-    else:
-        choices = [
-            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in out.outputs
-        ]
-        obj = "text_completion"
+def completion_body(jobs: list[Job], outs: list[RequestOutput]) -> dict:
+    chat = jobs[0].kind == "chat"
+    choices = []
+    for job, out in zip(jobs, outs):
+        for c in out.outputs:
+            if chat:
+                choices.append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": _chat_logprobs(job, c.token_ids, c.logprobs),
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            else:
+                choices.append(_text_choice(job, out, c))
     return {
-        "id": job.request_id,
-        "object": obj,
+        "id": jobs[0].request_id,
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": job.model_name,
+        "model": jobs[0].model_name,
         "choices": choices,
-        "usage": usage(out),
+        "usage": usage(outs, jobs),
         "system_fingerprint": None,
     }
+
+
+def _text_choice(job: Job, out: RequestOutput, c: CompletionOutput) -> dict:
+    index = job.prompt_index * job.params.n + c.index
+    if not job.generate:  # echo with max_tokens 0: the prompt alone
+        return {
+            "index": index,
+            "text": job.echo,
+            "logprobs": _text_logprobs(job, [], None, out, 0),
+            "finish_reason": "length",
+        }
+    text = c.text if job.echo is None else job.echo + c.text
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": _text_logprobs(job, c.token_ids, c.logprobs, out if job.echo is not None else None, 0),
+        "finish_reason": c.finish_reason,
+    }
+
+
+def _chat_logprobs(job: Job, token_ids: list[int], logprobs) -> dict | None:
+    if job.logprobs is None:
+        return None
+    if logprobs is None or len(logprobs) < len(token_ids):
+        raise APIError(500, "the engine returned no logprobs for this request", type="server_error")
+    return {"content": chat_logprobs(job.texts, token_ids, logprobs, job.logprobs), "refusal": None}
+
+
+def _text_logprobs(job: Job, token_ids: list[int], logprobs, echo_of: RequestOutput | None, offset: int) -> dict | None:
+    """Completions logprobs of `token_ids`, after the prompt's own (echo) when `echo_of` is given."""
+    if job.logprobs is None:
+        return None
+    if echo_of is not None:
+        prompt = echo_of.prompt_logprobs
+        if prompt is None or len(prompt) < len(echo_of.prompt_token_ids):
+            raise APIError(500, "the engine returned no prompt logprobs for this request", type="server_error")
+        token_ids = [*echo_of.prompt_token_ids, *token_ids]
+        logprobs = [*prompt, *(logprobs or [])]
+    if len(token_ids) and (logprobs is None or len(logprobs) < len(token_ids)):
+        raise APIError(500, "the engine returned no logprobs for this request", type="server_error")
+    return completion_logprobs(job.texts, token_ids, logprobs or [], offset)
 
 
 # ---- server-sent events -------------------------------------------------------------------------
@@ -178,16 +244,21 @@ def error_event(e: APIError) -> str:
 
 
 class Chunks:
-    """The chunks of one streamed completion: each choice's new text since the last chunk, and one
-    finish_reason per choice, after which that choice sends nothing more."""
+    """The chunks of one streamed completion: each choice's new text since the last chunk (with the
+    logprobs of the tokens it adds), and one finish_reason per choice, after which that choice sends
+    nothing more. Choices of several prompts are numbered prompt_index * n + i."""
 
-    def __init__(self, job: Job, continuous_usage: bool):
-        self.job, self.continuous_usage = job, continuous_usage
-        self.chat = job.kind == "chat"
+    def __init__(self, jobs: list[Job], continuous_usage: bool):
+        self.jobs, self.job, self.continuous_usage = jobs, jobs[0], continuous_usage
+        self.chat = self.job.kind == "chat"
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         self.created = int(time.time())
-        self.sent = [0] * job.params.n
-        self.done = [False] * job.params.n
+        total = self.job.params.n * len(jobs)
+        self.sent = [0] * total  # characters of each choice sent
+        self.sent_tokens = [0] * total  # tokens whose logprobs were sent
+        self.offset = [0] * total  # completions logprobs: text_offset of the next token
+        self.done = [False] * total
+        self.echoed = [False] * total
 
     def _data(self, choices: list, **extra) -> dict:
         return {
@@ -199,57 +270,88 @@ class Chunks:
             **extra,
         }
 
-    def chunk(self, index: int, content: str, finish_reason: str | None, *, role=False, out=None) -> str:
+    def chunk(
+        self, index: int, content: str, finish_reason: str | None, *, role=False, usage_of=None, logprobs=None
+    ) -> str:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": content, "logprobs": None, "finish_reason": finish_reason}
-        extra = {"usage": usage(out)} if self.continuous_usage and out is not None else {}
+            choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
+        extra = {"usage": usage_of} if self.continuous_usage and usage_of is not None else {}
         return _event(self._data([choice], **extra))
 
     def opening(self) -> list[str]:
-        """Chat streams open with one role chunk per choice."""
-        return [self.chunk(i, "", None, role=True) for i in range(self.job.params.n)] if self.chat else []
+        """Chat streams open with one role chunk per choice (with continuous usage: the prompt's)."""
+        if not self.chat:
+            return []
+        prompt = len(self.job.prompt_token_ids)
+        opening_usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+        return [self.chunk(i, "", None, role=True, usage_of=opening_usage) for i in range(self.job.params.n)]
 
-    def deltas(self, out: RequestOutput, failed: bool) -> list[str]:
+    def deltas(self, job: Job, out: RequestOutput, failed: bool) -> list[str]:
         events = []
         for c in out.outputs:
-            i = c.index
+            i = job.prompt_index * job.params.n + c.index
             if self.done[i]:
                 continue
             delta = c.text[self.sent[i] :] if len(c.text) >= self.sent[i] else ""
             self.sent[i] = max(self.sent[i], len(c.text))
-            if c.finish_reason in ("stop", "length"):
-                self.done[i] = True
-                events.append(self.chunk(i, delta, c.finish_reason, out=out))
-            elif delta and not failed:
-                events.append(self.chunk(i, delta, None, out=out))
+            finished = c.finish_reason in ("stop", "length")
+            if not job.generate:  # echo with max_tokens 0: the prompt alone, once its request is done
+                if finished:
+                    self.done[i] = True
+                    logprobs = _text_logprobs(job, [], None, out, 0)
+                    events.append(self.chunk(i, job.echo, "length", usage_of=usage([out], [job]), logprobs=logprobs))
+                continue
+            if not finished and (failed or not delta):
+                continue
+            echo_of = None
+            if job.echo is not None and not self.echoed[i]:
+                self.echoed[i], echo_of, delta = True, out, job.echo + delta
+            logprobs = self._logprobs(job, c, i, echo_of)
+            self.done[i] = finished
+            reason = c.finish_reason if finished else None
+            events.append(self.chunk(i, delta, reason, usage_of=usage([out], [job]), logprobs=logprobs))
         return events
 
-    def usage(self, out: RequestOutput) -> str:
-        return _event(self._data([], usage=usage(out)))
+    def _logprobs(self, job: Job, c: CompletionOutput, i: int, echo_of: RequestOutput | None) -> dict | None:
+        """The logprobs of the tokens choice i generated since its last chunk (after the prompt's, on
+        the chunk that echoes it)."""
+        if job.logprobs is None:
+            return None
+        start, self.sent_tokens[i] = self.sent_tokens[i], len(c.token_ids)
+        ids, lps = c.token_ids[start:], c.logprobs[start:] if c.logprobs is not None else None
+        if self.chat:
+            return _chat_logprobs(job, ids, lps)
+        body = _text_logprobs(job, ids, lps, echo_of, self.offset[i])
+        self.offset[i] += sum(len(t) for t in body["tokens"])
+        return body
+
+    def usage(self, outs: list[RequestOutput]) -> str:
+        return _event(self._data([], usage=usage(outs, self.jobs)))
 
 
-async def sse_events(engine: AsyncLLM, request: Request, job: Job, include_usage: bool, continuous_usage: bool):
-    """The event stream of one completion, ending in `data: [DONE]` (after an error event if it failed)."""
-    chunks = Chunks(job, continuous_usage)
-    last = None
+async def sse_events(engine: AsyncLLM, request: Request, jobs: list[Job], include_usage: bool, continuous_usage: bool):
+    """The event stream of one completion (of all its prompts), ending in `data: [DONE]` (after an
+    error event if it failed)."""
+    chunks = Chunks(jobs, continuous_usage)
+    last: dict[int, RequestOutput] = {}
     try:
         for event in chunks.opening():
             yield event
-        async with aclosing(engine_outputs(engine, request, job)) as outs:
-            async for out in outs:
-                last = out
+        async with aclosing(engine_outputs(engine, request, jobs)) as outs:
+            async for job, out in outs:
+                last[job.prompt_index] = out
                 err = failure(out)
-                for event in chunks.deltas(out, failed=err is not None):
+                for event in chunks.deltas(job, out, failed=err is not None):
                     yield event
                 if err is not None:
                     yield error_event(err)
                     yield DONE
                     return
-        if include_usage and last is not None:
-            yield chunks.usage(last)
+        if include_usage and len(last) == len(jobs):
+            yield chunks.usage([last[k] for k in range(len(jobs))])
         yield DONE
     except ClientDisconnected:
         return
