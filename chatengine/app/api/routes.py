@@ -8,13 +8,17 @@ Choices (documented, deliberate):
   ignored: it never chooses the cache namespace.
 - **Model name.** Any `model` string is accepted (clients insist on sending one; this server serves
   exactly one model) and responses name the model actually served, `model_name`.
-- **Strict where silence would lie.** Knobs we cannot honour (logprobs, tools, penalties != 0,
-  logit_bias, JSON response_format, echo, suffix, best_of != n, several prompts in one completions
-  request) are rejected with 400 and a message naming them; fields we do not know are ignored
-  (like vLLM). vLLM extensions accepted: `top_k`, `ignore_eos`, `stop_token_ids`.
-- **max_tokens.** `max_completion_tokens` wins over `max_tokens`. Without either, the completion
-  may run to the end of the context (OpenAI's and vLLM's rule), capped by the engine's
-  `max_tokens_limit`, the KV pool, and `default_max_tokens` when given.
+- **Strict where silence would lie.** Knobs we cannot honour (tools, suffix, best_of != n, vLLM's
+  structural tags) are rejected with 400 and a message naming them; fields we do not know are
+  ignored (like vLLM). Served: logprobs / top_logprobs (chat), logprobs and echo (completions),
+  presence / frequency penalties, logit_bias, response_format (json_object, json_schema), up to
+  MAX_PROMPTS prompts per completions request. vLLM extensions accepted: `top_k`, `ignore_eos`,
+  `stop_token_ids`, `repetition_penalty`, `min_tokens`, `structured_outputs` and `guided_*`,
+  `stream_options.continuous_usage_stats`.
+- **max_tokens.** `max_completion_tokens` wins over `max_tokens`. Without either, a chat completion
+  may run to the end of the context, capped by the engine's `max_tokens_limit`, the KV pool, and
+  `default_max_tokens` when given; a text completion stops at 16 tokens (OpenAI, vLLM, SGLang). An
+  explicit max_tokens that does not fit after the prompt is a 400 naming both numbers.
 - **cached_tokens** is always reported in `usage.prompt_tokens_details`. It only ever counts the
   caller's own cached blocks and the public persona prompts (the engine salts everything else by
   user), so it reveals nothing about other users.
