@@ -462,6 +462,20 @@ def test_several_prompts(client, engine, url):
     assert chunks[-1]["usage"]["prompt_tokens"] == sum(map(len, ids))
 
 
+def test_several_prompts_are_capped_before_tokenizing(url, engine, monkeypatch):
+    """Each prompt of a batch is held to the one-prompt cap, and the batch to 64 prompts, before the
+    tokenizer sees any of them."""
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized a request that is refused")
+
+    monkeypatch.setattr(engine, "encode", no_tokenizing)
+    too_long = "word " * (engine.max_prompt_chars // 5 + 1)
+    for prompts, needle in ((["fine", too_long], "prompt[1]"), (["a"] * 65, "at most 64")):
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
 def test_several_prompts_count_against_the_rate_limit(urls):
     url = urls["limited"] + "/v1/completions"
     headers = {"Authorization": "Bearer sk-dora"}

@@ -78,6 +78,7 @@ class OpenAIService:
         self.max_body_bytes = max_body_bytes
         self.limits = Limits.of(engine, default_max_tokens)
         self.created = int(time.time())
+        self._texts: TokenTexts | None = None  # token strings and bytes for logprobs, made on first use
 
     def check_running(self) -> None:
         if not self.engine.is_running:
@@ -102,7 +103,7 @@ class OpenAIService:
             self.access.rate_limit(user, cost=len(prompts) - 1, why=f"this request holds {len(prompts)} prompts")
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         s = req.sampling
-        texts = TokenTexts(self.engine.get_tokenizer()) if s.logprobs is not None else None
+        texts = self.token_texts() if s.logprobs is not None else None
         jobs = []
         for k, prompt in enumerate(prompts):
             ids = self.tokenize(req, prompt)
@@ -129,6 +130,11 @@ class OpenAIService:
                 )
             )
         return req, jobs
+
+    def token_texts(self) -> TokenTexts:
+        if self._texts is None:
+            self._texts = TokenTexts(self.engine.get_tokenizer())
+        return self._texts
 
     def check(self, kind: Kind, ids: list[int], params, user: str | None, structured_param: str | None) -> None:
         """The engine's own checks (context length, KV pool, vocabulary, a structured output's schema,

@@ -157,13 +157,14 @@ async def final_output(engine: AsyncLLM, request: Request, jobs: list[Job]) -> l
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
-    if any(out is None for out in final):
+    outs = [out for out in final if out is not None]
+    if len(outs) < len(jobs):
         raise APIError(503, "the engine returned no output", type="server_error")
-    for out in final:
+    for out in outs:
         err = failure(out)
         if err is not None:
             raise err
-    return final
+    return outs
 
 
 def completion_body(jobs: list[Job], outs: list[RequestOutput]) -> dict:
@@ -212,7 +213,7 @@ def _text_choice(job: Job, out: RequestOutput, c: CompletionOutput) -> dict:
 
 
 def _chat_logprobs(job: Job, token_ids: list[int], logprobs) -> dict | None:
-    if job.logprobs is None:
+    if job.logprobs is None or job.texts is None:
         return None
     if logprobs is None or len(logprobs) < len(token_ids):
         raise APIError(500, "the engine returned no logprobs for this request", type="server_error")
@@ -221,7 +222,7 @@ def _chat_logprobs(job: Job, token_ids: list[int], logprobs) -> dict | None:
 
 def _text_logprobs(job: Job, token_ids: list[int], logprobs, echo_of: RequestOutput | None, offset: int) -> dict | None:
     """Completions logprobs of `token_ids`, after the prompt's own (echo) when `echo_of` is given."""
-    if job.logprobs is None:
+    if job.logprobs is None or job.texts is None:
         return None
     if echo_of is not None:
         prompt = echo_of.prompt_logprobs
@@ -302,7 +303,8 @@ class Chunks:
                 if finished:
                     self.done[i] = True
                     logprobs = _text_logprobs(job, [], None, out, 0)
-                    events.append(self.chunk(i, job.echo, "length", usage_of=usage([out], [job]), logprobs=logprobs))
+                    text = job.echo or ""
+                    events.append(self.chunk(i, text, "length", usage_of=usage([out], [job]), logprobs=logprobs))
                 continue
             if not finished and (failed or not delta):
                 continue
@@ -325,7 +327,8 @@ class Chunks:
         if self.chat:
             return _chat_logprobs(job, ids, lps)
         body = _text_logprobs(job, ids, lps, echo_of, self.offset[i])
-        self.offset[i] += sum(len(t) for t in body["tokens"])
+        if body is not None:
+            self.offset[i] += sum(len(t) for t in body["tokens"])
         return body
 
     def usage(self, outs: list[RequestOutput]) -> str:
