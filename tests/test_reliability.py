@@ -869,7 +869,7 @@ BAD_API_BODIES = [
     ("{" + MSG + ', "top_p": -Infinity}', 400, "Infinity"),
     ('{"messages": [{"role": "user", "content": "a\x01b"}]}', 400, "invalid JSON"),  # raw control char
     ('{"messages": [{"role": "user", "content": "x"}], "\\udc00": 1}', 400, "surrogate"),
-    ("{" + MSG + ', "seed": -1}', 400, "seed"),
+    ("{" + MSG + ', "seed": -9223372036854775809}', 400, "seed"),  # below int64 (any int64 is served)
     ("{" + MSG + ', "seed": 18446744073709551616}', 400, "seed"),
     ("{" + MSG + ', "n": 1180591620717411303424}', 400, "'n'"),
     ("{" + MSG + ', "max_tokens": 1e308}', 400, "max_tokens"),
