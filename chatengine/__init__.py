@@ -7,4 +7,13 @@ from chatengine.engine.llm_engine import LLMEngine
 from chatengine.outputs import CompletionOutput, RequestOutput
 from chatengine.sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "AsyncLLM", "LLMEngine", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "EngineConfig"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "LLMEngine",
+    "SamplingParams",
+    "StructuredOutputs",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineConfig",
+]

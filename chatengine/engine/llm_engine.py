@@ -12,6 +12,7 @@ them stops (EOS, a stop string) is found one step later, at the cost of one wast
 import dataclasses
 import logging
 import secrets
+import threading
 import time
 import uuid
 
@@ -84,6 +85,9 @@ class LLMEngine:
         self.secret = load_or_create_secret(secret_dir) if secret_dir else secrets.token_bytes(32)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._history_requests: set[str] = set()  # running ids whose sampling reads the last token (no overlap)
+        self._grammars = None  # chatengine.engine.structured.Grammars, made on the first grammar
+        self._grammars_lock = threading.Lock()
         self.personas: dict[str, list[int]] = {}  # name -> token ids of its public prefix
         self.num_generated_tokens = 0
         self.num_steps = 0
@@ -230,7 +234,21 @@ class LLMEngine:
         if user is not None and (not isinstance(user, str) or not user):
             raise ValueError("user must be a non-empty string or None")
         request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
-        return Request(request_id, text, ids, params, user)
+        req = Request(request_id, text, ids, params, user)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars().compile(params.structured_outputs)
+        return req
+
+    def grammars(self):
+        """The structured-output compiler of this model's tokenizer (made once, on first use)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer (dummy weights have none)")
+                from chatengine.engine.structured import Grammars  # xgrammar loads only when used
+
+                self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -238,6 +256,8 @@ class LLMEngine:
         # n > 1: only sample 0 prefills; the others fork from it once the prompt is in the cache
         self.scheduler.add(self._new_seq(req))
         self.requests[req.request_id] = req
+        if req.params.needs_history:
+            self._history_requests.add(req.request_id)
 
     def _new_seq(self, req: Request) -> Sequence:
         i = len(req.seqs)
@@ -247,6 +267,8 @@ class LLMEngine:
             seq.public_prefix_len = self.public_prefix_len(req.prompt_token_ids)
         if req.params.seed is not None:
             seq.generator = self.runner.make_generator(req.params.seed, i)
+        if req.grammar is not None:
+            seq.grammar = self.grammars().matcher(req.grammar)
         req.seqs.append(seq)
         req.detoks.append(IncrementalDetokenizer(self.tokenizer))
         return seq
@@ -284,6 +306,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._history_requests.discard(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
                 self._finish(req, seq, "abort")
@@ -296,8 +319,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; then process the step launched before it (async scheduling)
         or this one. Returns the outputs of the requests that the processed step advanced."""
+        outputs = []
+        if self._in_flight is not None and self._history_requests:
+            # penalties and grammars read the last token on the host: collect it before scheduling
+            previous, self._in_flight = self._in_flight, None
+            outputs += self._complete(*previous)
         out = self.scheduler.schedule()
-        launched, outputs = None, []
+        launched = None
         if not out.seqs and self._in_flight is None and self.tiers is not None:
             self.tiers.wait_for_loads(0.05)  # only prefixes on their way from disk: no busy loop
         if out.seqs:
@@ -337,6 +365,8 @@ class LLMEngine:
             for seq, token_id in zip(out.seqs, token_ids)
             if token_id is not None and not seq.is_finished
         ]
+        if launched.logprob_rows or launched.prompt_rows:
+            self._record_logprobs(out.seqs, sampled, *self.runner.collected_logprobs(launched))
         self.scheduler.publish(out)
         if self.transfers is not None:
             self.transfers.write_behind()
@@ -355,20 +385,51 @@ class LLMEngine:
         for req in touched.values():
             if req.finished:
                 del self.requests[req.request_id]
+                self._history_requests.discard(req.request_id)
                 outputs.append(self._output(req))
             elif req.stream:  # an output copies every token list: only for those who stream
                 outputs.append(self._output(req))
         return outputs
 
+    def _record_logprobs(self, seqs: list[Sequence], sampled: list, logprobs: dict, prompt: dict) -> None:
+        for seq, token_id, _ in sampled:
+            d = logprobs.get(seq.seq_id)
+            if d is not None:
+                seq.logprobs.append(d)
+                seq.cumulative_logprob += d[token_id]
+        for seq in seqs:
+            if seq.seq_id not in prompt or seq.request_id not in self.requests:
+                continue
+            first, dicts = prompt[seq.seq_id]
+            have = self.requests[seq.request_id].prompt_logprobs
+            for j, d in enumerate(dicts):  # a recomputed prompt (preemption) adds nothing twice
+                if have is not None and first + j == len(have):
+                    have.append(d)
+
     def _check_stop(self, req: Request, seq: Sequence, token_id: int) -> None:
+        p = seq.params
+        if seq.grammar is not None and not self._advance_grammar(req, seq, token_id):
+            return
+        detok = req.detoks[seq.index]
+        if not p.min_tokens or seq.num_output_tokens >= p.min_tokens:  # below it: no stop yet
+            if self._stopped(req, seq, token_id, detok):
+                return
+        else:
+            detok.add(token_id)
+        if seq.num_output_tokens >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
+            detok.flush()
+            self._finish(req, seq, "length")
+
+    def _stopped(self, req: Request, seq: Sequence, token_id: int, detok) -> bool:
+        """EOS, a stop token or a stop string: finish seq (True). The token's text joins the output
+        unless it is EOS or a stop token."""
         p = seq.params
         if not p.ignore_eos and token_id in self.eos_token_ids:
             self._finish(req, seq, "stop")
-            return
+            return True
         if token_id in req.stop_token_ids:
             self._finish(req, seq, "stop", token_id)
-            return
-        detok = req.detoks[seq.index]
+            return True
         delta = detok.add(token_id)
         if p.stop and delta:
             text = detok.text
@@ -377,10 +438,20 @@ class LLMEngine:
                 if at >= 0:
                     detok.text = text[:at]
                     self._finish(req, seq, "stop", s)
-                    return
-        if seq.num_output_tokens >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
-            detok.flush()
-            self._finish(req, seq, "length")
+                    return True
+        return False
+
+    def _advance_grammar(self, req: Request, seq: Sequence, token_id: int) -> bool:
+        """Feed the token to the sequence's grammar; False when that finished the sequence."""
+        if not seq.grammar.accept(token_id):  # the mask allowed it, so this is a bug: end it visibly
+            log.error("request %s: token %d refused by its grammar", req.request_id, token_id)
+            self._finish(req, seq, "error")
+            return False
+        if seq.grammar.is_terminated() and token_id not in self.eos_token_ids:
+            req.detoks[seq.index].add(token_id)
+            self._finish(req, seq, "stop")
+            return False
+        return True
 
     def _finish(self, req: Request, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Retire one sequence of req (it must not be finished yet)."""
@@ -392,6 +463,7 @@ class LLMEngine:
         outputs = []
         for request_id in request_ids:
             req = self.requests.pop(request_id)
+            self._history_requests.discard(request_id)
             req.error = message
             for seq in req.seqs:
                 if not seq.is_finished:
@@ -406,9 +478,11 @@ class LLMEngine:
             if seq.params.stop and not seq.is_finished:  # hold back what may become a stop string
                 hold = max((k for s in seq.params.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
                 text = text[: len(text) - hold]
-            completions.append(
-                CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
-            )
+            completion = CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
+            if seq.params.logprobs is not None:
+                completion.logprobs = seq.logprobs[: len(completion.token_ids)]
+                completion.cumulative_logprob = seq.cumulative_logprob
+            completions.append(completion)
         return RequestOutput(
             req.request_id,
             req.prompt,
@@ -419,6 +493,7 @@ class LLMEngine:
             req.error,
             req.arrival_time,
             req.first_token_time,
+            list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         )
 
     # ---- introspection --------------------------------------------------------------------------

@@ -32,6 +32,8 @@ import torch
 from chatengine.config import EngineConfig
 from chatengine.engine.attention import get_backend
 from chatengine.engine.loader import LoadedModel, ModelConfig
+from chatengine.engine.logits_processor import process_logits
+from chatengine.engine.logprobs import RowLogprobs, row_logprobs
 from chatengine.engine.models.llama import AttentionMetadata, LlamaModel
 from chatengine.engine.models.parallel_layers import kv_heads_per_rank, split
 from chatengine.engine.parallel.group import TPGroup
@@ -92,6 +94,35 @@ class LaunchedStep:
     samples: list[bool]
     token_ids: torch.Tensor | None = None  # (S,) int64 on the host (pinned on CUDA); None: nothing sampled
     done: Any = None  # CUDA event after the copy into token_ids
+    # the sampled rows that asked for logprobs: (seq_id, k) each, and their RowLogprobs on the host
+    logprob_rows: list[tuple[int, int]] | None = None
+    logprobs: RowLogprobs | None = None
+    # prompt logprobs: (seq_id, first position predicted, k, count) per sequence, their rows on the host
+    prompt_rows: list[tuple[int, int, int, int]] | None = None
+    prompt_logprobs: RowLogprobs | None = None
+
+
+def _prompt_rows_plan(seqs: list[Sequence], num_new_tokens: list[int], wanted: list[bool]):
+    """Logits rows of a step where some sequences want prompt logprobs: every row of their chunks
+    (the row at position p predicts prompt token p + 1), the last row of the others that sample.
+    Returns (token rows (S,) int32, the sampling rows' places among them, spans: (seq, first prompt
+    position predicted, first place, count) per wanting sequence)."""
+    rows: list[int] = []
+    sample_at, spans = [], []
+    at = 0
+    for seq, n, want in zip(seqs, num_new_tokens, wanted):
+        start = seq.num_computed_tokens
+        samples = start + n == seq.num_tokens
+        if want:
+            spans.append((seq, start + 1, len(rows), max(0, min(n, seq.num_prompt_tokens - 1 - start))))
+            rows.extend(range(at, at + n))
+            if samples:
+                sample_at.append(len(rows) - 1)
+        elif samples:
+            sample_at.append(len(rows))
+            rows.append(at + n - 1)
+        at += n
+    return np.array(rows, dtype=np.int32), sample_at, spans
 
 
 def _layout(T: int, B: int, S: int, W: int) -> dict[str, tuple[int, int]]:
@@ -215,6 +246,7 @@ class ModelRunner:
         self.sampler = Sampler(device, config.seed)
         self._sample_seeds = random.Random(config.seed)  # per-step seeds of the fused sampler
         self.fused_sampling = device.type == "cuda" and self.backend.name == "triton"
+        self.eos_token_ids = set(mc.eos_token_ids)  # masked while a request is below its min_tokens
         # staging: sized for the largest step (a full token budget, or max_num_seqs decodes)
         self.max_num_pages = -(-max_model_len // self.block_size) + 1  # block-table width (graphs)
         self.max_graph_bs = min(config.max_num_seqs, config.max_num_batched_tokens)
@@ -308,7 +340,12 @@ class ModelRunner:
 
     # ---- batch tensors ------------------------------------------------------------------------
     def _stage(
-        self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: int | None = None, pad_tokens: int | None = None
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_to: int | None = None,
+        pad_tokens: int | None = None,
+        logits_rows: np.ndarray | None = None,
     ):
         """Fill the staging buffer for this step; returns (layout, samples, max_seqlen_q, max_seqlen_k, T,
         num_pending): num_pending input tokens are placeholders that _upload fills on the device.
@@ -317,7 +354,9 @@ class ModelRunner:
         (token 0 at position 0, slot -1, seq_len 0), and the block table is pad_to x max_num_pages.
         pad_tokens: a one-sequence prefill graph's token count. Tokens T..pad_tokens-1 store nothing
         (slot -1) and lie past cu_seqlens_q[1], so attention gives them no work; the logits row is
-        the chunk's last token."""
+        the chunk's last token.
+        logits_rows: (eager only) the token rows to take logits of, when more than the sampling rows
+        (prompt logprobs)."""
         if self._uploaded is not None:
             # NOTE: a step that samples nothing (a prompt chunk) never syncs, and a graph replay
             # returns at once: without this wait the host could rewrite the pinned buffer while
@@ -336,7 +375,7 @@ class ModelRunner:
         elif pad_to is None:
             # width a multiple of 16: one Triton specialization of the block-table stride
             Bp, Tp, W = B, T, -(-int(num_pages.max()) // 16) * 16
-            S = int(samples.sum())
+            S = int(samples.sum()) if logits_rows is None else len(logits_rows)
         else:
             Bp = Tp = S = pad_to
             W = self.max_num_pages
@@ -378,7 +417,7 @@ class ModelRunner:
             ids[T:], pos[T:], slots[T:] = 0, 0, -1
             view("logits_indices")[:] = max(T - 1, 0)
         elif pad_to is None:
-            view("logits_indices")[:] = (cu[1 : B + 1] - 1)[samples]
+            view("logits_indices")[:] = (cu[1 : B + 1] - 1)[samples] if logits_rows is None else logits_rows
         else:  # padded decode lanes
             ids[B:], pos[B:], slots[B:] = 0, 0, -1
             view("seq_lens")[B:] = 0
@@ -505,9 +544,19 @@ class ModelRunner:
     # ---- forward and sampling --------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, seqs, num_new_tokens):
-        """Queue the forward; returns (logits of the sampling rows, samples, device views of the step)."""
+        """Queue the forward; returns (logits of the sampling rows, samples, device views of the step,
+        prompt rows: (seq, first position predicted, its logits rows) per sequence that wants prompt
+        logprobs)."""
         B = len(seqs)
-        if self.graphs and B <= self.max_graph_bs and max(num_new_tokens) == 1:
+        wanted = [
+            s.index == 0 and s.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens - 1
+            for s in seqs
+        ]
+        prompt_plan = _prompt_rows_plan(seqs, num_new_tokens, wanted) if any(wanted) else None
+        if prompt_plan is not None:  # every row of these chunks: eager
+            mode, key = EAGER, B
+            lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens, logits_rows=prompt_plan[0])
+        elif self.graphs and B <= self.max_graph_bs and max(num_new_tokens) == 1:
             mode = DECODE_GRAPH
             key = next(b for b in self._graph_sizes if b >= B)
             lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens, pad_to=key)
@@ -523,13 +572,18 @@ class ModelRunner:
             self.plan.send(Op.FORWARD, mode, key, max_q, max_k, *lay.key)
             self.group.broadcast(self._dev[: lay.end])  # with this step's sampled placeholders filled
         logits = self._run(mode, key, d, max_q, max_k)
-        if mode == DECODE_GRAPH:
+        prompt = []
+        if prompt_plan is not None:
+            _, sample_at, spans = prompt_plan
+            prompt = [(seq, first, logits[start : start + count]) for seq, first, start, count in spans]
+            logits = logits[torch.tensor(sample_at, device=logits.device, dtype=torch.long)]
+        elif mode == DECODE_GRAPH:
             logits = logits[:B]
             if not samples.all():  # a 1-token chunk that does not end its prompt
                 logits = logits[torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
         elif mode == PREFILL_GRAPH and not samples.all():
             logits = logits[:0]
-        return logits, samples.tolist(), d
+        return logits, samples.tolist(), d, prompt
 
     def _run(self, mode: int, key: int, d: dict[str, torch.Tensor], max_q: int, max_k: int) -> torch.Tensor:
         """The forward over a staged step (graph replay or eager): the logits of its logits_indices rows
@@ -564,10 +618,10 @@ class ModelRunner:
         self._run(mode, key, lay.views, max_q, max_k)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
-        """Sampled ids (len(seqs),) int64 on the device, without a host sync."""
+        """Sampled ids (len(seqs),) int64 on the device, without a host sync. logits: processed."""
         params = [s.params for s in seqs]
         if self.fused_sampling and all(
-            s.generator is None and p.top_k == 0 and p.top_p >= 1 for s, p in zip(seqs, params)
+            s.generator is None and p.top_k == 0 and p.top_p >= 1 and not p.processed for s, p in zip(seqs, params)
         ):
             if all(p.temperature == 0 for p in params):
                 return sampling_ops.greedy_triton(logits)
@@ -575,34 +629,89 @@ class ModelRunner:
             return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31))
         return self.sampler(logits.float(), params, [s.generator for s in seqs])
 
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits after the requests' processing (a copy in fp32 when any row is processed)."""
+        if not any(s.params.processed for s in seqs):
+            return logits
+        out = logits.float()
+        out = out.clone() if out is logits else out  # never edit a graph's output buffer
+        process_logits(out, seqs, self.eos_token_ids)
+        return out
+
+    def _logprobs(self, logits, seqs, tokens) -> tuple[list[tuple[int, int]] | None, RowLogprobs | None]:
+        """The logprobs of the rows that asked for them, copied to the host (non-blocking)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return None, None
+        idx = None if len(rows) == len(seqs) else torch.tensor(rows, device=logits.device)
+        sub, chosen = (logits, tokens) if idx is None else (logits[idx], tokens[idx])
+        k = max(seqs[i].params.logprobs for i in rows)
+        lp = row_logprobs(sub, chosen, k, [seqs[i].params.temperature for i in rows])
+        meta = [(seqs[i].seq_id, seqs[i].params.logprobs) for i in rows]
+        return meta, lp.to_host(self._token_host is not None)
+
+    def _prompt_logprobs(self, prompt) -> tuple[list[tuple[int, int, int, int]] | None, RowLogprobs | None]:
+        """Logprobs of prompt tokens from their predicting rows (raw log-softmax), copied to the host."""
+        prompt = [(seq, first, rows) for seq, first, rows in prompt if rows.shape[0]]
+        if not prompt:
+            return None, None
+        targets = [t for seq, first, rows in prompt for t in seq.token_ids[first : first + rows.shape[0]]]
+        logits = torch.cat([rows for _, _, rows in prompt])
+        chosen = torch.tensor(targets, device=logits.device, dtype=torch.long)
+        lp = row_logprobs(logits, chosen, max(seq.params.prompt_logprobs for seq, _, _ in prompt))
+        meta = [(seq.seq_id, first, seq.params.prompt_logprobs, rows.shape[0]) for seq, first, rows in prompt]
+        return meta, lp.to_host(self._token_host is not None)
+
     @_reported
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> LaunchedStep:
         """Queue the forward of the scheduled tokens and the sampling; returns at once on CUDA.
         Sequences whose chunk reaches their last token sample one token each."""
-        logits, samples, d = self._forward(seqs, num_new_tokens)
+        logits, samples, d, prompt = self._forward(seqs, num_new_tokens)
+        step = LaunchedStep(samples)
+        if prompt:
+            step.prompt_rows, step.prompt_logprobs = self._prompt_logprobs(prompt)
         sampling = [seq for seq, s in zip(seqs, samples) if s]
-        if not sampling:
-            return LaunchedStep(samples)
-        tokens = self._sample(logits, sampling, d["temperatures"])
-        self._last_tokens = tokens  # the next step's placeholders read these
-        self._last_rows = {seq.seq_id: i for i, seq in enumerate(sampling)}
-        if self._token_host is None:
-            return LaunchedStep(samples, tokens)
-        host = self._token_host[self._flip][: len(sampling)]
-        self._flip ^= 1
-        host.copy_(tokens, non_blocking=True)
-        return LaunchedStep(samples, host, self._record())
+        if sampling:
+            logits = self._process(logits, sampling)
+            tokens = self._sample(logits, sampling, d["temperatures"])
+            self._last_tokens = tokens  # the next step's placeholders read these
+            self._last_rows = {seq.seq_id: i for i, seq in enumerate(sampling)}
+            step.logprob_rows, step.logprobs = self._logprobs(logits, sampling, tokens)
+            step.token_ids = tokens
+            if self._token_host is not None:
+                host = self._token_host[self._flip][: len(sampling)]
+                self._flip ^= 1
+                step.token_ids = host.copy_(tokens, non_blocking=True)
+        if self._token_host is not None and (sampling or step.prompt_rows):
+            step.done = self._record()
+        return step
 
     @_reported
     def collect(self, step: LaunchedStep) -> list[int | None]:
         """Wait for a launched step; the sampled token of each sequence (None: mid-prefill)."""
-        if step.token_ids is None:
-            return [None] * len(step.samples)
         if step.done is not None:
             step.done.synchronize()
+        if step.token_ids is None:
+            return [None] * len(step.samples)
         token_ids = iter(step.token_ids.tolist())
         return [next(token_ids) if s else None for s in step.samples]
+
+    @staticmethod
+    def collected_logprobs(step: LaunchedStep) -> tuple[dict, dict]:
+        """After collect: {seq_id: {token: logprob}} of the sampled tokens that asked, and
+        {seq_id: (first position, [{token: logprob}] per prompt token from there)}."""
+        sampled, prompt = {}, {}
+        if step.logprobs is not None and step.logprob_rows:
+            dicts = step.logprobs.as_dicts([k for _, k in step.logprob_rows])
+            sampled = {seq_id: d for (seq_id, _), d in zip(step.logprob_rows, dicts)}
+        if step.prompt_logprobs is not None and step.prompt_rows:
+            dicts = step.prompt_logprobs.as_dicts([k for _, _, k, count in step.prompt_rows for _ in range(count)])
+            at = 0
+            for seq_id, first, _, count in step.prompt_rows:
+                prompt[seq_id] = (first, dicts[at : at + count])
+                at += count
+        return sampled, prompt
 
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
         """launch + collect: one step, synchronously."""

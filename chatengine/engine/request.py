@@ -23,6 +23,11 @@ class Request:
         self.first_token_time: float | None = None
         self.num_finished = 0  # sequences finished so far (counted by LLMEngine._finish)
         self.stream = True  # False: step() returns its output only once it has finished
+        self.grammar = None  # the compiled structured-output grammar its sequences follow
+        # with params.prompt_logprobs: per prompt token so far (none predicts the first)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -44,6 +44,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.generator: Any = None  # per-sequence RNG for seeded sampling (owned by the runner)
+        self.grammar: Any = None  # structured-output state: the engine advances it, the runner masks by it
+        self.logprobs: list[dict[int, float]] = []  # per output token, when params.logprobs is set
+        self.cumulative_logprob = 0.0
 
     def __len__(self):
         return len(self.token_ids)

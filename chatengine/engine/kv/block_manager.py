@@ -115,8 +115,8 @@ class BlockManager:
         continue it in host memory, and whether more are on their way from disk (then the caller
         waits for them rather than recompute them). Capped at num_tokens - 1: the last token is
         always computed, to get logits. No side effects on the device pool."""
-        if not self.enable_prefix_caching or seq.block_table:
-            return [], 0, False
+        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
+            return [], 0, False  # (prompt logprobs need every prompt row computed)
         hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
         cached = self.cached
         hits = []

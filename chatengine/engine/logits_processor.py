@@ -1,0 +1,104 @@
+"""Logits processing: what a request's sampling fields do to its row before the draw.
+
+In order (the order SamplingParams documents): logit_bias is added; EOS and stop_token_ids are
+masked while fewer than min_tokens were generated; repetition, frequency and presence penalties
+read the tokens so far; the structured-output grammar masks what it does not allow next. Rows of
+plain requests are never touched, and a batch without processed rows costs one scan of params.
+
+Penalties and grammars read the last sampled token on the host, so the engine runs a step with
+such a row only once the step before it is collected (no placeholders here).
+"""
+
+import torch
+
+from chatengine.engine.sequence import Sequence
+
+
+@torch.no_grad()
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:
+    """In place on logits (N, V) fp32, row i for seqs[i]."""
+    rows = [i for i, s in enumerate(seqs) if s.params.processed]
+    if not rows:
+        return
+    _logit_bias(logits, [i for i in rows if seqs[i].params.logit_bias], seqs)
+    _min_tokens(logits, [i for i in rows if _below_min_tokens(seqs[i])], seqs, eos_token_ids)
+    _penalties(logits, [i for i in rows if seqs[i].params.penalized], seqs)
+    grammar_rows = [i for i in rows if getattr(seqs[i], "grammar", None) is not None]
+    if grammar_rows:
+        _grammar_mask(logits, grammar_rows, seqs)
+
+
+def _below_min_tokens(seq: Sequence) -> bool:
+    # placeholders count: each is a token already sampled
+    return seq.num_tokens - seq.num_prompt_tokens < seq.params.min_tokens
+
+
+def _logit_bias(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+    if not rows:
+        return
+    r, t, b = [], [], []
+    for i in rows:
+        bias = seqs[i].params.logit_bias
+        r += [i] * len(bias)
+        t += list(bias)
+        b += [float(v) for v in bias.values()]
+    dev = logits.device
+    index = (torch.tensor(r, device=dev), torch.tensor(t, device=dev))
+    logits.index_put_(index, torch.tensor(b, device=dev, dtype=logits.dtype), accumulate=True)
+
+
+def _min_tokens(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], eos_token_ids: set[int]) -> None:
+    if not rows:
+        return
+    r, t = [], []
+    for i in rows:
+        p = seqs[i].params
+        banned = set() if p.ignore_eos else set(eos_token_ids)
+        banned |= set(p.stop_token_ids or ())
+        r += [i] * len(banned)
+        t += sorted(banned)
+    if r:
+        dev = logits.device
+        logits[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+
+
+def _penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+    """vLLM's and transformers' definitions: repetition over prompt and output tokens (positive
+    logits divided, negative multiplied); frequency per output occurrence; presence once."""
+    if not rows:
+        return
+    dev, V = logits.device, logits.shape[1]
+    out_counts = _counts([seqs[i].output_token_ids for i in rows], V, dev)  # (R, V)
+    sub = logits[rows]
+    rep = torch.tensor([seqs[i].params.repetition_penalty for i in rows], device=dev)[:, None]
+    if any(seqs[i].params.repetition_penalty != 1 for i in rows):  # (a host check: no sync)
+        seen = (_counts([seqs[i].token_ids[: seqs[i].num_prompt_tokens] for i in rows], V, dev) > 0) | (out_counts > 0)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([seqs[i].params.frequency_penalty for i in rows], device=dev)[:, None]
+    pres = torch.tensor([seqs[i].params.presence_penalty for i in rows], device=dev)[:, None]
+    sub = sub - freq * out_counts - pres * (out_counts > 0)
+    logits[rows] = sub
+
+
+def _counts(token_lists: list[list[int]], V: int, device) -> torch.Tensor:
+    """(R, V) fp32: how often each token occurs in each list."""
+    width = max(1, max(len(t) for t in token_lists))
+    padded = torch.full((len(token_lists), width), V, dtype=torch.int64)  # V: a column dropped below
+    for r, toks in enumerate(token_lists):
+        if toks:
+            padded[r, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
+    padded = padded.to(device)
+    counts = torch.zeros(len(token_lists), V + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :V]
+
+
+def _grammar_mask(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+    from chatengine.engine import structured  # xgrammar loads only when a grammar is used
+
+    N, V = logits.shape
+    bitmask = structured.allocate_bitmask(N, V)
+    bitmask.fill_(-1)  # every bit set: rows without a grammar allow everything
+    for i in rows:
+        seqs[i].grammar.fill_bitmask(bitmask, i)
+    structured.apply_bitmask(logits, bitmask)

@@ -1,0 +1,99 @@
+"""Logprobs of sampled and prompt tokens on the default model: equal to a transformers forward over
+the same weights (fp32, CPU), whatever the batch, chunking, scheduling or sampling around them."""
+
+import math
+
+import pytest
+import torch
+
+from chatengine import LLM, SamplingParams
+from chatengine.engine.logprobs import row_logprobs
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(llm):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(llm.engine.hf_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """(len(ids), V): row p is the log-distribution of token p + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_row_logprobs_reference():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    lp = row_logprobs(logits, torch.tensor([0, 3]), 2, [0.0, 2.0])
+    assert torch.allclose(lp.chosen, torch.stack([torch.log_softmax(logits[0], 0)[0], torch.tensor(math.log(0.25))]))
+    assert lp.top_ids[0].tolist() == [2, 1]
+    d = lp.as_dicts([2, 1])
+    assert list(d[0]) == [2, 1, 0] and list(d[1])[-1] == 3  # the chosen token is always a key
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_sampled_logprobs_equal_transformers(either, hf_model, k):
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=k)
+    outs = either.generate(PROMPTS, params)
+    for out in outs:
+        c = out.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids)
+        ref = hf_logprobs(hf_model, out.prompt_token_ids + c.token_ids)
+        total = 0.0
+        for i, (tok, d) in enumerate(zip(c.token_ids, c.logprobs)):
+            row = ref[len(out.prompt_token_ids) - 1 + i]
+            assert abs(d[tok] - row[tok].item()) < 1e-3
+            top = row.topk(k)
+            assert list(d)[:k] == top.indices.tolist()  # best first
+            for t, v in zip(top.indices.tolist(), top.values.tolist()):
+                assert abs(d[t] - v) < 1e-3
+            assert len(d) == k + (tok not in top.indices.tolist())
+            total += d[tok]
+        assert abs(c.cumulative_logprob - total) < 1e-6
+
+
+def test_prompt_logprobs_equal_transformers_across_chunks(hf_model):
+    # 64-token chunks: a 150-token prompt is prefilled in three, beside a plain request
+    llm = LLM(max_num_batched_tokens=64, kv_cache_gib=0.1)
+    try:
+        prompt = " ".join(f"word{i}" for i in range(60))
+        ids = llm.get_tokenizer()(prompt)["input_ids"]
+        assert len(ids) > 128
+        outs = llm.generate(
+            [ids, ids], [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3), SamplingParams(max_tokens=2)]
+        )
+        plp = outs[0].prompt_logprobs
+        assert outs[1].prompt_logprobs is None
+        assert len(plp) == len(ids) and plp[0] is None
+        ref = hf_logprobs(hf_model, ids)
+        for p in range(1, len(ids)):
+            assert abs(plp[p][ids[p]] - ref[p - 1, ids[p]].item()) < 1e-3
+            assert list(plp[p])[:3] == ref[p - 1].topk(3).indices.tolist()
+        # a second run (its prompt cached by the first) still computes every prompt row
+        again = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+        assert again.num_cached_tokens == 0
+        assert [d[t] for d, t in zip(again.prompt_logprobs[1:], ids[1:])] == pytest.approx(
+            [d[t] for d, t in zip(plp[1:], ids[1:])], abs=1e-4
+        )
+    finally:
+        llm.shutdown()
+
+
+def test_logprobs_follow_temperature_and_n(llm):
+    params = SamplingParams(temperature=0.7, max_tokens=6, logprobs=2, n=3, seed=3)
+    out = llm.generate(PROMPTS[0], params)[0]
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        for tok, d in zip(c.token_ids, c.logprobs):
+            assert tok in d and d[tok] <= 0
+    # the same seed gives the same tokens and logprobs
+    again = llm.generate(PROMPTS[0], params)[0]
+    assert [c.logprobs for c in again.outputs] == [c.logprobs for c in out.outputs]
+
+
+def test_no_logprobs_unless_asked(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3))[0]
+    assert out.outputs[0].logprobs is None and out.prompt_logprobs is None
