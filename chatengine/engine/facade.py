@@ -6,7 +6,7 @@ settings fixed at start, or validates without touching engine state).
 
 from chatengine.config import EngineConfig
 from chatengine.engine.llm_engine import LLMEngine
-from chatengine.engine.tokenizer import apply_chat_template, encode, encode_parts
+from chatengine.engine.tokenizer import apply_chat_template, encode, encode_parts, template_supports_tools
 from chatengine.sampling_params import SamplingParams
 
 # A token spells ~4 characters of prose or code; text longer than 8 per token of context cannot fit,
@@ -70,9 +70,25 @@ class EngineFacade:
         around `content`, which is always text (control-token text in it stays plain characters)."""
         return encode_parts(self.engine.tokenizer, [(before, False), (content, True), (after, False)])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of one conversation rendered with the model's chat template."""
-        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt)
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Token ids of one conversation rendered with the model's chat template; `tools` (OpenAI
+        function definitions), assistant `tool_calls` and "tool" messages go to the template as is."""
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, tools)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template source (None without a tokenizer or template)."""
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("tool_use") or template.get("default")
+        return template if isinstance(template, str) else None
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template renders tool definitions."""
+        return template_supports_tools(self.engine.tokenizer)
 
     def check_request(self, prompt, sampling_params: SamplingParams | None = None, *, user: str | None = None) -> None:
         """Raise the ValueError that generate() would raise for this request, without running it."""

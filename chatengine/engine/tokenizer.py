@@ -10,6 +10,7 @@ may hold half an emoji). The detokenizer decodes a small window and holds text b
 in U+FFFD, so streamed deltas are always whole characters.
 """
 
+import re
 import secrets
 
 ROLES = ("system", "user", "assistant")
@@ -62,10 +63,16 @@ def has_special_text(tokenizer, text: str) -> bool:
     return any(s in text for s in special_texts(tokenizer))
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation rendered with the model's own chat template (content as text)."""
+def apply_chat_template(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of a conversation rendered with the model's own chat template (content as text).
+    With `tools` (OpenAI-style function definitions), or messages with `tool_calls` or the role
+    "tool", the template renders those too (see `template_supports_tools`)."""
     if tokenizer is None:
         raise _no_tokenizer()
+    if tools is not None or any(_has_tool_fields(m) for m in messages if isinstance(m, dict)):
+        return _template_with_tools(tokenizer, validate_tool_messages(messages), tools, add_generation_prompt)
     messages = validate_messages(messages)
     if any(has_special_text(tokenizer, m["content"]) for m in messages):
         return _template_with_inert_content(tokenizer, messages, add_generation_prompt)
@@ -89,6 +96,132 @@ def _template_with_inert_content(tokenizer, messages: list[dict], add_generation
         parts += [(before, False), (m["content"], True)]
     parts.append((text, False))
     return encode_parts(tokenizer, parts)
+
+
+# ---- tools ----------------------------------------------------------------------------------------
+TOOL_ROLES = (*ROLES, "tool")
+
+
+def template_supports_tools(tokenizer) -> bool:
+    """Whether the model's chat template renders tool definitions (its source reads `tools`)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if isinstance(template, dict):  # several named templates: the one for tools, or the default
+        template = template.get("tool_use") or template.get("default")
+    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+
+
+def _has_tool_fields(m: dict) -> bool:
+    return m.get("role") == "tool" or bool(m.get("tool_calls"))
+
+
+def validate_tool_messages(messages) -> list[dict]:
+    """Messages that may hold tool calls (assistant `tool_calls`, content may be None) and tool
+    results (role "tool", `tool_call_id`); every string in them must be valid Unicode."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if m["role"] not in TOOL_ROLES:
+            raise ValueError(f"messages[{i}] has unknown role {m['role']!r}; use one of {', '.join(TOOL_ROLES)}")
+        if m.get("content") is None and not m.get("tool_calls"):
+            raise ValueError(f"messages[{i}] must have 'content' (or, from the assistant, 'tool_calls')")
+        _check_strings(m, f"messages[{i}]")
+        out.append(dict(m))
+    return out
+
+
+def _check_strings(value, where: str) -> None:
+    if isinstance(value, str):
+        validate_text(value, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, where)
+            _check_strings(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for j, v in enumerate(value):
+            _check_strings(v, f"{where}[{j}]")
+
+
+def _template_with_tools(tokenizer, messages: list[dict], tools, add_generation_prompt: bool) -> list[int]:
+    """The template rendered with tools and tool messages. Every string the caller gave (contents,
+    tool calls, tool results, tool definitions) is text: control-token text in it, and any piece at
+    its ends that could join the template's text into a control token, is swapped for a marker
+    before rendering and tokenized as plain characters where the marker lands."""
+    kwargs = {"tools": tools} if tools is not None else {}
+    specials = special_texts(tokenizer)
+    if not any(_strings_hold_special(x, specials) for x in (messages, tools)):
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        )
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    pieces: dict[str, str] = {}
+    salt = secrets.token_hex(6)
+    messages = _with_markers(messages, specials, pieces, salt)
+    if tools is not None:
+        kwargs["tools"] = _with_markers(tools, specials, pieces, salt)
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+    )
+    parts: list[tuple[str, bool]] = []
+    pattern = re.compile(f"CEMARK{salt}x[0-9]+Z")
+    at = 0
+    for found in pattern.finditer(text):
+        parts += [(text[at : found.start()], False), (pieces[found.group()], True)]
+        at = found.end()
+    parts.append((text[at:], False))
+    return encode_parts(tokenizer, parts)
+
+
+def _strings_hold_special(value, specials: list[str]) -> bool:
+    if isinstance(value, str):
+        return any(s in value for s in specials) or _edge_pieces(value, specials) != ("", value, "")
+    if isinstance(value, dict):
+        return any(_strings_hold_special(x, specials) for kv in value.items() for x in kv)
+    if isinstance(value, (list, tuple)):
+        return any(_strings_hold_special(v, specials) for v in value)
+    return False
+
+
+def _edge_pieces(text: str, specials: list[str]) -> tuple[str, str, str]:
+    """(head, middle, tail): the longest start of `text` that ends some control token's text, and
+    the longest end that begins one (either could join the template's text into a control token)."""
+    head = max((text[:k] for s in specials for k in range(1, len(s)) if s.endswith(text[:k])), key=len, default="")
+    rest = text[len(head) :]
+    tail = max(
+        (rest[-k:] for s in specials for k in range(1, len(s)) if k <= len(rest) and s.startswith(rest[-k:])),
+        key=len,
+        default="",
+    )
+    return head, rest[: len(rest) - len(tail)], tail
+
+
+def _with_markers(value, specials: list[str], pieces: dict[str, str], salt: str):
+    """A copy of `value` whose strings have each control-token text (and edge piece) replaced by a
+    marker of letters and digits, which no template filter (tojson, trim) changes."""
+    if isinstance(value, dict):
+        return {
+            _with_markers(k, specials, pieces, salt): _with_markers(v, specials, pieces, salt) for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_with_markers(v, specials, pieces, salt) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def mark(piece: str) -> str:
+        if not piece:
+            return ""
+        key = f"CEMARK{salt}x{len(pieces)}Z"
+        pieces[key] = piece
+        return key
+
+    head, middle, tail = _edge_pieces(value, specials)
+    split = re.split("(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")", middle)
+    body = "".join(mark(p) if k % 2 else p for k, p in enumerate(split)) if specials else middle
+    return mark(head) + body + mark(tail)
 
 
 def encode_parts(tokenizer, parts: list[tuple[str, bool]]) -> list[int]:
