@@ -165,8 +165,9 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """The next token's logits depend on the host knowing the last token (penalties, a grammar)."""
-        return self.penalized or self.structured_outputs is not None
+        """The next token's processing reads every token so far on the host (penalties, a grammar,
+        min_tokens' count)."""
+        return self.penalized or self.structured_outputs is not None or self.min_tokens > 0
 
     @property
     def processed(self) -> bool:

@@ -73,3 +73,13 @@ def test_penalties_run_in_both_schedulers_alike(llm, llm_async, penalty):
     a = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     b = [o.outputs[0].token_ids for o in llm_async.generate(prompts, params)]
     assert a == b and a != plain
+
+
+def test_min_tokens_same_in_both_schedulers(llm, llm_async):
+    # the async engine collects the step in flight before it counts: the count is exact there too
+    prompts = ["Say hi.", "Reply with one word: yes or no?"]
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=9)
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in llm_async.generate(prompts, params)]
+    eos = llm.engine.eos_token_ids
+    assert a == b and all(len(t) >= 9 and not eos & set(t[:9]) for t in a)

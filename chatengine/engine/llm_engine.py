@@ -319,25 +319,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; then process the step launched before it (async scheduling)
         or this one. Returns the outputs of the requests that the processed step advanced."""
-        outputs = []
-        if self._in_flight is not None and self._history_requests:
-            # penalties and grammars read the last token on the host: collect it before scheduling
-            previous, self._in_flight = self._in_flight, None
-            outputs += self._complete(*previous)
         out = self.scheduler.schedule()
-        launched = None
+        launched, outputs = None, []
         if not out.seqs and self._in_flight is None and self.tiers is not None:
             self.tiers.wait_for_loads(0.05)  # only prefixes on their way from disk: no busy loop
         if out.seqs:
+            between = (
+                self._collect_between(out, outputs) if self._in_flight is not None and self._history_requests else None
+            )
             try:
                 if self.transfers is not None:
                     self.transfers.before_forward()
-                launched = (out, self.runner.launch(out.seqs, out.num_new_tokens))
+                launched = (out, self.runner.launch(out.seqs, out.num_new_tokens, between))
             except Exception as e:  # fail this step's requests cleanly; the engine serves the others
                 log.exception("forward pass failed")
-                outputs = self._fail({seq.request_id for seq in out.seqs}, f"{type(e).__name__}: {e}")
+                failed = {seq.request_id for seq in out.seqs if seq.request_id in self.requests}
+                outputs += self._fail(failed, f"{type(e).__name__}: {e}")
             else:
-                self.scheduler.launched(out)
+                if between is None:
+                    self.scheduler.launched(out)
         if self._in_flight is not None:
             previous, self._in_flight = self._in_flight, None
             outputs += self._complete(*previous)
@@ -349,6 +349,18 @@ class LLMEngine:
         if self.config.debug_checks:
             self.check_invariants()
         return outputs
+
+    def _collect_between(self, out, outputs: list[RequestOutput]):
+        """Penalties, grammars and min_tokens read every token so far on the host: the step in flight
+        is collected after this step's forward is queued and before its sampling (the device runs
+        the forward meanwhile, so nobody's step waits for it)."""
+
+        def collect() -> None:
+            previous, self._in_flight = self._in_flight, None
+            self.scheduler.launched(out)  # as without it: this step's placeholders, then the last step's tokens
+            outputs.extend(self._complete(*previous))
+
+        return collect
 
     def _complete(self, out, launched) -> list[RequestOutput]:
         """A launched step's tokens are back: fill its placeholders, publish the blocks that became

@@ -5,8 +5,9 @@ masked while fewer than min_tokens were generated; repetition, frequency and pre
 read the tokens so far; the structured-output grammar masks what it does not allow next. Rows of
 plain requests are never touched, and a batch without processed rows costs one scan of params.
 
-Penalties and grammars read the last sampled token on the host, so the engine runs a step with
-such a row only once the step before it is collected (no placeholders here).
+Penalties, grammars and min_tokens read every sampled token on the host: the engine collects the
+step before (filling its placeholders) between queuing this step's forward and processing its
+logits, so only the token sampled now may still be a placeholder.
 """
 
 import torch
@@ -29,8 +30,8 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: se
 
 
 def _below_min_tokens(seq: Sequence) -> bool:
-    # placeholders count: each is a token already sampled
-    return seq.num_tokens - seq.num_prompt_tokens < seq.params.min_tokens
+    # the engine fills every earlier token before processing (only the one sampled now may be pending)
+    return seq.num_output_tokens < seq.params.min_tokens
 
 
 def _logit_bias(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
@@ -100,5 +101,6 @@ def _grammar_mask(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -
     bitmask = structured.allocate_bitmask(N, V)
     bitmask.fill_(-1)  # every bit set: rows without a grammar allow everything
     for i in rows:
-        seqs[i].grammar.fill_bitmask(bitmask, i)
+        if not seqs[i].is_finished:  # (one that finished just now samples a wasted lane)
+            seqs[i].grammar.fill_bitmask(bitmask, i)
     structured.apply_bitmask(logits, bitmask)

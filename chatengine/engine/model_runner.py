@@ -664,10 +664,13 @@ class ModelRunner:
 
     @_reported
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> LaunchedStep:
+    def launch(self, seqs: list[Sequence], num_new_tokens: list[int], between=None) -> LaunchedStep:
         """Queue the forward of the scheduled tokens and the sampling; returns at once on CUDA.
-        Sequences whose chunk reaches their last token sample one token each."""
+        Sequences whose chunk reaches their last token sample one token each. `between`: called once
+        the forward is queued, before the logits are processed (the engine collects the last step)."""
         logits, samples, d, prompt = self._forward(seqs, num_new_tokens)
+        if between is not None:
+            between()
         step = LaunchedStep(samples)
         if prompt:
             step.prompt_rows, step.prompt_logprobs = self._prompt_logprobs(prompt)
