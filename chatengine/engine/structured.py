@@ -1,0 +1,264 @@
+"""Structured outputs: a request's StructuredOutputs (JSON schema, any JSON object, regex, choice or
+EBNF grammar) compiled against this model's tokenizer, and a per-sequence state that says which
+tokens may come next as a bitmask over the vocabulary.
+
+xgrammar does the work (a pushdown automaton whose per-token masks are precomputed at compile
+time, so a step costs a mask fill per grammar row, not a scan of the vocabulary). This module owns
+what the engine relies on: one compiler per engine, built lazily (most engines never see a
+grammar), a bounded thread-safe cache keyed by the spec, compile errors as ValueError naming the
+field, JSON without free whitespace (a small model cannot loop on spaces), and a terminated
+grammar that allows only stop tokens.
+
+Bitmask layout (xgrammar's): int32 (rows, ceil(V / 32)); token t is allowed in a row when bit
+t % 32 of word t // 32 is set. Bits beyond V are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from chatengine.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar
+
+CACHE_SIZE = 256  # compiled grammars kept (LRU); a schema's compiled form is KBs to a few MBs
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and may carry a failed check's text
+_ERROR_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
+_CHECK_PREFIX = re.compile(r"^Check failed: .*? is false:\s*")
+
+
+def _xgr():
+    import xgrammar  # imported on first use: it pulls in transformers and its own runtime
+
+    return xgrammar
+
+
+def _clean_error(e: Exception) -> str:
+    text = str(e).strip()
+    text = _CHECK_PREFIX.sub("", _ERROR_PREFIX.sub("", text))
+    return text or type(e).__name__
+
+
+def _ebnf_literal(s: str) -> str:
+    """s as an EBNF string literal: quote and backslash escaped, control characters as \\uHHHH
+    (a raw newline would end the rule; \\x is greedy, so "\\x0ab" would read as 0xAB); other
+    characters, non-ASCII included, stay as they are."""
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _schema_text(schema: dict | str) -> str:
+    """The schema as compact JSON text, the cache key and what xgrammar reads. Key order is kept:
+    xgrammar emits properties in the schema's order, so two orders are two grammars."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON text: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+    try:
+        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.json is not a JSON-serialisable schema: {e}") from None
+
+
+def _spec_key(spec: StructuredOutputs) -> tuple:
+    """A canonical, hashable key: equal keys compile to the same grammar."""
+    if spec.json is not None:
+        return ("json", _schema_text(spec.json))
+    if spec.json_object:
+        return ("json_object",)
+    if spec.regex is not None:
+        return ("regex", spec.regex)
+    if spec.choice is not None:
+        return ("choice", tuple(spec.choice))
+    return ("grammar", spec.grammar)
+
+
+class Grammars:
+    """One per engine: compiles StructuredOutputs for this tokenizer, cached by spec."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int] | list[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.stop_token_ids = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < self.vocab_size})
+        if not self.stop_token_ids:
+            raise ValueError("structured outputs need at least one stop token id inside the vocabulary")
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._init_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _cache; compiles run outside it
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        # the mask row of a terminated grammar: stop tokens only, (ceil(V/32),) int32
+        words = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
+        for t in self.stop_token_ids:
+            words[t >> 5] |= np.uint32(1 << (t & 31))
+        self._stop_row = torch.from_numpy(words.view(np.int32))
+        self.tokenizer_info_seconds: float | None = None  # how long the lazy TokenizerInfo build took
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._init_lock:
+            if self._compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer (this model has none)")
+                xgr = _xgr()
+                t0 = time.perf_counter()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                # xgrammar's own cache is unbounded; ours (LRU by spec) is the bound
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+                self.tokenizer_info_seconds = time.perf_counter() - t0
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of spec (the same object for an equal spec while it is cached).
+        ValueError names the field and what was wrong with it."""
+        if not isinstance(spec, StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs")
+        spec.validate()
+        key = _spec_key(spec)
+        with self._lock:
+            fut = self._cache.get(key)
+            mine = fut is None  # this thread compiles it; others with the same key wait on its Future
+            if fut is None:
+                fut = self._cache[key] = Future()
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)  # threads already waiting on it keep their Future
+            else:
+                self._cache.move_to_end(key)
+        if not mine:
+            return fut.result()  # re-raises the compiling thread's ValueError if it failed
+        try:
+            compiled = self._compile(key)
+        except BaseException as e:
+            with self._lock:  # a failure is not cached: the next call tries again
+                if self._cache.get(key) is fut:
+                    del self._cache[key]
+            fut.set_exception(e)
+            raise
+        fut.set_result(compiled)
+        return compiled
+
+    def _compile(self, key: tuple) -> xgrammar.CompiledGrammar:
+        compiler = self._get_compiler()
+        kind = key[0]
+        try:
+            if kind == "json":
+                # no free whitespace: separators are fixed (", " and ": "), so the output is one line
+                return compiler.compile_json_schema(key[1], any_whitespace=False, strict_mode=True)
+            if kind == "json_object":
+                # any object (properties of any JSON type), with the same fixed separators
+                return compiler.compile_json_schema('{"type":"object"}', any_whitespace=False, strict_mode=False)
+            if kind == "regex":
+                return compiler.compile_regex(key[1])
+            if kind == "choice":
+                return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(c) for c in key[1]))
+            return compiler.compile_grammar(key[1], root_rule_name="root")
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choices"}.get(kind, kind)
+            hint = {
+                "json": ' (a JSON Schema object, e.g. {"type": "object", "properties": {"name": {"type": "string"}}})',
+                "grammar": " (EBNF/GBNF: rules as `name ::= ...`, a `root` rule, strings in double quotes)",
+            }.get(kind, "")
+            raise ValueError(f"structured_outputs.{kind}: invalid {what}: {_clean_error(e)}{hint}") from None
+
+    def matcher(self, compiled: xgrammar.CompiledGrammar) -> GrammarState:
+        """A fresh state for one sequence at the start of its output."""
+        return GrammarState(_xgr().GrammarMatcher(compiled), self._stop_row, self.vocab_size)
+
+
+class GrammarState:
+    """One per generated sequence; used by one thread at a time (the engine's)."""
+
+    def __init__(self, matcher: Any, stop_row: torch.Tensor, vocab_size: int):
+        self._matcher = matcher
+        self._stop_row = stop_row
+        self._vocab_size = vocab_size
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar does not allow it here,
+        if it is out of the vocabulary, or if the grammar has already terminated."""
+        if not 0 <= token_id < self._vocab_size:
+            return False
+        return bool(self._matcher.accept_token(int(token_id)))
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted after a complete text."""
+        return bool(self._matcher.is_terminated())
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into bitmask[row] (bitmask: CPU int32 (N, ceil(V/32)))."""
+        if self._matcher.is_terminated():  # xgrammar fills nothing then: allow the stop tokens only
+            bitmask[row].copy_(self._stop_row)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An all-allowed bitmask: int32 (rows, ceil(vocab_size / 32)) on CPU."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def _check_shapes(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError("apply_bitmask needs logits (N, V) and an int32 bitmask (N, ceil(V/32))")
+    n, v = logits.shape
+    if bitmask.shape != (n, (v + 31) // 32):
+        raise ValueError(f"bitmask shape {tuple(bitmask.shape)} does not fit logits {tuple(logits.shape)}")
+
+
+# xgrammar's CPU kernel gives wrong masks and corrupts the heap for vocabularies below ~15 tokens
+# (seen with 0.2.8); from one full 32-bit word up it matched the reference and wrote nothing past V
+_MIN_CPU_KERNEL_VOCAB = 32
+
+
+@torch.no_grad()
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits (N, V) float32 (CPU or CUDA) get -inf where bitmask (N, ceil(V/32)) int32
+    has a 0 bit. The bitmask is copied to logits' device here (blocking, so the caller may refill
+    its CPU buffer right after)."""
+    _check_shapes(logits, bitmask)
+    n, v = logits.shape
+    if n == 0:
+        return
+    bitmask = bitmask.to(logits.device).contiguous()
+    kernel = logits.dtype == torch.float32 and logits.stride(1) == 1
+    if kernel and logits.is_cuda:
+        with torch.cuda.device(logits.device):  # the Triton kernel launches on the current device
+            # vocab_size given: bits past V (the last word's padding) are never read
+            _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, backend="triton")
+    elif kernel and logits.device.type == "cpu" and v >= _MIN_CPU_KERNEL_VOCAB:
+        _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, backend="cpu")
+    else:
+        apply_bitmask_ref(logits, bitmask)
+
+
+@torch.no_grad()
+def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """apply_bitmask in plain torch: unpack the bits with shifts, then one masked fill."""
+    _check_shapes(logits, bitmask)
+    n, v = logits.shape
+    words = bitmask.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # (N, W, 32): bit j of word w is token 32 * w + j
+    allowed = bits.reshape(n, -1)[:, :v].bool()
+    logits.masked_fill_(~allowed, float("-inf"))

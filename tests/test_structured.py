@@ -1,0 +1,256 @@
+"""Structured outputs' building block on the default model's tokenizer: every spec kind compiles,
+bad specs raise ValueError naming the field, compiles are cached (and single-flight across
+threads), a valid text walks token by token to termination, and the bitmask applied by xgrammar
+equals the plain-torch reference bit for bit."""
+
+import json
+import threading
+
+import pytest
+import torch
+
+from chatengine.engine.structured import (
+    Grammars,
+    allocate_bitmask,
+    apply_bitmask,
+    apply_bitmask_ref,
+)
+from chatengine.sampling_params import StructuredOutputs as SO
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def tok(llm):
+    return llm.get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def eos(llm):
+    return sorted(llm.engine.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def grammars(llm, tok, eos):
+    return Grammars(tok, llm.engine.model_config.vocab_size, eos)
+
+
+def allowed(bitmask: torch.Tensor, row: int, vocab: int) -> set[int]:
+    bits = (bitmask[row].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return set(torch.nonzero(bits.reshape(-1)[:vocab]).flatten().tolist())
+
+
+def walk(grammars, tok, spec, text):
+    """Accept text's tokens one by one; returns the state (each must be allowed by the mask first)."""
+    state = grammars.matcher(grammars.compile(spec))
+    mask = allocate_bitmask(1, grammars.vocab_size)
+    for t in tok.encode(text, add_special_tokens=False):
+        state.fill_bitmask(mask, 0)
+        assert (int(mask[0, t // 32]) >> (t % 32)) & 1, f"mask refuses token {t} ({tok.decode([t])!r}) of {text!r}"
+        assert state.accept(t), f"token {t} ({tok.decode([t])!r}) of {text!r} refused"
+    return state
+
+
+SPECS = {
+    "json": SO(json=SCHEMA),
+    "json_text": SO(json=json.dumps(SCHEMA)),
+    "json_object": SO(json_object=True),
+    "regex": SO(regex=r"\d{3}-[a-z]+"),
+    "choice": SO(choice=["yes", "no", 'say "hi"\\', "café ☕", "line\nbreak"]),
+    "grammar": SO(grammar='root ::= "answer: " ("yes" | "no")'),
+}
+VALID = {
+    "json": '{"name": "Ada", "age": 36}',
+    "json_text": '{"name": "Ada", "age": 36}',
+    "json_object": '{"a": [1, 2.5, {"b": null}], "c": "x\\"y", "d": true}',
+    "regex": "123-abc",
+    "choice": 'say "hi"\\',
+    "grammar": "answer: no",
+}
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_valid_text_walks_to_termination(grammars, tok, eos, kind):
+    state = walk(grammars, tok, SPECS[kind], VALID[kind])
+    assert not state.is_terminated()  # complete, but only a stop token terminates it
+    mask = allocate_bitmask(1, grammars.vocab_size)
+    state.fill_bitmask(mask, 0)
+    if kind != "regex":  # [a-z]+ may go on; the others are complete here
+        assert allowed(mask, 0, grammars.vocab_size) == set(eos)
+    assert state.accept(eos[0]) and state.is_terminated()
+    mask.fill_(0)
+    state.fill_bitmask(mask, 0)
+    assert allowed(mask, 0, grammars.vocab_size) == set(eos)  # terminated: stop tokens only
+    assert not state.accept(tok.encode("a", add_special_tokens=False)[0])
+
+
+@pytest.mark.parametrize("choice", ["café ☕", "line\nbreak", "no"])
+def test_each_choice_escaped_and_matched(grammars, tok, eos, choice):
+    state = walk(grammars, tok, SPECS["choice"], choice)
+    assert state.accept(eos[0]) and state.is_terminated()
+
+
+def test_an_invalid_token_is_refused_and_changes_nothing(grammars, tok):
+    state = grammars.matcher(grammars.compile(SO(json_object=True)))
+    letter = tok.encode("x", add_special_tokens=False)[0]
+    assert not state.accept(letter)
+    assert not state.accept(-1) and not state.accept(grammars.vocab_size)  # outside the vocabulary
+    for t in tok.encode('{"k": 1}', add_special_tokens=False):  # the state is still at the start
+        assert state.accept(t)
+    assert not state.accept(tok.encode(" ", add_special_tokens=False)[0])  # no free whitespace
+
+
+def test_json_object_mask_at_start(grammars, tok):
+    state = grammars.matcher(grammars.compile(SO(json_object=True)))
+    mask = allocate_bitmask(3, grammars.vocab_size)
+    state.fill_bitmask(mask, 1)
+    ok = allowed(mask, 1, grammars.vocab_size)
+    assert ok and all(tok.decode([t]).startswith("{") for t in ok)
+    assert tok.convert_tokens_to_ids("{") in ok
+    assert tok.encode("a", add_special_tokens=False)[0] not in ok
+    assert (mask[0] == -1).all() and (mask[2] == -1).all()  # other rows untouched
+
+
+def test_schema_is_followed(grammars, tok):
+    state = grammars.matcher(grammars.compile(SO(json=SCHEMA)))
+    for t in tok.encode('{"name": "Ada", "age": ', add_special_tokens=False):
+        assert state.accept(t)
+    assert not state.accept(tok.encode('"', add_special_tokens=False)[0])  # age is an integer
+    assert state.accept(tok.encode("7", add_special_tokens=False)[0])
+
+
+@pytest.mark.parametrize(
+    "spec, field, words",
+    [
+        (SO(json={"type": "objekt"}), "json", "objekt"),
+        (SO(json="{not json"), "json", "not valid JSON"),
+        (SO(json="[1, 2]"), "json", "schema object"),
+        (SO(regex="a(b"), "regex", "parenthesis"),
+        (SO(grammar='root ::= "a" | '), "grammar", "EBNF"),
+        (SO(grammar='start ::= "a"'), "grammar", "root"),
+        (SO(grammar="root ::= undefined_rule"), "grammar", "undefined_rule"),
+    ],
+)
+def test_bad_specs_raise_value_error_naming_the_field(grammars, spec, field, words):
+    with pytest.raises(ValueError, match=f"structured_outputs.{field}") as e:
+        grammars.compile(spec)
+    assert words in str(e.value)
+    assert "/project/" not in str(e.value)  # xgrammar's source location is stripped
+
+
+def test_spec_must_set_exactly_one_field(grammars):
+    with pytest.raises(ValueError, match="exactly one"):
+        grammars.compile(SO(regex="a", json_object=True))
+
+
+def test_compile_is_cached_by_canonical_spec(grammars):
+    a = grammars.compile(SO(json=SCHEMA))
+    assert grammars.compile(SO(json=dict(SCHEMA))) is a
+    assert grammars.compile(SO(json=json.dumps(SCHEMA, indent=2))) is a  # the same schema as text
+    assert grammars.compile(SO(choice=["yes", "no"])) is grammars.compile(SO(choice=["yes", "no"]))
+    assert grammars.compile(SO(choice=["no", "yes"])) is not grammars.compile(SO(choice=["yes", "no"]))
+
+
+def test_failed_compiles_are_not_cached(grammars):
+    for _ in range(2):
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            grammars.compile(SO(regex="(x"))
+
+
+def test_compile_from_threads_gives_one_object(tok, eos, llm):
+    fresh = Grammars(tok, llm.engine.model_config.vocab_size, eos)  # nothing cached, no compiler yet
+    spec = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}}}
+    results, errors = [], []
+    barrier = threading.Barrier(6)
+
+    def work(i):
+        try:
+            barrier.wait()
+            results.append(fresh.compile(SO(json=spec if i % 2 else json.dumps(spec))))
+            with pytest.raises(ValueError):
+                fresh.compile(SO(regex="[z-a]"))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(results) == 6 and all(r is results[0] for r in results)
+    assert fresh.tokenizer_info_seconds is not None
+
+
+def test_cache_is_bounded(tok, eos, llm, monkeypatch):
+    from chatengine.engine import structured
+
+    monkeypatch.setattr(structured, "CACHE_SIZE", 3)
+    g = Grammars(tok, llm.engine.model_config.vocab_size, eos)
+    first = g.compile(SO(choice=["0"]))
+    for i in range(1, 4):
+        g.compile(SO(choice=[str(i)]))
+    assert len(g._cache) == 3 and g.compile(SO(choice=["0"])) is not first  # evicted, compiled again
+
+
+def test_a_padded_model_vocabulary_is_masked(tok, eos):
+    vocab = len(tok) + 45  # the model's logits are wider than the tokenizer (not a multiple of 32)
+    g = Grammars(tok, vocab, eos)
+    state = g.matcher(g.compile(SO(choice=["yes"])))
+    mask = allocate_bitmask(1, vocab)
+    assert mask.shape == (1, (vocab + 31) // 32)
+    state.fill_bitmask(mask, 0)
+    ok = allowed(mask, 0, vocab)
+    assert ok and max(ok) < len(tok)  # padding ids are never allowed
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 77, 33, 32, 31, 5, 1])
+def test_apply_bitmask_equals_reference(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    n = 8
+    logits = torch.randn(n, vocab, generator=gen)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31, (n, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # all allowed
+    bitmask[2] = 0  # none allowed
+    bitmask[3, -1] = -1  # the bits past V are set: ignored
+    a, b = logits.clone(), logits.clone()
+    apply_bitmask(a, bitmask)
+    apply_bitmask_ref(b, bitmask)
+    assert torch.equal(a, b)
+    assert torch.equal(a[1], logits[1]) and torch.isneginf(a[2]).all()
+    kept = ~torch.isneginf(b)
+    assert torch.equal(b[kept], logits[kept])  # the allowed logits are untouched
+
+
+def test_apply_bitmask_writes_nothing_past_the_vocabulary():
+    n, v, pad = 5, 1001, 64
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.randn(n * (v + pad) + 128, generator=gen)
+    expect = buf.clone()
+    bitmask = torch.randint(-(2**31), 2**31, (n, (v + 31) // 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    apply_bitmask(buf[: n * (v + pad)].view(n, v + pad)[:, :v], bitmask)  # rows strided: the pads sit between
+    apply_bitmask_ref(expect[: n * (v + pad)].view(n, v + pad)[:, :v], bitmask)
+    assert torch.equal(buf, expect)
+
+
+def test_apply_bitmask_with_a_grammar_mask(grammars):
+    v = grammars.vocab_size
+    mask = allocate_bitmask(2, v)
+    grammars.matcher(grammars.compile(SO(json_object=True))).fill_bitmask(mask, 0)
+    logits = torch.randn(2, v)
+    a, b = logits.clone(), logits.clone()
+    apply_bitmask(a, mask)
+    apply_bitmask_ref(b, mask)
+    assert torch.equal(a, b)
+    assert set(torch.nonzero(~torch.isneginf(a[0])).flatten().tolist()) == allowed(mask, 0, v)
+    assert torch.equal(a[1], logits[1])
+
+
+def test_apply_bitmask_checks_shapes():
+    with pytest.raises(ValueError, match="does not fit"):
+        apply_bitmask(torch.zeros(2, 64), allocate_bitmask(2, 96))
