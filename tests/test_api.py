@@ -378,7 +378,7 @@ BAD = [
     ("chat", chat_body(stream="yes"), 400, "stream"),
     ("chat", chat_body(stream_options={"include_usage": True}), 400, "stream"),
     ("chat", chat_body(logprobs="yes"), 400, "logprobs"),
-    ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool"),
+    ("chat", chat_body(tools=[{"type": "function", "function": {"name": "no spaces"}}]), 400, "tools[0]"),
     ("chat", chat_body(presence_penalty=3.0), 400, "presence_penalty"),
     ("chat", chat_body(model=7), 400, "model"),
     ("chat", json.dumps({"messages": [{"role": "user", "content": LONG}]}), 400, "context"),

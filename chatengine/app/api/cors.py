@@ -32,6 +32,7 @@ class APICORSMiddleware:
             allow_origins=check_origins(origins),
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
+            expose_headers=["X-Chatengine-Tools"],  # tools ignored (tools.py): readable by the page
             allow_credentials=False,
             max_age=600,
         )

@@ -9,7 +9,7 @@ routes work with. Errors use OpenAI's shape `{"error": {"message", "type", "para
 import json
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
@@ -17,7 +17,7 @@ from starlette.requests import Request
 from chatengine import SamplingParams, StructuredOutputs
 
 Kind = Literal["chat", "completion"]  # the two routes: /v1/chat/completions, /v1/completions
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 ROLE_ALIASES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -59,6 +59,8 @@ class _Model(BaseModel):
 class ChatMessage(_Model):
     role: Role  # "developer" arrives as "system"
     content: str  # text parts arrive joined by newlines
+    tool_calls: list[dict] | None = None  # an assistant's calls (its content may be ""): see tools.py
+    tool_call_id: str | None = None  # role "tool": the call this result answers
 
 
 class StreamOptions(_Model):
@@ -105,6 +107,7 @@ class CompletionRequest(_Model):
     prompts: list[str | list[int]] | None = None
     stream: StreamOptions = StreamOptions()
     sampling: Sampling = Sampling()
+    tools: Any = None  # chat: the ToolRequest of tools.py, None when the request names no tools
 
 
 @dataclass(frozen=True)
@@ -137,18 +140,25 @@ def parse_request(kind: Kind, body: dict, limits: Limits) -> CompletionRequest:
     chat = kind == "chat"
     reject_unsupported(body, chat=chat)
     stream = parse_stream(body)
+    tool_request = None
     if chat:
+        from chatengine.app.api import tools
+
         messages, prompts = parse_messages(body.get("messages")), None
+        tool_request = tools.parse_tools(body, limits)
+        tools.check_tool_text(tool_request, messages, limits)
     else:
         messages, prompts = None, parse_prompts(body.get("prompt"))
     check_text_length(messages, prompts, limits)
+    sampling = parse_sampling(body, limits, kind)
     return CompletionRequest(
         kind=kind,
         messages=messages,
         prompt=prompts[0] if prompts is not None and len(prompts) == 1 else None,
         prompts=prompts,
         stream=stream,
-        sampling=parse_sampling(body, limits, kind),
+        sampling=tools.force_sampling(sampling, tool_request) if chat else sampling,
+        tools=tool_request,
     )
 
 
@@ -350,7 +360,8 @@ def opt_int(body: dict, name: str, default, lo: int, hi: int):
 # ---- the fields of a request --------------------------------------------------------------------
 def reject_unsupported(body: dict, chat: bool) -> None:
     """400 for knobs this server cannot honour (silence would lie) and for a non-string model/user."""
-    _reject_unsupported_chat(body) if chat else _reject_unsupported_completion(body)
+    if not chat:  # chat serves tools, tool_choice and the legacy functions (tools.py)
+        _reject_unsupported_completion(body)
     for name in ("user", "model"):
         value = body.get(name)
         if value is not None and not isinstance(value, str):
@@ -359,14 +370,6 @@ def reject_unsupported(body: dict, chat: bool) -> None:
 
 def _unsupported(name: str, why: str = "is not supported by this server") -> APIError:
     return APIError(400, f"'{name}' {why}", param=name)
-
-
-def _reject_unsupported_chat(body: dict) -> None:
-    for name in ("tools", "functions"):
-        if body.get(name) not in (None, []):
-            raise _unsupported(name, "(tool calling) is not supported by this server")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise _unsupported("tool_choice", "(tool calling) is not supported by this server")
 
 
 def _reject_unsupported_completion(body: dict) -> None:
@@ -408,17 +411,21 @@ def _parse_message(m, where: str) -> ChatMessage:
     if not isinstance(m, dict):
         raise _bad_type(where, "an object with 'role' and 'content'", m)
     role = m.get("role")
+    if role == "tool" or (role == "assistant" and m.get("tool_calls") is not None):
+        from chatengine.app.api.tools import parse_tool_message
+
+        return ChatMessage(**parse_tool_message(m, where, _text_part))
     if not isinstance(role, str):
         raise APIError(400, f"{where}.role must be a string (system, developer, user or assistant)", param="messages")
     if role not in ROLE_ALIASES:
         raise APIError(
-            400, f"{where}.role must be one of system, developer, user, assistant; got {role!r}", param="messages"
+            400, f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}", param="messages"
         )
     content = m.get("content")
     if isinstance(content, list):
         content = "\n".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
     elif content is None:
-        raise APIError(400, f"{where}.content is missing or null (tool calls are not supported)", param="messages")
+        raise APIError(400, f"{where}.content is missing or null", param="messages")
     elif not isinstance(content, str):
         raise _bad_type(f"{where}.content", "a string or an array of text parts", content)
     return ChatMessage(role=ROLE_ALIASES[role], content=content)

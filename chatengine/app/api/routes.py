@@ -8,11 +8,13 @@ Choices (documented, deliberate):
   ignored: it never chooses the cache namespace.
 - **Model name.** Any `model` string is accepted (clients insist on sending one; this server serves
   exactly one model) and responses name the model actually served, `model_name`.
-- **Strict where silence would lie.** Knobs we cannot honour (tools, suffix, best_of != n, vLLM's
+- **Strict where silence would lie.** Knobs we cannot honour (suffix, best_of != n, vLLM's
   structural tags) are rejected with 400 and a message naming them; fields we do not know are
   ignored (like vLLM). Served: logprobs / top_logprobs (chat), logprobs and echo (completions),
   presence / frequency penalties, logit_bias, response_format (json_object, json_schema), up to
-  MAX_PROMPTS prompts per completions request. vLLM extensions accepted: `top_k`, `ignore_eos`,
+  MAX_PROMPTS prompts per completions request, tools (`tools.py`; on a model whose template cannot
+  render tools, a request that does not demand a call is answered without them and says so in
+  `X-Chatengine-Tools: ignored`). vLLM extensions accepted: `top_k`, `ignore_eos`,
   `stop_token_ids`, `repetition_penalty`, `min_tokens`, `structured_outputs` and `guided_*`,
   `stream_options.continuous_usage_stats`.
 - **max_tokens.** `max_completion_tokens` wins over `max_tokens`. Without either, a chat completion
@@ -61,6 +63,8 @@ from chatengine.app.api.stream import (
     final_output,
     sse_events,
 )
+from chatengine.app.api.tools import plan as plan_tools
+from chatengine.app.api.tools import template_args
 
 log = logging.getLogger("chatengine.api")
 
@@ -104,6 +108,7 @@ class OpenAIService:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         s = req.sampling
         texts = self.token_texts() if s.logprobs is not None else None
+        tools = plan_tools(self.engine, req.tools) if kind == "chat" else None
         jobs = []
         for k, prompt in enumerate(prompts):
             ids = self.tokenize(req, prompt)
@@ -127,6 +132,7 @@ class OpenAIService:
                     generate=s.max_tokens != 0,
                     prompt_index=k,
                     engine_id=engine_id,
+                    tools=tools,
                 )
             )
         return req, jobs
@@ -155,7 +161,8 @@ class OpenAIService:
     def tokenize(self, req: CompletionRequest, prompt: str | list[int] | None = None) -> list[int]:
         if req.messages is not None:
             try:
-                return self.engine.apply_chat_template([m.model_dump() for m in req.messages])
+                messages, tools = template_args(self.engine, [m.model_dump() for m in req.messages], req.tools)
+                return self.engine.apply_chat_template(messages, tools=tools)
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             except Exception as e:  # noqa: BLE001 - e.g. jinja2 TemplateError: "roles must alternate user/assistant"
@@ -177,14 +184,15 @@ class OpenAIService:
         body = await read_json_body(request, self.max_body_bytes)
         req, jobs = await run_in_threadpool(self.prepare, kind, body, user)
         self.check_running()
+        headers = jobs[0].tools.headers if jobs[0].tools is not None else {}  # X-Chatengine-Tools: ignored
         if req.stream.stream:
             events = sse_events(self.engine, request, jobs, req.stream.include_usage, req.stream.continuous_usage)
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
         try:
             outs = await final_output(self.engine, request, jobs)
         except ClientDisconnected:
             return Response(status_code=499)
-        return JSONResponse(completion_body(jobs, outs))
+        return JSONResponse(completion_body(jobs, outs), headers=headers)
 
 
 # ---- routes -------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from chatengine import AsyncLLM, CompletionOutput, RequestOutput, SamplingParams
 from chatengine.app.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from chatengine.app.api.protocol import APIError, Kind
+from chatengine.app.api.tools import ToolCalling, ToolStream, assistant_message, finish_reason, stream_deltas
 
 log = logging.getLogger("chatengine.api")
 
@@ -48,6 +49,7 @@ class Job:
     generate: bool = True  # False: echo with max_tokens 0, the prompt alone (the one token made is dropped)
     prompt_index: int = 0  # several prompts: this one's place; its choices are prompt_index * n + i
     engine_id: str | None = None  # the engine's request id when it differs from request_id (several prompts)
+    tools: ToolCalling | None = None  # chat with tools: how the output becomes tool calls (tools.py)
 
     @property
     def rid(self) -> str:
@@ -173,12 +175,13 @@ def completion_body(jobs: list[Job], outs: list[RequestOutput]) -> dict:
     for job, out in zip(jobs, outs):
         for c in out.outputs:
             if chat:
+                message, reason = assistant_message(job.tools, c.text, c.finish_reason)
                 choices.append(
                     {
                         "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
+                        "message": message,
                         "logprobs": _chat_logprobs(job, c.token_ids, c.logprobs),
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": reason,
                     }
                 )
             else:
@@ -260,6 +263,7 @@ class Chunks:
         self.offset = [0] * total  # completions logprobs: text_offset of the next token
         self.done = [False] * total
         self.echoed = [False] * total
+        self.tool_streams: dict[int, ToolStream] = {}  # chat with tools: each choice's parser
 
     def _data(self, choices: list, **extra) -> dict:
         return {
@@ -272,10 +276,19 @@ class Chunks:
         }
 
     def chunk(
-        self, index: int, content: str, finish_reason: str | None, *, role=False, usage_of=None, logprobs=None
+        self,
+        index: int,
+        content: str,
+        finish_reason: str | None,
+        *,
+        role=False,
+        usage_of=None,
+        logprobs=None,
+        delta: dict | None = None,
     ) -> str:
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -308,6 +321,9 @@ class Chunks:
                 continue
             if not finished and (failed or not delta):
                 continue
+            if self.chat and job.tools is not None and job.tools.parser is not None:
+                events += self._tool_chunks(job, out, c, i, delta, finished)
+                continue
             echo_of = None
             if job.echo is not None and not self.echoed[i]:
                 self.echoed[i], echo_of, delta = True, out, job.echo + delta
@@ -316,6 +332,30 @@ class Chunks:
             reason = c.finish_reason if finished else None
             events.append(self.chunk(i, delta, reason, usage_of=usage([out], [job]), logprobs=logprobs))
         return events
+
+    def _tool_chunks(self, job: Job, out: RequestOutput, c: CompletionOutput, i: int, text: str, finished: bool):
+        """Chunks of a choice whose output may hold tool calls: content, held back where it may begin
+        a call, and each call once complete (tools.py); none while everything new is held back."""
+        assert job.tools is not None
+        stream = self.tool_streams.setdefault(i, job.tools.stream())
+        deltas = stream_deltas(stream, text, finished)
+        if not deltas and not finished:
+            return []
+        logprobs = self._logprobs(job, c, i, None)
+        self.done[i] = finished
+        reason = finish_reason(c.finish_reason, stream.calls) if finished else None
+        deltas = deltas or [{}]
+        return [
+            self.chunk(
+                i,
+                "",
+                reason if k == len(deltas) - 1 else None,
+                usage_of=usage([out], [job]) if k == len(deltas) - 1 else None,
+                logprobs=logprobs if k == 0 else None,
+                delta=d,
+            )
+            for k, d in enumerate(deltas)
+        ]
 
     def _logprobs(self, job: Job, c: CompletionOutput, i: int, echo_of: RequestOutput | None) -> dict | None:
         """The logprobs of the tokens choice i generated since its last chunk (after the prompt's, on
