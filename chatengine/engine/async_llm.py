@@ -31,7 +31,12 @@ class AsyncLLM(EngineFacade):
 
     async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None, user: str | None = None):
         """Yield cumulative RequestOutputs until finished. Closing the generator aborts the request."""
-        req = self.engine.make_request(prompt, sampling_params, request_id=request_id, user=user)
+        if getattr(sampling_params, "structured_outputs", None) is not None:  # a compile: off the event loop
+            req = await asyncio.to_thread(
+                self.engine.make_request, prompt, sampling_params, request_id=request_id, user=user
+            )
+        else:
+            req = self.engine.make_request(prompt, sampling_params, request_id=request_id, user=user)
         if self._stopped:
             raise RuntimeError("the engine has shut down")
         queue: asyncio.Queue = asyncio.Queue()

@@ -459,8 +459,9 @@ class LLMEngine:
             log.error("request %s: token %d refused by its grammar", req.request_id, token_id)
             self._finish(req, seq, "error")
             return False
-        if seq.grammar.is_terminated() and token_id not in self.eos_token_ids:
-            req.detoks[seq.index].add(token_id)
+        if seq.grammar.is_terminated():  # it accepted a stop token: the text is complete (ignore_eos or not)
+            if token_id not in self.eos_token_ids:
+                req.detoks[seq.index].add(token_id)
             self._finish(req, seq, "stop")
             return False
         return True

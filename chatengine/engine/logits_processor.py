@@ -30,8 +30,9 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: se
 
 
 def _below_min_tokens(seq: Sequence) -> bool:
-    # the engine fills every earlier token before processing (only the one sampled now may be pending)
-    return seq.num_output_tokens < seq.params.min_tokens
+    # the engine fills every earlier token before processing (only the one sampled now may be pending);
+    # a grammar decides itself when its text ends (a complete one allows nothing but EOS)
+    return seq.num_output_tokens < seq.params.min_tokens and seq.grammar is None
 
 
 def _logit_bias(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
@@ -98,8 +99,7 @@ def _grammar_mask(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -
     from chatengine.engine import structured  # xgrammar loads only when a grammar is used
 
     N, V = logits.shape
-    bitmask = structured.allocate_bitmask(N, V)
-    bitmask.fill_(-1)  # every bit set: rows without a grammar allow everything
+    bitmask = structured.allocate_bitmask(N, V)  # every bit set: rows without a grammar allow everything
     for i in rows:
         if not seqs[i].is_finished:  # (one that finished just now samples a wasted lane)
             seqs[i].grammar.fill_bitmask(bitmask, i)

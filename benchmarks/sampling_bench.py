@@ -1,0 +1,164 @@
+"""What structured outputs and logprobs cost the other requests, through AsyncLLM, in one run.
+
+`--clients` concurrent streams (closed loop) run `--requests` requests (random prompt ids of
+100..512 tokens, `--max-tokens` new tokens, temperature 0.6, ignore_eos for the plain ones):
+  plain      every request plain
+  json       a quarter of the requests constrained by a JSON schema (they end when the object
+             is complete), the rest plain: the plain requests' time per output token (TPOT) and
+             tokens/s against `plain`'s
+  logprobs   every request with logprobs=5: total tokens/s against `plain`'s
+Rounds alternate (plain, json, logprobs) x --rounds; the table gives medians and ratios. The default
+model (real tokenizer, needed for grammars) and, for logprobs, dummy:llama-3.2-1b (128k vocabulary).
+Saves JSON + markdown under --out.
+
+    python benchmarks/sampling_bench.py [--requests 256 --clients 64 --rounds 3] [--dry-run]
+"""
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import commit  # noqa: E402
+from chatengine import AsyncLLM, SamplingParams, StructuredOutputs  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 8},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def workload(n: int, max_tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, min(vocab, 10000)) for _ in range(rng.randint(100, 512))] for _ in range(n)]
+
+
+def params_for(kind: str, i: int, max_tokens: int) -> SamplingParams:
+    common = dict(temperature=0.6, max_tokens=max_tokens)
+    if kind == "json" and i % 4 == 0:
+        return SamplingParams(**common, structured_outputs=StructuredOutputs(json=SCHEMA))
+    if kind == "logprobs":
+        return SamplingParams(**common, ignore_eos=True, logprobs=5)
+    return SamplingParams(**common, ignore_eos=True)
+
+
+async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens: int) -> dict:
+    todo = list(enumerate(prompts))
+    records = []
+
+    async def client():
+        while todo:
+            i, ids = todo.pop()
+            p = params_for(kind, i, max_tokens)
+            t0, first, n = time.perf_counter(), None, 0
+            async for out in llm.generate(ids, p):
+                n = len(out.outputs[0].token_ids)
+                if first is None and n:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+            plain = p.structured_outputs is None
+            records.append({"plain": plain, "tokens": n, "ttft": first - t0, "tpot": (end - first) / max(n - 1, 1)})
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    plain = [r for r in records if r["plain"]]
+    return {
+        "kind": kind,
+        "wall_s": wall,
+        "tok_s": sum(r["tokens"] for r in records) / wall,
+        "plain_tok_s": sum(r["tokens"] for r in plain) / wall,
+        "plain_tpot_ms_p50": 1e3 * statistics.median(r["tpot"] for r in plain),
+        "plain_tpot_ms_p90": 1e3 * statistics.quantiles([r["tpot"] for r in plain], n=10)[-1],
+        "constrained": len(records) - len(plain),
+        "constrained_tokens_mean": statistics.mean([r["tokens"] for r in records if not r["plain"]] or [0]),
+    }
+
+
+def bench_model(model: str, kinds: list[str], args) -> list[dict]:
+    llm = AsyncLLM(model, **({"device": "cpu", "dtype": "float32"} if args.dry_run else {}))
+    prompts = workload(args.requests, args.max_tokens, llm.vocab_size)
+    rows = []
+
+    async def main():
+        await run_round(llm, prompts[: max(4, args.clients)], "plain", args.clients, 16)  # warm-up
+        for r in range(args.rounds):
+            for kind in kinds:
+                row = await run_round(llm, prompts, kind, args.clients, args.max_tokens)
+                rows.append({"model": model, "round": r, **row})
+                print(json.dumps(rows[-1]), flush=True)
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    lines = [
+        "| model | run | tok/s | plain tok/s | plain TPOT p50 ms | p90 ms | vs plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        med = {}
+        for kind in dict.fromkeys(r["kind"] for r in rows if r["model"] == model):
+            sel = [r for r in rows if r["model"] == model and r["kind"] == kind]
+            med[kind] = {k: statistics.median(r[k] for r in sel) for k in sel[0] if isinstance(sel[0][k], float)}
+        for kind, m in med.items():
+            if kind == "json":
+                ratio = f"plain TPOT x{m['plain_tpot_ms_p50'] / med['plain']['plain_tpot_ms_p50']:.3f}"
+            elif kind == "logprobs":
+                ratio = f"tok/s x{m['tok_s'] / med['plain']['tok_s']:.3f}"
+            else:
+                ratio = "1"
+            lines.append(
+                f"| {model} | {kind} | {m['tok_s']:.0f} | {m['plain_tok_s']:.0f} | "
+                f"{m['plain_tpot_ms_p50']:.2f} | {m['plain_tpot_ms_p90']:.2f} | {ratio} |"
+            )
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny counts: checks the script runs")
+    args = ap.parse_args()
+    if args.dry_run:
+        args.requests, args.clients, args.max_tokens, args.rounds = 8, 4, 8, 1
+    rows = bench_model(None, ["plain", "json", "logprobs"], args)
+    if not args.dry_run:
+        rows += bench_model("dummy:llama-3.2-1b", ["plain", "logprobs"], args)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    meta = {"device": device, "commit": commit(), "torch": torch.__version__, "args": vars(args)}
+    table = summarize(rows)
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H%M")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"sampling_bench-{stamp}-{meta['commit']}" + ("-dry" if args.dry_run else "")
+    (out / f"{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (out / f"{name}.md").write_text(f"{meta}\n\n" + "\n".join(table) + "\n")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
