@@ -7,11 +7,12 @@
              is complete), the rest plain: the plain requests' time per output token (TPOT) and
              tokens/s against `plain`'s
   logprobs   every request with logprobs=5: total tokens/s against `plain`'s
-Rounds alternate (plain, json, logprobs) x --rounds; the table gives medians and ratios. The default
-model (real tokenizer, needed for grammars) and, for logprobs, dummy:llama-3.2-1b (128k vocabulary).
-Saves JSON + markdown under --out.
+Rounds alternate (plain, json, logprobs) x --rounds; the table gives medians and ratios. --model
+needs a tokenizer (grammars): the default model, or a random-weight directory of a real shape
+(benchmarks/random_hf_model.py); --logprob-model (dummy:llama-3.2-1b, a 128k vocabulary) runs plain
+and logprobs too. Saves JSON + markdown under --out.
 
-    python benchmarks/sampling_bench.py [--requests 256 --clients 64 --rounds 3] [--dry-run]
+    python benchmarks/sampling_bench.py [--model DIR] [--requests 256 --clients 64 --rounds 3] [--dry-run]
 """
 
 import argparse
@@ -100,7 +101,7 @@ def bench_model(model: str, kinds: list[str], args) -> list[dict]:
         for r in range(args.rounds):
             for kind in kinds:
                 row = await run_round(llm, prompts, kind, args.clients, args.max_tokens)
-                rows.append({"model": model, "round": r, **row})
+                rows.append({"model": model or "default", "round": r, **row})
                 print(json.dumps(rows[-1]), flush=True)
 
     try:
@@ -136,6 +137,8 @@ def summarize(rows: list[dict]) -> list[str]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a model with a tokenizer (default: the embedded one)")
+    ap.add_argument("--logprob-model", default="dummy:llama-3.2-1b", help="'' to skip")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -144,10 +147,10 @@ def main():
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny counts: checks the script runs")
     args = ap.parse_args()
     if args.dry_run:
-        args.requests, args.clients, args.max_tokens, args.rounds = 8, 4, 8, 1
-    rows = bench_model(None, ["plain", "json", "logprobs"], args)
-    if not args.dry_run:
-        rows += bench_model("dummy:llama-3.2-1b", ["plain", "logprobs"], args)
+        args.requests, args.clients, args.max_tokens, args.rounds, args.logprob_model = 8, 4, 8, 1, ""
+    rows = bench_model(args.model, ["plain", "json", "logprobs"], args)
+    if args.logprob_model:
+        rows += bench_model(args.logprob_model, ["plain", "logprobs"], args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     meta = {"device": device, "commit": commit(), "torch": torch.__version__, "args": vars(args)}
     table = summarize(rows)

