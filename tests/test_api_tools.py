@@ -3,8 +3,8 @@ own template (or as text when it has no tool support), the per-family output par
 `<tool_call>`, Llama 3 JSON), streaming, and forced calls under a JSON schema; through the `openai`
 client and langchain-openai against one server on loopback.
 
-Tests marked `needs_engine` need the engine's structured outputs (the engine half of #18): they
-fail, never skip, until it is on main.
+Tests marked `needs_engine` need the engine's structured outputs (the engine half of #18; on main
+since 2297616): they fail, never skip, on an engine without it.
 """
 
 import copy
@@ -112,6 +112,14 @@ def test_hermes_text_around_and_several_calls():
     assert content == "Let me check.Done."
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = hermes("get_time", {"zone": "CET"}) + hermes("get_time", {"zone": "UTC"}) + " ok"
+    content, calls = parse_output(ToolCalling("hermes", NAMES, parallel=False), text)
+    assert calls_of(calls) == [("get_time", {"zone": "CET"})] and content == "ok"
+    many = '[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {"zone": "UTC"}}]'
+    assert calls_of(parse_output(ToolCalling("json", NAMES, parallel=False), many)[1]) == [("get_time", {})]
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -205,6 +213,10 @@ STREAM_CASES = [
     ),
     (LLAMA3, '{"name": "get_time", "parameters": {"zone": "UTC"}} and then text'),
     (LLAMA3, "Just words, {braces} too."),
+    (
+        ToolCalling("hermes", NAMES, parallel=False),
+        hermes("get_time", {}) + " and " + hermes("get_time", {"zone": "x"}),
+    ),
     (FORCED, '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_time", "arguments": {}}]'),
     (FORCED, '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'),
 ]

@@ -285,13 +285,14 @@ class ToolCalling:
     parser: str | None = None  # "hermes" | "llama3" | "json" (a forced call: the whole output)
     names: frozenset = frozenset()
     ignored: bool = False
+    parallel: bool = True  # parallel_tool_calls false: calls after the first are dropped (as vLLM)
 
     @property
     def headers(self) -> dict:
         return {TOOLS_HEADER: "ignored"} if self.ignored else {}
 
     def stream(self) -> "ToolStream":
-        return ToolStream(self.parser or "none", self.names)
+        return ToolStream(self.parser or "none", self.names, self.parallel)
 
 
 def template_family(template: str | None) -> str:
@@ -306,12 +307,12 @@ def plan(engine, tools: ToolRequest | None) -> ToolCalling | None:
     if tools is None:
         return None
     if tools.forced:
-        return ToolCalling("json", tools.names)
+        return ToolCalling("json", tools.names, parallel=tools.parallel)
     if not tools.active:
         return ToolCalling()
     if not engine.supports_tools:
         return ToolCalling(ignored=True)
-    return ToolCalling(template_family(engine.chat_template), tools.names)
+    return ToolCalling(template_family(engine.chat_template), tools.names, parallel=tools.parallel)
 
 
 def template_args(engine, messages: list[dict], tools: ToolRequest | None) -> tuple[list[dict], list[dict] | None]:
@@ -455,8 +456,8 @@ class ToolStream:
     is known so far; finish() the rest. Events are ("content", text) and ("call", ToolCall). Feeding
     the text in any pieces gives the same events, merged."""
 
-    def __init__(self, parser: str, names: frozenset):
-        self.parser, self.names = parser, names
+    def __init__(self, parser: str, names: frozenset, parallel: bool = True):
+        self.parser, self.names, self.parallel = parser, names, parallel
         self.buf = ""
         self.in_call = False  # hermes: inside <tool_call>
         self.mode = "start"  # llama3 / json: "start" (calls may come), "text" (plain text from here)
@@ -479,6 +480,8 @@ class ToolStream:
 
     def _call(self, call: ToolCall, out: list) -> None:
         self.pending_ws, self.after_call = "", True
+        if self.calls and not self.parallel:
+            return  # at most one call was asked for
         self.calls.append(call)
         out.append(("call", call))
 
