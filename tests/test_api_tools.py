@@ -179,6 +179,13 @@ def test_forced_output_one_object_or_an_array():
     assert content is None and [c[0] for c in calls_of(calls)] == ["get_time", "get_weather"]
     cut = '{"name": "get_time", "arguments": {"zo'  # max_tokens reached: left as text
     assert parse_output(FORCED, cut) == (cut, [])
+    cut = f'[{one}, {{"name": "get_weather", "arg'  # the complete elements are calls
+    content, calls = parse_output(FORCED, cut)
+    assert calls_of(calls) == [("get_time", {"zone": "UTC"})] and content == '{"name": "get_weather", "arg'
+    for text in ("[]", ' [ {"a": 1} ]', "[1, 2]", "["):  # no call in them: all text
+        assert parse_output(FORCED, text) == (text, [])
+    content, calls = parse_output(FORCED, f"{one} {one}")  # one object is the whole call
+    assert calls_of(calls) == [("get_time", {"zone": "UTC"})] and content == one
 
 
 def test_no_parser_leaves_text_alone():
@@ -219,6 +226,9 @@ STREAM_CASES = [
     ),
     (FORCED, '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_time", "arguments": {}}]'),
     (FORCED, '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'),
+    (FORCED, ' [ {"name": "get_time", "arguments": {"zone": "UTC"}} ,{"name": "get_time", "arguments": {"zone": "CET"'),
+    (FORCED, '[{"a": 1}]'),
+    (FORCED, "[]"),
 ]
 
 

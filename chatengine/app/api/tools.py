@@ -464,6 +464,8 @@ class ToolStream:
         self.calls: list[ToolCall] = []
         self.pending_ws = ""  # trailing whitespace of the content: dropped before a call
         self.after_call = False
+        self.array = False  # json: inside the array of a parallel forced call
+        self.prefix = ""  # json: the array's "[" read before its first call (text again if none comes)
 
     # events
     def _content(self, text: str, out: list) -> None:
@@ -542,52 +544,56 @@ class ToolStream:
 
     def _json(self, out: list, final: bool) -> None:
         """Llama 3 (calls first, as JSON objects after an optional <|python_tag|>, separated by ";"
-        or whitespace) and forced calls (the whole output: one object, or an array of them)."""
+        or whitespace) and forced calls (the whole output: one object, or an array of them, each
+        element a call as soon as it is complete)."""
         while self.mode == "start":
             s = self.buf.lstrip()
             if self.parser == "llama3" and s.startswith(PYTHON_TAG):
                 s = s[len(PYTHON_TAG) :].lstrip()
-            if self.calls and self.parser == "llama3" and s.startswith(";"):
+            separator = ";" if self.parser == "llama3" else "," if self.array else None
+            if self.calls and separator and s[:1] == separator:
                 s = s[1:].lstrip()
             if not s:
                 if final:
-                    self.mode = "text"
+                    self._to_text(s)
                 break
             if not final and self.parser == "llama3" and PYTHON_TAG.startswith(s):
                 break
-            if self.parser == "json" and s[0] == "[" and not self.calls:
-                decoded = _decode(s, 0)
-                if decoded is None:
-                    if final:
-                        self.mode = "text"
-                    break
-                items = decoded[0] if isinstance(decoded[0], list) else []
-                found = [_as_call(x, self.names) for x in items]
-                calls = [c for c in found if c is not None]
-                if not calls or len(calls) < len(found):
-                    self.mode = "text"
-                    break
-                for c in calls:
-                    self._call(c, out)
-                self.buf = s[decoded[1] :]
+            if self.parser == "json" and s[0] == "[" and not self.calls and not self.array:
+                self.array, self.prefix = True, self.buf[: len(self.buf) - len(s) + 1]
+                self.buf = s[1:]
                 continue
+            if self.array and s[0] == "]":
+                self.array = False
+                self._to_text(s[1:])
+                break
             if s[0] != "{":
-                self.mode = "text"
+                self._to_text(s)
                 break
             decoded = _decode(s, 0)
             if decoded is None:
                 if final:
-                    self.mode = "text"
+                    self._to_text(s)
                 break
             call = _as_call(decoded[0], self.names)
             if call is None:
-                self.mode = "text"
+                self._to_text(s)
                 break
             self._call(call, out)
-            self.buf = s[decoded[1] :]
+            self.buf, self.prefix = s[decoded[1] :], ""
+            if self.parser == "json" and not self.array:  # a forced call is one object
+                self._to_text(self.buf)
+                break
         if self.mode == "text" and self.buf:
             self._content(self.buf, out)
             self.buf = ""
+
+    def _to_text(self, rest: str) -> None:
+        """Plain text from here on: after a call, `rest` (the text past it and its separator); before
+        any, all of it (with what was read as the start of an array)."""
+        self.mode = "text"
+        self.buf = rest if self.calls else self.prefix + self.buf
+        self.prefix = ""
 
 
 def parse_output(calling: ToolCalling | None, text: str) -> tuple[str | None, list[ToolCall]]:
