@@ -86,6 +86,7 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
         "plain_tok_s": sum(r["tokens"] for r in plain) / wall,
         "plain_tpot_ms_p50": 1e3 * statistics.median(r["tpot"] for r in plain),
         "plain_tpot_ms_p90": 1e3 * statistics.quantiles([r["tpot"] for r in plain], n=10)[-1],
+        "plain_ttft_ms_p50": 1e3 * statistics.median(r["ttft"] for r in plain),
         "constrained": len(records) - len(plain),
         "constrained_tokens_mean": statistics.mean([r["tokens"] for r in records if not r["plain"]] or [0]),
     }
@@ -113,8 +114,8 @@ def bench_model(model: str, kinds: list[str], args) -> list[dict]:
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        "| model | run | tok/s | plain tok/s | plain TPOT p50 ms | p90 ms | vs plain |",
-        "|---|---|---|---|---|---|---|",
+        "| model | run | tok/s | plain tok/s | plain TPOT p50 ms | p90 ms | plain TTFT p50 ms | vs plain |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for model in dict.fromkeys(r["model"] for r in rows):
         med = {}
@@ -130,7 +131,8 @@ def summarize(rows: list[dict]) -> list[str]:
                 ratio = "1"
             lines.append(
                 f"| {model} | {kind} | {m['tok_s']:.0f} | {m['plain_tok_s']:.0f} | "
-                f"{m['plain_tpot_ms_p50']:.2f} | {m['plain_tpot_ms_p90']:.2f} | {ratio} |"
+                f"{m['plain_tpot_ms_p50']:.2f} | {m['plain_tpot_ms_p90']:.2f} | "
+                f"{m['plain_ttft_ms_p50']:.0f} | {ratio} |"
             )
     return lines
 

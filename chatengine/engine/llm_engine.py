@@ -320,7 +320,8 @@ class LLMEngine:
         """Schedule and launch a step; then process the step launched before it (async scheduling)
         or this one. Returns the outputs of the requests that the processed step advanced."""
         out = self.scheduler.schedule()
-        launched, outputs = None, []
+        launched = None
+        outputs: list[RequestOutput] = []
         if not out.seqs and self._in_flight is None and self.tiers is not None:
             self.tiers.wait_for_loads(0.05)  # only prefixes on their way from disk: no busy loop
         if out.seqs:
@@ -357,6 +358,7 @@ class LLMEngine:
 
         def collect() -> None:
             previous, self._in_flight = self._in_flight, None
+            assert previous is not None
             self.scheduler.launched(out)  # as without it: this step's placeholders, then the last step's tokens
             outputs.extend(self._complete(*previous))
 

@@ -12,6 +12,7 @@ logits, so only the token sampled now may still be a placeholder.
 
 import torch
 
+from chatengine.engine.host_to_device import on_device
 from chatengine.engine.sequence import Sequence
 
 
@@ -40,13 +41,13 @@ def _logit_bias(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> 
         return
     r, t, b = [], [], []
     for i in rows:
-        bias = seqs[i].params.logit_bias
+        bias = seqs[i].params.logit_bias or {}
         r += [i] * len(bias)
         t += list(bias)
         b += [float(v) for v in bias.values()]
     dev = logits.device
-    index = (torch.tensor(r, device=dev), torch.tensor(t, device=dev))
-    logits.index_put_(index, torch.tensor(b, device=dev, dtype=logits.dtype), accumulate=True)
+    index = (on_device(r, torch.long, dev), on_device(t, torch.long, dev))
+    logits.index_put_(index, on_device(b, logits.dtype, dev), accumulate=True)
 
 
 def _min_tokens(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], eos_token_ids: set[int]) -> None:
@@ -61,7 +62,7 @@ def _min_tokens(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], eos
         t += sorted(banned)
     if r:
         dev = logits.device
-        logits[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+        logits[on_device(r, torch.long, dev), on_device(t, torch.long, dev)] = float("-inf")
 
 
 def _penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
@@ -71,25 +72,23 @@ def _penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> N
         return
     dev, V = logits.device, logits.shape[1]
     out_counts = _counts([seqs[i].output_token_ids for i in rows], V, dev)  # (R, V)
-    sub = logits[rows]
-    rep = torch.tensor([seqs[i].params.repetition_penalty for i in rows], device=dev)[:, None]
+    idx = on_device(rows, torch.long, dev)
+    sub = logits[idx]
+    rep = on_device([seqs[i].params.repetition_penalty for i in rows], torch.float32, dev)[:, None]
     if any(seqs[i].params.repetition_penalty != 1 for i in rows):  # (a host check: no sync)
         seen = (_counts([seqs[i].token_ids[: seqs[i].num_prompt_tokens] for i in rows], V, dev) > 0) | (out_counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([seqs[i].params.frequency_penalty for i in rows], device=dev)[:, None]
-    pres = torch.tensor([seqs[i].params.presence_penalty for i in rows], device=dev)[:, None]
+    freq = on_device([seqs[i].params.frequency_penalty for i in rows], torch.float32, dev)[:, None]
+    pres = on_device([seqs[i].params.presence_penalty for i in rows], torch.float32, dev)[:, None]
     sub = sub - freq * out_counts - pres * (out_counts > 0)
-    logits[rows] = sub
+    logits[idx] = sub
 
 
 def _counts(token_lists: list[list[int]], V: int, device) -> torch.Tensor:
     """(R, V) fp32: how often each token occurs in each list."""
     width = max(1, max(len(t) for t in token_lists))
-    padded = torch.full((len(token_lists), width), V, dtype=torch.int64)  # V: a column dropped below
-    for r, toks in enumerate(token_lists):
-        if toks:
-            padded[r, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
-    padded = padded.to(device)
+    # V pads the rows: a column dropped below
+    padded = on_device([t + [V] * (width - len(t)) for t in token_lists], torch.int64, device)
     counts = torch.zeros(len(token_lists), V + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :V]
@@ -99,7 +98,8 @@ def _grammar_mask(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -
     from chatengine.engine import structured  # xgrammar loads only when a grammar is used
 
     N, V = logits.shape
-    bitmask = structured.allocate_bitmask(N, V)  # every bit set: rows without a grammar allow everything
+    # every bit set: rows without a grammar allow everything; pinned: copied to a GPU without a sync
+    bitmask = structured.allocate_bitmask(N, V, pin=logits.is_cuda)
     for i in rows:
         if not seqs[i].is_finished:  # (one that finished just now samples a wasted lane)
             seqs[i].grammar.fill_bitmask(bitmask, i)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from chatengine.engine.host_to_device import on_device
+
 
 @dataclass
 class RowLogprobs:
@@ -50,8 +52,7 @@ def row_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int, temps: list
     """logits (R, V); chosen (R,) int64 token ids; temps: per row (0 or None: no scaling)."""
     x = logits.float()
     if temps is not None and any(t > 0 and t != 1 for t in temps):
-        scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=x.device, dtype=x.dtype)
-        x = x / scale[:, None]
+        x = x / on_device([t if t > 0 else 1.0 for t in temps], x.dtype, x.device)[:, None]
     lp = torch.log_softmax(x, dim=-1)
     top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], chosen[:, None][:, :0])
     return RowLogprobs(chosen, lp.gather(1, chosen[:, None]).squeeze(1), top_vals, top_ids)

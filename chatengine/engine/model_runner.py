@@ -31,6 +31,7 @@ import torch
 
 from chatengine.config import EngineConfig
 from chatengine.engine.attention import get_backend
+from chatengine.engine.host_to_device import on_device
 from chatengine.engine.loader import LoadedModel, ModelConfig
 from chatengine.engine.logits_processor import process_logits
 from chatengine.engine.logprobs import RowLogprobs, row_logprobs
@@ -576,7 +577,7 @@ class ModelRunner:
         if prompt_plan is not None:
             _, sample_at, spans = prompt_plan
             prompt = [(seq, first, logits[start : start + count]) for seq, first, start, count in spans]
-            logits = logits[torch.tensor(sample_at, device=logits.device, dtype=torch.long)]
+            logits = logits[on_device(sample_at, torch.long, logits.device)]
         elif mode == DECODE_GRAPH:
             logits = logits[:B]
             if not samples.all():  # a 1-token chunk that does not end its prompt
@@ -621,7 +622,7 @@ class ModelRunner:
         """Sampled ids (len(seqs),) int64 on the device, without a host sync. logits: processed."""
         params = [s.params for s in seqs]
         if self.fused_sampling and all(
-            s.generator is None and p.top_k == 0 and p.top_p >= 1 and not p.processed for s, p in zip(seqs, params)
+            s.generator is None and p.top_k == 0 and p.top_p >= 1 for s, p in zip(seqs, params)
         ):
             if all(p.temperature == 0 for p in params):
                 return sampling_ops.greedy_triton(logits)
@@ -643,7 +644,7 @@ class ModelRunner:
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not rows:
             return None, None
-        idx = None if len(rows) == len(seqs) else torch.tensor(rows, device=logits.device)
+        idx = None if len(rows) == len(seqs) else on_device(rows, torch.long, logits.device)
         sub, chosen = (logits, tokens) if idx is None else (logits[idx], tokens[idx])
         k = max(seqs[i].params.logprobs for i in rows)
         lp = row_logprobs(sub, chosen, k, [seqs[i].params.temperature for i in rows])
@@ -657,7 +658,7 @@ class ModelRunner:
             return None, None
         targets = [t for seq, first, rows in prompt for t in seq.token_ids[first : first + rows.shape[0]]]
         logits = torch.cat([rows for _, _, rows in prompt])
-        chosen = torch.tensor(targets, device=logits.device, dtype=torch.long)
+        chosen = on_device(targets, torch.long, logits.device)
         lp = row_logprobs(logits, chosen, max(seq.params.prompt_logprobs for seq, _, _ in prompt))
         meta = [(seq.seq_id, first, seq.params.prompt_logprobs, rows.shape[0]) for seq, first, rows in prompt]
         return meta, lp.to_host(self._token_host is not None)

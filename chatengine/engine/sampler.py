@@ -15,6 +15,8 @@ nothing depends on the data on the host.
 
 import torch
 
+from chatengine.engine.host_to_device import on_device
+
 CANDIDATES = 256  # CPU: top-p candidates per row before falling back to a full sort
 
 
@@ -34,9 +36,7 @@ class Sampler:
             return greedy(logits)
         N, V = logits.shape
         dev = logits.device
-        temps = torch.tensor(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev, dtype=torch.float32
-        )
+        temps = on_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, dev)
         logits = logits / temps[:, None]
         # one uniform per row: seeded rows from their own generator, the others from the shared one
         u = torch.empty(N, device=dev, dtype=torch.float32)
@@ -56,10 +56,10 @@ class Sampler:
             return _inverse_cdf(logits, u)
         sampled = greedy(logits)
         if full:
-            idx = torch.tensor(full, device=dev)
+            idx = on_device(full, torch.long, dev)
             sampled[idx] = _inverse_cdf(logits[idx], u[idx])
         if truncated:
-            idx = torch.tensor(truncated, device=dev)
+            idx = on_device(truncated, torch.long, dev)
             cand, ids = self._top_k_top_p(logits[idx], [params[i] for i in truncated])
             sampled[idx] = ids.gather(1, _inverse_cdf(cand, u[idx])[:, None]).squeeze(1)
         return sampled
@@ -77,20 +77,20 @@ class Sampler:
         else:
             vals, ids = logits.topk(K, dim=-1)  # sorted, descending
         rank = torch.arange(K, device=dev)[None, :]
-        vals = vals.masked_fill(rank >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
+        vals = vals.masked_fill(rank >= on_device(top_k, torch.long, dev)[:, None], float("-inf"))
         # probabilities over the kept tokens: the top-k ones, or (top-p alone) the whole row
         norm = vals.logsumexp(dim=-1, keepdim=True)
         if K < V and any(needs_p):
             full_norm = logits.logsumexp(dim=-1, keepdim=True)
-            norm = torch.where(torch.tensor(needs_p, device=dev)[:, None], full_norm, norm)
+            norm = torch.where(on_device(needs_p, torch.bool, dev)[:, None], full_norm, norm)
         probs = (vals - norm).exp()
         before = probs.cumsum(dim=-1) - probs  # mass ranked above each token
-        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)[:, None]
+        top_p = on_device([p.top_p for p in params], torch.float32, dev)[:, None]
         # drop a token when the tokens ranked above it already reach top_p (the top one always stays;
         # top_p = 1 drops nothing, though the float32 cumsum reaches 1 before the tail)
         vals = vals.masked_fill((before >= top_p) & (top_p < 1), float("-inf"))
         if K < V:  # top-p rows whose nucleus may reach past the K candidates: sort the whole row
-            short = torch.nonzero(torch.tensor(needs_p, device=dev) & (before[:, -1] + probs[:, -1] < top_p[:, 0]))
+            short = torch.nonzero(on_device(needs_p, torch.bool, dev) & (before[:, -1] + probs[:, -1] < top_p[:, 0]))
             if short.numel():
                 rows = short[:, 0].tolist()
                 full_vals, full_ids = Sampler._top_k_top_p_sorted(logits[rows], [params[i] for i in rows])
@@ -103,8 +103,8 @@ class Sampler:
     def _top_k_top_p_sorted(logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor]:
         """`_top_k_top_p` over a full descending sort (the candidates of every token)."""
         V = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=logits.device)
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=torch.float32)
+        top_k = on_device([p.top_k if 0 < p.top_k < V else V for p in params], torch.long, logits.device)
+        top_p = on_device([p.top_p for p in params], torch.float32, logits.device)
         vals, ids = logits.sort(dim=-1, descending=True)
         rank = torch.arange(V, device=logits.device)[None, :]
         vals = vals.masked_fill(rank >= top_k[:, None], float("-inf"))

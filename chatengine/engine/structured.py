@@ -213,9 +213,10 @@ class GrammarState:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """An all-allowed bitmask: int32 (rows, ceil(vocab_size / 32)) on CPU."""
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+    """An all-allowed bitmask: int32 (rows, ceil(vocab_size / 32)) on CPU; `pin`: in pinned memory,
+    so that apply_bitmask copies it to a GPU without waiting for the device."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
 
 
 def _check_shapes(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -234,13 +235,13 @@ _MIN_CPU_KERNEL_VOCAB = 32
 @torch.no_grad()
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: logits (N, V) float32 (CPU or CUDA) get -inf where bitmask (N, ceil(V/32)) int32
-    has a 0 bit. The bitmask is copied to logits' device here (blocking, so the caller may refill
-    its CPU buffer right after)."""
+    has a 0 bit. The bitmask is copied to logits' device here: from pinned memory without waiting
+    (the caller must not refill that buffer: allocate one per step), else blocking."""
     _check_shapes(logits, bitmask)
     n, v = logits.shape
     if n == 0:
         return
-    bitmask = bitmask.to(logits.device).contiguous()
+    bitmask = bitmask.to(logits.device, non_blocking=bitmask.is_pinned()).contiguous()
     kernel = logits.dtype == torch.float32 and logits.stride(1) == 1
     if kernel and logits.is_cuda:
         with torch.cuda.device(logits.device):  # the Triton kernel launches on the current device
