@@ -5,9 +5,11 @@
   plain      every request plain
   json       a quarter of the requests constrained by a JSON schema (they end when the object
              is complete), the rest plain: the plain requests' time per output token (TPOT) and
-             tokens/s against `plain`'s
+             tokens/s against `control`'s
+  control    json's round again with its quarter plain, each as long as it was under its grammar
+             (the same arrivals and lengths without grammars: what the grammars themselves cost)
   logprobs   every request with logprobs=5: total tokens/s against `plain`'s
-Rounds alternate (plain, json, logprobs) x --rounds; the table gives medians and ratios. --model
+Rounds alternate (plain, json, control, logprobs) x --rounds; the table gives medians and ratios. --model
 needs a tokenizer (grammars): the default model, or a random-weight directory of a real shape
 (benchmarks/random_hf_model.py); --logprob-model (dummy:llama-3.2-1b, a 128k vocabulary) runs plain
 and logprobs too. Saves JSON + markdown under --out.
@@ -49,30 +51,36 @@ def workload(n: int, max_tokens: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(100, min(vocab, 10000)) for _ in range(rng.randint(100, 512))] for _ in range(n)]
 
 
-def params_for(kind: str, i: int, max_tokens: int) -> SamplingParams:
+def params_for(kind: str, i: int, max_tokens: int, lengths: dict[int, int]) -> SamplingParams:
     common = dict(temperature=0.6, max_tokens=max_tokens)
     if kind == "json" and i % 4 == 0:
         return SamplingParams(**common, structured_outputs=StructuredOutputs(json=SCHEMA))
+    if kind == "control" and i % 4 == 0:
+        return SamplingParams(temperature=0.6, max_tokens=max(lengths[i], 1), ignore_eos=True)
     if kind == "logprobs":
         return SamplingParams(**common, ignore_eos=True, logprobs=5)
     return SamplingParams(**common, ignore_eos=True)
 
 
-async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens: int) -> dict:
+async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens: int, lengths: dict) -> dict:
+    """One round; `lengths` (request index -> tokens of its constrained output) is filled by a
+    json round and read by a control round."""
     todo = list(enumerate(prompts))
     records = []
 
     async def client():
         while todo:
             i, ids = todo.pop()
-            p = params_for(kind, i, max_tokens)
+            p = params_for(kind, i, max_tokens, lengths)
             t0, first, n = time.perf_counter(), None, 0
             async for out in llm.generate(ids, p):
                 n = len(out.outputs[0].token_ids)
                 if first is None and n:
                     first = time.perf_counter()
             end = time.perf_counter()
-            plain = p.structured_outputs is None
+            plain = kind not in ("json", "control") or i % 4 != 0
+            if kind == "json" and not plain:
+                lengths[i] = n
             records.append({"plain": plain, "tokens": n, "ttft": first - t0, "tpot": (end - first) / max(n - 1, 1)})
 
     t0 = time.perf_counter()
@@ -98,10 +106,11 @@ def bench_model(model: str, kinds: list[str], args) -> list[dict]:
     rows = []
 
     async def main():
-        await run_round(llm, prompts[: max(4, args.clients)], "plain", args.clients, 16)  # warm-up
+        await run_round(llm, prompts[: max(4, args.clients)], "plain", args.clients, 16, {})  # warm-up
         for r in range(args.rounds):
+            lengths: dict[int, int] = {}
             for kind in kinds:
-                row = await run_round(llm, prompts, kind, args.clients, args.max_tokens)
+                row = await run_round(llm, prompts, kind, args.clients, args.max_tokens, lengths)
                 rows.append({"model": model or "default", "round": r, **row})
                 print(json.dumps(rows[-1]), flush=True)
 
@@ -114,7 +123,7 @@ def bench_model(model: str, kinds: list[str], args) -> list[dict]:
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        "| model | run | tok/s | plain tok/s | plain TPOT p50 ms | p90 ms | plain TTFT p50 ms | vs plain |",
+        "| model | run | tok/s | plain tok/s | plain TPOT p50 ms | p90 ms | plain TTFT p50 ms | ratio |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -123,8 +132,8 @@ def summarize(rows: list[dict]) -> list[str]:
             sel = [r for r in rows if r["model"] == model and r["kind"] == kind]
             med[kind] = {k: statistics.median(r[k] for r in sel) for k in sel[0] if isinstance(sel[0][k], float)}
         for kind, m in med.items():
-            if kind == "json":
-                ratio = f"plain TPOT x{m['plain_tpot_ms_p50'] / med['plain']['plain_tpot_ms_p50']:.3f}"
+            if kind == "json" and "control" in med:
+                ratio = f"plain TPOT x{m['plain_tpot_ms_p50'] / med['control']['plain_tpot_ms_p50']:.3f} of control's"
             elif kind == "logprobs":
                 ratio = f"tok/s x{m['tok_s'] / med['plain']['tok_s']:.3f}"
             else:
@@ -150,7 +159,7 @@ def main():
     args = ap.parse_args()
     if args.dry_run:
         args.requests, args.clients, args.max_tokens, args.rounds, args.logprob_model = 8, 4, 8, 1, ""
-    rows = bench_model(args.model, ["plain", "json", "logprobs"], args)
+    rows = bench_model(args.model, ["plain", "json", "control", "logprobs"], args)
     if args.logprob_model:
         rows += bench_model(args.logprob_model, ["plain", "logprobs"], args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"

@@ -302,6 +302,25 @@ def test_cuda_profiled_pool_and_sampling():
 
 
 @needs_cuda
+def test_cuda_shutdown_gives_the_memory_back():
+    """An engine started after another one in the same process sizes its KV pool from the free
+    memory: shutdown must hand the first one's weights, KV cache and graphs back."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    free, total = torch.cuda.mem_get_info()
+    util = (total - free + 4 * 2**30) / total  # what is in use now, plus ~4 GiB, for both engines
+    blocks = []
+    for _ in range(2):
+        llm = cuda_llm("dummy:qwen2.5-0.5b", num_kv_blocks=None, gpu_memory_utilization=util)
+        blocks.append(llm.stats()["kv_blocks_total"])
+        llm.generate(prompts_for(llm), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        llm.shutdown()
+        assert torch.cuda.memory_reserved() - before < 64 * 2**20
+    assert blocks[1] == blocks[0]
+
+
+@needs_cuda
 def test_cuda_logprobs_penalties_and_grammars_with_graphs_and_async():
     """fp32 on CUDA (graphs, async scheduling, the fused sampler for plain rows): logprobs equal a
     transformers forward to 1e-3, penalties and grammars give the synchronous engine's tokens, and

@@ -14,6 +14,7 @@ from chatengine.engine.structured import (
     allocate_bitmask,
     apply_bitmask,
     apply_bitmask_ref,
+    fill_bitmasks,
 )
 from chatengine.sampling_params import StructuredOutputs as SO
 
@@ -92,6 +93,25 @@ def test_valid_text_walks_to_termination(grammars, tok, eos, kind):
 def test_each_choice_escaped_and_matched(grammars, tok, eos, choice):
     state = walk(grammars, tok, SPECS["choice"], choice)
     assert state.accept(eos[0]) and state.is_terminated()
+
+
+def test_batch_fill_equals_row_by_row_fill(grammars, tok, eos):
+    """Several states at different places (inside a string, between fields, one terminated) into
+    rows out of order: the threaded fill writes each row exactly as a fill of that state alone,
+    and leaves the other rows as they were."""
+    texts = ['{"name": "Ad', '{"name": "Ada", ', '{"name": "Ada", "age": 3', '{"name": "Ada", "age": 36}']
+    states = [walk(grammars, tok, SPECS["json"], t) for t in texts]
+    assert states[-1].accept(eos[0]) and states[-1].is_terminated()
+    rows = [4, 0, 2, 3]
+    batch = allocate_bitmask(6, grammars.vocab_size)
+    batch[1] = 7
+    fill_bitmasks(states, batch, rows)
+    for state, row in zip(states, rows, strict=True):
+        single = allocate_bitmask(1, grammars.vocab_size)
+        state.fill_bitmask(single, 0)
+        assert torch.equal(batch[row], single[0])
+    assert allowed(batch, 3, grammars.vocab_size) == set(eos)
+    assert (batch[1] == 7).all() and (batch[5] == -1).all()
 
 
 def test_an_invalid_token_is_refused_and_changes_nothing(grammars, tok):

@@ -158,7 +158,9 @@ class LLMEngine:
         self.flush_kv()
         if self.tiers is not None:
             self.tiers.close()
-        self._stop_ranks()
+        if self.ranks is None and getattr(self, "runner", None) is not None:
+            self.runner.close()
+        self._stop_ranks()  # closes rank 0's runner unless a rank failed (its synchronize could hang)
 
     def _stop_ranks(self) -> None:
         if self.ranks is not None:

@@ -100,7 +100,6 @@ def _grammar_mask(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -
     N, V = logits.shape
     # every bit set: rows without a grammar allow everything; pinned: copied to a GPU without a sync
     bitmask = structured.allocate_bitmask(N, V, pin=logits.is_cuda)
-    for i in rows:
-        if not seqs[i].is_finished:  # (one that finished just now samples a wasted lane)
-            seqs[i].grammar.fill_bitmask(bitmask, i)
+    live = [i for i in rows if not seqs[i].is_finished]  # (one that finished just now samples a wasted lane)
+    structured.fill_bitmasks([seqs[i].grammar for i in live], bitmask, live)
     structured.apply_bitmask(logits, bitmask)

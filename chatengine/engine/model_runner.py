@@ -20,6 +20,7 @@ The CUDA fast path (bf16 by default):
 
 import contextlib
 import functools
+import gc
 import itertools
 import logging
 import random
@@ -333,11 +334,17 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the CUDA graphs (those of a tensor-parallel rank hold NCCL work that must be gone
-        before its communicator is)."""
+        before its communicator is), then give the GPU memory back: an engine started later in the
+        same process sizes its KV cache from the free memory, and the caching allocator would
+        still hold this one's weights and KV cache."""
         self.graphs.clear()
         self.prefill_graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            for name in ("kv_cache", "model", "_dev", "_tables"):  # (close may run twice)
+                self.__dict__.pop(name, None)
+            gc.collect()
+            torch.cuda.empty_cache()
 
     # ---- batch tensors ------------------------------------------------------------------------
     def _stage(

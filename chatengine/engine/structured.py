@@ -213,6 +213,32 @@ class GrammarState:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
+_batch: Any = None  # one xgrammar BatchGrammarMatcher (its thread pool) per process, built on first use
+_batch_lock = threading.Lock()
+
+
+def _batch_matcher() -> Any:
+    global _batch
+    with _batch_lock:
+        if _batch is None:
+            _batch = _xgr().BatchGrammarMatcher(max_threads="auto")  # half the hardware threads
+        return _batch
+
+
+def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """bitmask[rows[k]] = the allowed next tokens of states[k], the rows filled on several threads
+    at once: inside a JSON string a fill costs ~0.15 ms, and a step waits for all of them."""
+    live = [(s, r) for s, r in zip(states, rows, strict=True) if not s.is_terminated()]
+    for s, r in zip(states, rows, strict=True):
+        if s.is_terminated():
+            s.fill_bitmask(bitmask, r)
+    if len(live) == 1:
+        live[0][0].fill_bitmask(bitmask, live[0][1])
+    elif live:
+        matchers = [s._matcher for s, _ in live]
+        _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, [r for _, r in live])
+
+
 def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
     """An all-allowed bitmask: int32 (rows, ceil(vocab_size / 32)) on CPU; `pin`: in pinned memory,
     so that apply_bitmask copies it to a GPU without waiting for the device."""

@@ -1,0 +1,109 @@
+"""Where a decode step's time goes on the GPU, per kind of request: the step's wall time next to
+the device's busy time (the gap is host time the device waited for), and the top kernels and host
+functions from torch.profiler.
+
+--batch requests (random prompts of 200 tokens, temperature 0.6, ignore_eos) are prefilled, then
+--steps steps are timed and one more stretch of them is profiled, for each variant:
+  plain      nothing beyond temperature
+  logprobs   logprobs=5 on every request
+  json       a quarter under a JSON schema (needs a model with a tokenizer)
+  penalty    repetition_penalty=1.1 on every request
+
+    python benchmarks/step_profile.py --model DIR [--batch 64] [--steps 64] [--variants plain,logprobs]
+"""
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import commit  # noqa: E402
+from benchmarks.sampling_bench import SCHEMA  # noqa: E402
+from chatengine import LLM, SamplingParams, StructuredOutputs  # noqa: E402
+
+
+def params(variant: str, i: int, max_tokens: int) -> SamplingParams:
+    common = dict(temperature=0.6, max_tokens=max_tokens, ignore_eos=True)
+    if variant == "logprobs":
+        return SamplingParams(**common, logprobs=5)
+    if variant == "json" and i % 4 == 0:
+        return SamplingParams(temperature=0.6, max_tokens=max_tokens, structured_outputs=StructuredOutputs(json=SCHEMA))
+    if variant == "penalty":
+        return SamplingParams(**common, repetition_penalty=1.1)
+    return SamplingParams(**common)
+
+
+def decode_steps(llm: LLM, prompts, variant: str, steps: int) -> list[float]:
+    """Per-step wall times (s) of `steps` decode steps after the batch is prefilled."""
+    engine = llm.engine
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, params(variant, i, 10 * steps))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for r in engine.requests.values() for s in r.seqs):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times
+
+
+def profiled(llm: LLM, prompts, variant: str, steps: int) -> tuple[str, float]:
+    """Top kernels and host functions of `steps` steps, and the device busy time per step (ms)."""
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        decode_steps(llm, prompts, variant, steps)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    table = events.table(sort_by="self_cuda_time_total" if len(acts) > 1 else "self_cpu_time_total", row_limit=12)
+    host = events.table(sort_by="self_cpu_time_total", row_limit=15)
+    return table + "\n" + host, device_us / 1e3 / steps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--variants", default="plain,logprobs,json,penalty")
+    ap.add_argument("--out", default=None, help="a JSON file for the summary")
+    args = ap.parse_args()
+    llm = LLM(args.model)
+    rng = random.Random(0)
+    vocab = min(llm.vocab_size, 10000)
+    prompts = [[rng.randrange(100, vocab) for _ in range(200)] for _ in range(args.batch)]
+    decode_steps(llm, prompts, "plain", 8)  # warm-up (graphs, allocator)
+    summary = {"commit": commit(), "model": args.model, "batch": args.batch, "steps": args.steps, "rows": []}
+    for variant in args.variants.split(","):
+        walls = [decode_steps(llm, prompts, variant, args.steps) for _ in range(3)]
+        wall_ms = 1e3 * statistics.median(statistics.median(w) for w in walls)
+        tables, busy_ms = profiled(llm, prompts, variant, args.steps)
+        row = {"variant": variant, "step_ms_p50": round(wall_ms, 3), "device_busy_ms_per_step": round(busy_ms, 3)}
+        summary["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        print(tables, flush=True)
+    print("| variant | step ms p50 | device busy ms/step (profiled) |\n|---|---|---|")
+    for r in summary["rows"]:
+        print(f"| {r['variant']} | {r['step_ms_p50']:.3f} | {r['device_busy_ms_per_step']:.3f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
