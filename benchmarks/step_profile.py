@@ -13,7 +13,10 @@ functions from torch.profiler.
 """
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -75,6 +78,15 @@ def profiled(llm: LLM, prompts, variant: str, steps: int) -> tuple[str, float]:
     return table + "\n" + host, device_us / 1e3 / steps
 
 
+def host_profile(llm: LLM, prompts, variant: str, steps: int) -> str:
+    """cProfile of the host side of `steps` steps: our functions and xgrammar's, by cumulative time."""
+    prof = cProfile.Profile()
+    prof.runcall(decode_steps, llm, prompts, variant, steps)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats(r"chatengine|xgrammar", 25)
+    return out.getvalue()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -93,6 +105,7 @@ def main():
         walls = [decode_steps(llm, prompts, variant, args.steps) for _ in range(3)]
         wall_ms = 1e3 * statistics.median(statistics.median(w) for w in walls)
         tables, busy_ms = profiled(llm, prompts, variant, args.steps)
+        tables += "\n" + host_profile(llm, prompts, variant, args.steps)
         row = {"variant": variant, "step_ms_p50": round(wall_ms, 3), "device_busy_ms_per_step": round(busy_ms, 3)}
         summary["rows"].append(row)
         print(json.dumps(row), flush=True)

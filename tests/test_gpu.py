@@ -315,8 +315,10 @@ def test_cuda_shutdown_gives_the_memory_back():
         llm = cuda_llm("dummy:qwen2.5-0.5b", num_kv_blocks=None, gpu_memory_utilization=util)
         blocks.append(llm.stats()["kv_blocks_total"])
         llm.generate(prompts_for(llm), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        held = torch.cuda.memory_reserved() - before
         llm.shutdown()
-        assert torch.cuda.memory_reserved() - before < 64 * 2**20
+        # what stays is torch's own (cuBLAS workspaces, ~70 MiB on an H100), not the engine's GiBs
+        assert torch.cuda.memory_reserved() - before < min(128 * 2**20, held // 10)
     assert blocks[1] == blocks[0]
 
 

@@ -40,6 +40,25 @@ def test_penalties_formulas():
     assert logits.tolist() == [[2.0, -2.75, 1.0 - 1.0 - 0.25, 0.5]]  # the prompt's token 0 is not penalized
 
 
+def test_penalties_follow_tokens_added_between_steps():
+    """The numpy history grows with each step's new tokens, skips a pending placeholder until it
+    is filled, and outgrows its first buffer."""
+    s = seq([0], [1], frequency_penalty=1.0)
+    rows = []
+    for t in [2, 2, 3] + [4] * 70:
+        s.append_placeholder()  # sampled by the step in flight: not counted yet
+        logits = torch.zeros(1, 6)
+        process_logits(logits, [s], set())
+        rows.append(logits[0].tolist())
+        s.fill_placeholder(t)
+    assert rows[0] == [0, -1, 0, 0, 0, 0]
+    assert rows[3] == [0, -1, -2, -1, 0, 0]
+    assert rows[-1] == [0, -1, -2, -1, -69, 0]
+    logits = torch.zeros(1, 6)
+    process_logits(logits, [s], set())
+    assert logits[0].tolist() == [0, -1, -2, -1, -70, 0]
+
+
 def test_repetition_penalty_equals_transformers(either):
     from transformers import AutoModelForCausalLM
 

@@ -247,6 +247,22 @@ def test_apply_bitmask_equals_reference(vocab):
     assert torch.equal(b[kept], logits[kept])  # the allowed logits are untouched
 
 
+@pytest.mark.parametrize("vocab", [49152, 77, 5])
+def test_apply_bitmask_by_rows_reads_and_changes_only_those_rows(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31, (6, (vocab + 31) // 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([4, 1], dtype=torch.int32)
+    a, b = logits.clone(), logits.clone()
+    apply_bitmask(a, bitmask, rows)
+    apply_bitmask_ref(b, bitmask, rows)
+    whole = logits.clone()
+    apply_bitmask_ref(whole, bitmask)
+    assert torch.equal(a, b)
+    assert torch.equal(a[[1, 4]], whole[[1, 4]])
+    assert torch.equal(a[[0, 2, 3, 5]], logits[[0, 2, 3, 5]])  # the other rows' (random) bits were not read
+
+
 def test_apply_bitmask_writes_nothing_past_the_vocabulary():
     n, v, pad = 5, 1001, 64
     gen = torch.Generator().manual_seed(0)

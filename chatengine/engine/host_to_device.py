@@ -9,7 +9,7 @@ import torch
 
 
 def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without a host sync: a blocking copy from pageable
+    """A small host list (or numpy array) as a device tensor without a host sync: a blocking copy from pageable
     memory would wait for every step queued before it, and undo async scheduling."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype)

@@ -10,6 +10,7 @@ step before (filling its placeholders) between queuing this step's forward and p
 logits, so only the token sampled now may still be a placeholder.
 """
 
+import numpy as np
 import torch
 
 from chatengine.engine.host_to_device import on_device
@@ -71,12 +72,13 @@ def _penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> N
     if not rows:
         return
     dev, V = logits.device, logits.shape[1]
-    out_counts = _counts([seqs[i].output_token_ids for i in rows], V, dev)  # (R, V)
+    histories = [_history(seqs[i]) for i in rows]
+    out_counts = _counts([h.outputs(seqs[i]) for h, i in zip(histories, rows)], V, dev)  # (R, V)
     idx = on_device(rows, torch.long, dev)
     sub = logits[idx]
     rep = on_device([seqs[i].params.repetition_penalty for i in rows], torch.float32, dev)[:, None]
     if any(seqs[i].params.repetition_penalty != 1 for i in rows):  # (a host check: no sync)
-        seen = (_counts([seqs[i].token_ids[: seqs[i].num_prompt_tokens] for i in rows], V, dev) > 0) | (out_counts > 0)
+        seen = (_counts([h.prompt for h in histories], V, dev) > 0) | (out_counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     freq = on_device([seqs[i].params.frequency_penalty for i in rows], torch.float32, dev)[:, None]
     pres = on_device([seqs[i].params.presence_penalty for i in rows], torch.float32, dev)[:, None]
@@ -84,13 +86,42 @@ def _penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> N
     logits[idx] = sub
 
 
-def _counts(token_lists: list[list[int]], V: int, device) -> torch.Tensor:
-    """(R, V) fp32: how often each token occurs in each list."""
-    width = max(1, max(len(t) for t in token_lists))
-    # V pads the rows: a column dropped below
-    padded = on_device([t + [V] * (width - len(t)) for t in token_lists], torch.int64, device)
-    counts = torch.zeros(len(token_lists), V + 1, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+class TokenHistory:
+    """A sequence's known token ids as numpy arrays, the outputs grown by what is new since the
+    last step: penalties read every token at every step, and converting the whole Python lists of a
+    batch each step cost the host milliseconds."""
+
+    def __init__(self, seq: Sequence):
+        self.prompt = np.asarray(seq.token_ids[: seq.num_prompt_tokens], dtype=np.int64)
+        self._out = np.empty(64, dtype=np.int64)
+        self._n = 0
+
+    def outputs(self, seq: Sequence) -> np.ndarray:
+        """The output token ids the host knows (placeholders excluded; known ones never change)."""
+        known, start = seq.num_output_tokens, seq.num_prompt_tokens
+        if known > len(self._out):
+            self._out = np.resize(self._out, max(known, 2 * len(self._out)))
+        if known > self._n:
+            self._out[self._n : known] = seq.token_ids[start + self._n : start + known]
+        self._n = known
+        return self._out[:known]
+
+
+def _history(seq: Sequence) -> TokenHistory:
+    if seq.history is None:
+        seq.history = TokenHistory(seq)
+    return seq.history
+
+
+def _counts(token_arrays: list[np.ndarray], V: int, device) -> torch.Tensor:
+    """(R, V) fp32: how often each token occurs in each array."""
+    width = max(1, max(len(t) for t in token_arrays))
+    padded = np.full((len(token_arrays), width), V, dtype=np.int64)  # V pads the rows: a column dropped below
+    for r, t in enumerate(token_arrays):
+        padded[r, : len(t)] = t
+    index = on_device(padded, torch.int64, device)
+    counts = torch.zeros(len(token_arrays), V + 1, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
     return counts[:, :V]
 
 
@@ -98,8 +129,10 @@ def _grammar_mask(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -
     from chatengine.engine import structured  # xgrammar loads only when a grammar is used
 
     N, V = logits.shape
-    # every bit set: rows without a grammar allow everything; pinned: copied to a GPU without a sync
-    bitmask = structured.allocate_bitmask(N, V, pin=logits.is_cuda)
     live = [i for i in rows if not seqs[i].is_finished]  # (one that finished just now samples a wasted lane)
+    if not live:
+        return
+    # only the live rows are written and read (no fill of the rest); pinned: copied without a sync
+    bitmask = structured.allocate_bitmask(N, V, pin=logits.is_cuda, fill=False)
     structured.fill_bitmasks([seqs[i].grammar for i in live], bitmask, live)
-    structured.apply_bitmask(logits, bitmask)
+    structured.apply_bitmask(logits, bitmask, on_device(live, torch.int32, logits.device))

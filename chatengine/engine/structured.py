@@ -16,6 +16,7 @@ t % 32 of word t // 32 is set. Bits beyond V are ignored.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -221,7 +222,8 @@ def _batch_matcher() -> Any:
     global _batch
     with _batch_lock:
         if _batch is None:
-            _batch = _xgr().BatchGrammarMatcher(max_threads="auto")  # half the hardware threads
+            # half the cores this process may use ("auto" counts the host's, beyond a container's share)
+            _batch = _xgr().BatchGrammarMatcher(max_threads=max(1, len(os.sched_getaffinity(0)) // 2))
         return _batch
 
 
@@ -239,10 +241,14 @@ def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor, rows: list[
         _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, [r for _, r in live])
 
 
-def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
-    """An all-allowed bitmask: int32 (rows, ceil(vocab_size / 32)) on CPU; `pin`: in pinned memory,
-    so that apply_bitmask copies it to a GPU without waiting for the device."""
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
+def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False, fill: bool = True) -> torch.Tensor:
+    """A bitmask: int32 (rows, ceil(vocab_size / 32)) on CPU, all allowed (`fill`) or uninitialised
+    (for rows that are all filled, or masked by row index); `pin`: in pinned memory, so that
+    apply_bitmask copies it to a GPU without waiting for the device."""
+    shape = (rows, (vocab_size + 31) // 32)
+    if not fill:
+        return torch.empty(shape, dtype=torch.int32, pin_memory=pin)
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
 
 
 def _check_shapes(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -259,33 +265,41 @@ _MIN_CPU_KERNEL_VOCAB = 32
 
 
 @torch.no_grad()
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """In place: logits (N, V) float32 (CPU or CUDA) get -inf where bitmask (N, ceil(V/32)) int32
-    has a 0 bit. The bitmask is copied to logits' device here: from pinned memory without waiting
-    (the caller must not refill that buffer: allocate one per step), else blocking."""
+    has a 0 bit. rows: int32 indices on logits' device of the rows to mask, the other rows of both
+    neither read nor changed (None: every row). The bitmask is copied to logits' device here: from
+    pinned memory without waiting (the caller must not refill that buffer: allocate one per step),
+    else blocking."""
     _check_shapes(logits, bitmask)
     n, v = logits.shape
-    if n == 0:
+    if n == 0 or (rows is not None and rows.numel() == 0):
         return
     bitmask = bitmask.to(logits.device, non_blocking=bitmask.is_pinned()).contiguous()
     kernel = logits.dtype == torch.float32 and logits.stride(1) == 1
     if kernel and logits.is_cuda:
         with torch.cuda.device(logits.device):  # the Triton kernel launches on the current device
             # vocab_size given: bits past V (the last word's padding) are never read
-            _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, backend="triton")
+            _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, indices=rows, backend="triton")
     elif kernel and logits.device.type == "cpu" and v >= _MIN_CPU_KERNEL_VOCAB:
-        _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, backend="cpu")
+        indices = None if rows is None else rows.tolist()
+        _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, indices=indices, backend="cpu")
     else:
-        apply_bitmask_ref(logits, bitmask)
+        apply_bitmask_ref(logits, bitmask, rows)
 
 
 @torch.no_grad()
-def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """apply_bitmask in plain torch: unpack the bits with shifts, then one masked fill."""
     _check_shapes(logits, bitmask)
-    n, v = logits.shape
+    v = logits.shape[1]
+    idx = None if rows is None else rows.to(device=logits.device, dtype=torch.long)
     words = bitmask.to(logits.device)
+    words = words if idx is None else words[idx]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (words.unsqueeze(-1) >> shifts) & 1  # (N, W, 32): bit j of word w is token 32 * w + j
-    allowed = bits.reshape(n, -1)[:, :v].bool()
-    logits.masked_fill_(~allowed, float("-inf"))
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # (R, W, 32): bit j of word w is token 32 * w + j
+    allowed = bits.reshape(words.shape[0], -1)[:, :v].bool()
+    if idx is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
