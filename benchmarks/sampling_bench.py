@@ -8,11 +8,13 @@
              tokens/s against `control`'s
   control    json's round again with its quarter plain, each as long as it was under its grammar
              (the same arrivals and lengths without grammars: what the grammars themselves cost)
+  json-bounded, control-bounded   the same with a schema whose strings and array are bounded
+             (maxLength / maxItems: a mask fill inside such a string costs ~8x an open one's)
   logprobs   every request with logprobs=5: total tokens/s against `plain`'s
-Rounds alternate (plain, json, control, logprobs) x --rounds; the table gives medians and ratios. --model
-needs a tokenizer (grammars): the default model, or a random-weight directory of a real shape
-(benchmarks/random_hf_model.py); --logprob-model (dummy:llama-3.2-1b, a 128k vocabulary) runs plain
-and logprobs too. Saves JSON + markdown under --out.
+Rounds alternate (plain, json, control, json-bounded, control-bounded, logprobs) x --rounds; the
+table gives medians and ratios. --model needs a tokenizer (grammars): the default model, or a
+random-weight directory of a real shape (benchmarks/random_hf_model.py); --logprob-model
+(dummy:llama-3.2-1b, a 128k vocabulary) runs plain and logprobs too. Saves JSON + markdown under --out.
 
     python benchmarks/sampling_bench.py [--model DIR] [--requests 256 --clients 64 --rounds 3] [--dry-run]
 """
@@ -34,6 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import commit  # noqa: E402
 from chatengine import AsyncLLM, SamplingParams, StructuredOutputs  # noqa: E402
 
+OPEN_SCHEMA = {  # as a pydantic model with a str, an int and a list[str] gives it
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -53,18 +65,21 @@ def workload(n: int, max_tokens: int, vocab: int, seed: int = 0) -> list[list[in
 
 def params_for(kind: str, i: int, max_tokens: int, lengths: dict[int, int]) -> SamplingParams:
     common = dict(temperature=0.6, max_tokens=max_tokens)
-    if kind == "json" and i % 4 == 0:
-        return SamplingParams(**common, structured_outputs=StructuredOutputs(json=SCHEMA))
-    if kind == "control" and i % 4 == 0:
-        return SamplingParams(temperature=0.6, max_tokens=max(lengths[i], 1), ignore_eos=True)
+    if kind.startswith("json") and i % 4 == 0:
+        schema = SCHEMA if kind.endswith("bounded") else OPEN_SCHEMA
+        return SamplingParams(**common, structured_outputs=StructuredOutputs(json=schema))
+    if kind.startswith("control") and i % 4 == 0:
+        return SamplingParams(
+            temperature=0.6, max_tokens=max(lengths[kind.replace("control", "json")][i], 1), ignore_eos=True
+        )
     if kind == "logprobs":
         return SamplingParams(**common, ignore_eos=True, logprobs=5)
     return SamplingParams(**common, ignore_eos=True)
 
 
 async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens: int, lengths: dict) -> dict:
-    """One round; `lengths` (request index -> tokens of its constrained output) is filled by a
-    json round and read by a control round."""
+    """One round; `lengths` (json kind -> request index -> tokens of its constrained output) is
+    filled by a json round and read by its control round."""
     todo = list(enumerate(prompts))
     records = []
 
@@ -78,9 +93,9 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
                 if first is None and n:
                     first = time.perf_counter()
             end = time.perf_counter()
-            plain = kind not in ("json", "control") or i % 4 != 0
-            if kind == "json" and not plain:
-                lengths[i] = n
+            plain = not kind.startswith(("json", "control")) or i % 4 != 0
+            if kind.startswith("json") and not plain:
+                lengths.setdefault(kind, {})[i] = n
             records.append({"plain": plain, "tokens": n, "ttft": first - t0, "tpot": (end - first) / max(n - 1, 1)})
 
     t0 = time.perf_counter()
@@ -108,7 +123,7 @@ def bench_model(model: str, kinds: list[str], args) -> list[dict]:
     async def main():
         await run_round(llm, prompts[: max(4, args.clients)], "plain", args.clients, 16, {})  # warm-up
         for r in range(args.rounds):
-            lengths: dict[int, int] = {}
+            lengths: dict[str, dict[int, int]] = {}
             for kind in kinds:
                 row = await run_round(llm, prompts, kind, args.clients, args.max_tokens, lengths)
                 rows.append({"model": model or "default", "round": r, **row})
@@ -132,8 +147,9 @@ def summarize(rows: list[dict]) -> list[str]:
             sel = [r for r in rows if r["model"] == model and r["kind"] == kind]
             med[kind] = {k: statistics.median(r[k] for r in sel) for k in sel[0] if isinstance(sel[0][k], float)}
         for kind, m in med.items():
-            if kind == "json" and "control" in med:
-                ratio = f"plain TPOT x{m['plain_tpot_ms_p50'] / med['control']['plain_tpot_ms_p50']:.3f} of control's"
+            control = kind.replace("json", "control")
+            if kind.startswith("json") and control in med:
+                ratio = f"plain TPOT x{m['plain_tpot_ms_p50'] / med[control]['plain_tpot_ms_p50']:.3f} of {control}'s"
             elif kind == "logprobs":
                 ratio = f"tok/s x{m['tok_s'] / med['plain']['tok_s']:.3f}"
             else:
@@ -159,7 +175,7 @@ def main():
     args = ap.parse_args()
     if args.dry_run:
         args.requests, args.clients, args.max_tokens, args.rounds, args.logprob_model = 8, 4, 8, 1, ""
-    rows = bench_model(args.model, ["plain", "json", "control", "logprobs"], args)
+    rows = bench_model(args.model, ["plain", "json", "control", "json-bounded", "control-bounded", "logprobs"], args)
     if args.logprob_model:
         rows += bench_model(args.logprob_model, ["plain", "logprobs"], args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"

@@ -87,6 +87,35 @@ def host_profile(llm: LLM, prompts, variant: str, steps: int) -> str:
     return out.getvalue()
 
 
+def sync_points(llm: LLM, prompts, variant: str, steps: int) -> list[str]:
+    """Where the host waits for the device during decode steps (torch's sync debug mode), as
+    'file:line' of our frames, most frequent first: each one undoes async scheduling."""
+    if not torch.cuda.is_available():
+        return []
+    import traceback
+    import warnings
+    from collections import Counter
+
+    seen: Counter = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "chatengine" in f.filename]
+        seen[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-3:])) or filename] += 1
+
+    old = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            decode_steps(llm, prompts, variant, steps)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old
+    return [f"{n}x {where}" for where, n in seen.most_common(12)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -107,6 +136,8 @@ def main():
         tables, busy_ms = profiled(llm, prompts, variant, args.steps)
         tables += "\n" + host_profile(llm, prompts, variant, args.steps)
         row = {"variant": variant, "step_ms_p50": round(wall_ms, 3), "device_busy_ms_per_step": round(busy_ms, 3)}
+        row["syncs"] = sync_points(llm, prompts, variant, 8)
+        print("host waits for the device at:", *row["syncs"], sep="\n  ", flush=True)
         summary["rows"].append(row)
         print(json.dumps(row), flush=True)
         print(tables, flush=True)

@@ -319,7 +319,7 @@ def test_cuda_shutdown_gives_the_memory_back():
         llm.shutdown()
         # what stays is torch's own (cuBLAS workspaces, ~70 MiB on an H100), not the engine's GiBs
         assert torch.cuda.memory_reserved() - before < min(128 * 2**20, held // 10)
-    assert blocks[1] == blocks[0]
+    assert blocks[1] >= 0.95 * blocks[0]  # (a shortfall of the torch-owned rest at most)
 
 
 @needs_cuda

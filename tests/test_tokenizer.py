@@ -54,6 +54,15 @@ def test_detokenizer_never_splits_a_character(tok):
     assert any(d == "" for d in deltas[:-1])
 
 
+def test_detokenizer_fast_path_equals_transformers_decode(tok):
+    """The Rust decode is taken for this tokenizer and gives transformers' text, special tokens skipped."""
+    ids = tok.encode("<|im_start|>user\nHi ☃ there<|im_end|>", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    assert detok._rust_decode is not None
+    text = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert text == tok.decode(ids, skip_special_tokens=True) == "user\nHi ☃ there"
+
+
 def test_detokenizer_without_a_tokenizer_gives_no_text():
     detok = IncrementalDetokenizer(None)
     assert detok.add(5) == "" and detok.flush() == "" and detok.text == ""

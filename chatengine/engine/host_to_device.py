@@ -5,6 +5,7 @@ every kernel queued before it: one such call in a step undoes async scheduling (
 for the step in flight). From pinned memory the copy is queued like a kernel.
 """
 
+import numpy as np
 import torch
 
 
@@ -13,4 +14,8 @@ def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     memory would wait for every step queued before it, and undo async scheduling."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    if isinstance(values, np.ndarray):  # (torch.tensor cannot pin what it builds from numpy)
+        host = torch.from_numpy(values).to(dtype).pin_memory()
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)

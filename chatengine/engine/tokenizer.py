@@ -258,8 +258,16 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # window start: decoded again for context
         self.read_offset = 0  # tokens before this are already in `text`
         self.text = ""
+        # two decodes per token per sequence run on the engine's thread every step: the Rust
+        # tokenizer's own decode skips ~7 us of Python around it, and transformers adds nothing
+        # to its text unless clean_up_tokenization_spaces is on
+        rust = getattr(tokenizer, "_tokenizer", None)
+        plain = getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+        self._rust_decode = rust.decode if rust is not None and plain and hasattr(rust, "decode") else None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def add(self, token_id: int) -> str:
