@@ -121,7 +121,10 @@ def bench_model(model: str, kinds: list[str], args) -> list[dict]:
     rows = []
 
     async def main():
-        await run_round(llm, prompts[: max(4, args.clients)], "plain", args.clients, 16, {})  # warm-up
+        warm = prompts[: max(4, args.clients)]
+        await run_round(llm, warm, "plain", args.clients, 16, {})  # warm-up: graphs, allocator
+        for kind in [k for k in kinds if k.startswith("json")]:  # the grammar compiler and both schemas
+            await run_round(llm, warm[:4], kind, 4, 16, {})
         for r in range(args.rounds):
             lengths: dict[str, dict[int, int]] = {}
             for kind in kinds:
@@ -170,11 +173,19 @@ def main():
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval (s) for the run: how soon the engine thread gets the GIL back from the clients'",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny counts: checks the script runs")
     args = ap.parse_args()
     if args.dry_run:
         args.requests, args.clients, args.max_tokens, args.rounds, args.logprob_model = 8, 4, 8, 1, ""
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     rows = bench_model(args.model, ["plain", "json", "control", "json-bounded", "control-bounded", "logprobs"], args)
     if args.logprob_model:
         rows += bench_model(args.logprob_model, ["plain", "logprobs"], args)
