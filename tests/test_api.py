@@ -281,6 +281,27 @@ def test_parse_request_builds_the_request_model():
     assert sampling_params(req.sampling, 40, Limits(4, 100, 128, 96, default_max_tokens=8)).max_tokens == 8
 
 
+def test_absent_sampling_fields_take_the_models_generation_defaults():
+    """As vLLM's --generation-config: what the client leaves out comes from the model's
+    generation_config.json; what it sends wins; a chat reply without max_tokens stops at the
+    model's max_new_tokens (or the server's cap, the lower); completions keep OpenAI's 16."""
+    model = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 30}
+    limits = Limits(4, 100, 128, 96, generation_defaults=model)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    p = sampling_params(parse_request("chat", chat, limits).sampling, 10, limits)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.6, 0.95, 20, 1.1, 30)
+    sent = {**chat, "temperature": 0, "top_p": 1, "top_k": -1, "repetition_penalty": 1, "max_tokens": 50}
+    p = sampling_params(parse_request("chat", sent, limits).sampling, 10, limits)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.0, 1.0, 0, 1.0, 50)
+    capped = Limits(4, 100, 128, 96, default_max_tokens=12, generation_defaults=model)
+    assert sampling_params(parse_request("chat", chat, capped).sampling, 10, capped).max_tokens == 12
+    p = sampling_params(parse_request("completion", {"prompt": "x"}, limits).sampling, 10, limits)
+    assert p.max_tokens == 16 and p.temperature == 0.6
+    plain = Limits(4, 100, 128, 96)  # a model without a generation config: OpenAI's defaults
+    p = sampling_params(parse_request("chat", chat, plain).sampling, 10, plain)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+
+
 @pytest.mark.parametrize(
     "kind,body,param",
     [

@@ -510,6 +510,29 @@ def test_cors(url, urls):
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
+def test_a_client_that_sends_no_settings_gets_the_models_defaults_and_the_servers_cap(engine, serve):
+    """Open WebUI sends neither temperature nor max_tokens: the embedded model's own settings apply
+    (seeded, the reply equals one asked with them explicitly) and the server's cap ends the reply."""
+    url = serve(build_api(engine, None, model_name=MODEL, default_max_tokens=6)).url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-none", max_retries=0, timeout=120)
+    bare = client.chat.completions.create(model=MODEL, messages=ask("Name a colour."), seed=5)
+    assert bare.usage.completion_tokens <= 6
+    explicit = client.chat.completions.create(
+        model=MODEL, messages=ask("Name a colour."), seed=5, temperature=0.2, top_p=0.9, max_tokens=6
+    )
+    assert bare.choices[0].message.content == explicit.choices[0].message.content
+    assert bare.choices[0].finish_reason == explicit.choices[0].finish_reason
+
+
+def test_default_max_tokens_flag(tmp_path):
+    from chatengine.app.server import DEFAULT_MAX_TOKENS, build_parser, create_app
+
+    assert build_parser().parse_args([]).default_max_tokens == DEFAULT_MAX_TOKENS == 2048
+    assert build_parser().parse_args(["--default-max-tokens", "0"]).default_max_tokens == 0
+    with pytest.raises(ValueError, match="--default-max-tokens"):
+        create_app(data_dir=tmp_path, default_max_tokens=-3)
+
+
 def test_cors_flag():
     from chatengine.app.api.cors import check_origins
     from chatengine.app.server import build_parser

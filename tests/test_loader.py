@@ -102,3 +102,43 @@ def test_a_file_that_is_not_gguf(tmp_path):
     bogus.write_bytes(b"PK\x03\x04 not a gguf")
     with pytest.raises(ValueError, match="bad magic"):
         load_model(str(bogus))
+
+
+def _with_generation_config(hf_dir, tmp_path, text: str):
+    import shutil
+
+    path, _ = hf_dir
+    copy = tmp_path / "gen"
+    shutil.copytree(path, copy)
+    (copy / "generation_config.json").write_text(text)
+    return copy
+
+
+def test_generation_config_gives_the_sampling_defaults(hf_dir, tmp_path):
+    gen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 512}
+    path = _with_generation_config(hf_dir, tmp_path, json.dumps({**gen, "do_sample": True, "eos_token_id": [7, 9]}))
+    loaded = load_model(str(path))
+    assert loaded.config.generation_defaults == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_tokens": 512,
+    }
+    assert {7, 9} <= set(loaded.config.eos_token_ids)
+
+
+def test_generation_config_values_of_the_wrong_kind_are_left_out(hf_dir, tmp_path):
+    bad = {"temperature": "hot", "top_p": 5, "top_k": 2.5, "repetition_penalty": 0, "max_new_tokens": True}
+    path = _with_generation_config(hf_dir, tmp_path, json.dumps(bad))
+    assert load_model(str(path)).config.generation_defaults == {}
+
+
+def test_an_unreadable_generation_config_is_named(hf_dir, tmp_path):
+    path = _with_generation_config(hf_dir, tmp_path, "{not json")
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        load_model(str(path))
+
+
+def test_the_embedded_default_has_its_model_cards_settings(llm):
+    assert llm.generation_defaults == {"temperature": 0.2, "top_p": 0.9}

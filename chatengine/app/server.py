@@ -34,6 +34,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no outbound calls 
 log = logging.getLogger("chatengine.server")
 
 API_RATE_LIMIT = 120  # API requests per user per minute when users sign in: a chat never needs more
+# an API reply's cap when the client names none: a chat answer, not a run to the end of the context
+DEFAULT_MAX_TOKENS = 2048
 DB_FILE = "chat.db"
 KV_DIR = "kv"
 # command-line flags that are engine settings of the same name
@@ -72,6 +74,7 @@ def create_app(
     disk_kv: bool = True,
     api_rate_limit: int | None = API_RATE_LIMIT,
     cors_origins: list[str] | None = None,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ):
     """Build the ASGI app (FastAPI with the API routes and the Gradio UI mounted at "/").
 
@@ -79,6 +82,8 @@ def create_app(
     from ``model`` and ``engine_options``. ``api_rate_limit``: API requests per user per minute
     with ``users_file`` (None or 0: unlimited). ``users_file``: see ``auth.load_users``; None = a single
     local user without login. ``cors_origins``: origins whose pages may call the API (None: no CORS).
+    ``default_max_tokens``: an API reply's cap when the request names no max_tokens (None or 0: the
+    context's room, or the model's own max_new_tokens).
     ``app.state.chat`` holds the engine and the store.
     """
     import gradio as gr
@@ -96,6 +101,8 @@ def create_app(
     users = auth.load_users(users_file) if users_file is not None else None
     if cors_origins:
         check_origins(cors_origins)
+    if default_max_tokens is not None and (isinstance(default_max_tokens, bool) or default_max_tokens < 0):
+        raise ValueError(f"--default-max-tokens must be 0 (no cap) or a positive number, got {default_max_tokens}")
     data = check_data_dir(data_dir)  # private: conversations are there in plain text
     lock = lock_data_dir(data)  # one server per data dir, and none while users are deleted offline
     try:
@@ -114,7 +121,12 @@ def create_app(
     service = ChatService(engine, store, load_personas())
     limit = api_rate_limit if users is not None and api_rate_limit else None
     app = build_api(
-        engine, users, model_name=str(engine.model_id), rate_limit_per_minute=limit, cors_origins=cors_origins
+        engine,
+        users,
+        model_name=str(engine.model_id),
+        rate_limit_per_minute=limit,
+        cors_origins=cors_origins,
+        default_max_tokens=default_max_tokens or None,
     )
     demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n, admins=auth.admins(users))
     login = _login_check(users) if users is not None else None
@@ -336,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
         "http://localhost:3000; '*' for any); only /v1 and /health, never with cookies. Default: off",
     )
     p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="an API reply's length cap when the client sends no max_tokens (Open WebUI sends none); "
+        "0: up to the context. Sampling settings a client leaves out come from the model's "
+        "generation_config.json",
+    )
+    p.add_argument(
         "--max-alternatives", type=int, default=4, help="largest n (parallel alternatives per turn) offered in the UI"
     )
     p.add_argument("--title", default="chatengine", help="name shown in the browser tab and sidebar")
@@ -363,6 +383,7 @@ def main(argv=None) -> None:
             disk_kv=not args.no_disk_kv,
             api_rate_limit=args.api_rate_limit,
             cors_origins=[o for arg in args.cors_origins or () for o in arg.split(",") if o] or None,
+            default_max_tokens=args.default_max_tokens,
             engine_options=engine_options,
         )
     except ValueError as e:  # a bad flag value, users file or model path

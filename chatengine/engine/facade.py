@@ -56,6 +56,12 @@ class EngineFacade:
     def eos_token_ids(self) -> set[int]:
         return set(self.engine.eos_token_ids)
 
+    @property
+    def generation_defaults(self) -> dict:
+        """The model's own sampling defaults, by SamplingParams field name (temperature, top_p, top_k,
+        repetition_penalty, max_tokens), from its generation_config.json; {} when it sets none."""
+        return dict(self.engine.model_config.generation_defaults)
+
     # ---- text -----------------------------------------------------------------------------------
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -161,6 +161,9 @@ class ModelConfig:
     attention_bias: bool  # Qwen2: biases on q/k/v projections
     rope_scaling: dict | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # the model's own sampling defaults (generation_config.json), SamplingParams names: temperature,
+    # top_p, top_k, repetition_penalty, max_tokens; what a client that names none gets
+    generation_defaults: dict = field(default_factory=dict)
 
 
 class LazyWeights(Mapping):
@@ -300,12 +303,45 @@ def _load_hf_dir(path: Path, digest: str | None = None, model_id: str | None = N
     eos = set(config.eos_token_ids)
     gen = path / "generation_config.json"
     if gen.is_file():
-        ids = json.loads(gen.read_text()).get("eos_token_id")
+        try:
+            gen_cfg = json.loads(gen.read_text())
+        except ValueError as e:
+            raise ValueError(f"{gen} is not valid JSON ({e}): fix or remove it") from None
+        gen_cfg = gen_cfg if isinstance(gen_cfg, dict) else {}
+        ids = gen_cfg.get("eos_token_id")
         eos.update([ids] if isinstance(ids, int) else (ids or []))
+        config.generation_defaults = generation_defaults(gen_cfg)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     config.eos_token_ids = sorted(eos)
     return LoadedModel(model_id or str(path), config, state_dict, tokenizer, digest, str(path))
+
+
+# generation_config.json key -> (SamplingParams field, type, smallest allowed, largest allowed)
+_GENERATION_KEYS = {
+    "temperature": ("temperature", float, 0.0, 2.0),
+    "top_p": ("top_p", float, 1e-9, 1.0),
+    "top_k": ("top_k", int, 0, 1 << 30),
+    "repetition_penalty": ("repetition_penalty", float, 1e-9, 10.0),
+    "max_new_tokens": ("max_tokens", int, 1, 1 << 30),
+}
+# the embedded default ships no generation config (a GGUF); these are its model card's own settings
+EMBEDDED_GENERATION_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
+
+
+def generation_defaults(gen_cfg: dict) -> dict:
+    """The sampling defaults a generation_config.json sets (as vLLM's --generation-config auto
+    reads them), by SamplingParams name; values of the wrong type or out of range are left out."""
+    out = {}
+    for key, (name, kind, lo, hi) in _GENERATION_KEYS.items():
+        value = gen_cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if kind is int and value != int(value):
+            continue
+        if lo <= value <= hi:
+            out[name] = kind(value)
+    return out
 
 
 def _convert_gguf(gguf: Path, digest: str) -> Path:
@@ -417,4 +453,7 @@ def load_model(
             raise ValueError(f"{path} is neither a GGUF file (bad magic) nor a model directory")
     digest = _gguf_digest(path)
     hf_dir = _convert_gguf(path, digest)
-    return _load_hf_dir(hf_dir, digest=digest, model_id="SmolLM2-135M-Instruct" if model is None else str(path))
+    loaded = _load_hf_dir(hf_dir, digest=digest, model_id="SmolLM2-135M-Instruct" if model is None else str(path))
+    if model is None:
+        loaded.config.generation_defaults = {**EMBEDDED_GENERATION_DEFAULTS, **loaded.config.generation_defaults}
+    return loaded

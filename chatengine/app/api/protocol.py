@@ -8,7 +8,7 @@ routes work with. Errors use OpenAI's shape `{"error": {"message", "type", "para
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -121,6 +121,9 @@ class Limits:
     default_max_tokens: int | None = None
     max_prompt_chars: int | None = None  # longer prompt text is refused before tokenizing
     vocab_size: int | None = None  # token ids (stop_token_ids, logit_bias keys) must be below it
+    # the model's own sampling defaults (its generation_config.json): what a request that names no
+    # temperature / top_p / top_k / repetition_penalty gets, and a chat reply's cap without max_tokens
+    generation_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine, default_max_tokens: int | None = None) -> "Limits":
@@ -132,6 +135,7 @@ class Limits:
             default_max_tokens,
             engine.max_prompt_chars,
             engine.vocab_size,
+            dict(getattr(engine, "generation_defaults", None) or {}),
         )
 
 
@@ -486,7 +490,7 @@ def parse_sampling(body: dict, limits: Limits, kind: Kind = "chat") -> Sampling:
     best_of = opt_int(body, "best_of", None, 1, limits.max_n)
     if best_of is not None and best_of != n:
         raise APIError(400, "'best_of' other than n is not supported by this server", param="best_of")
-    top_k = opt_int(body, "top_k", 0, -1, 1 << 30)
+    top_k = opt_int(body, "top_k", limits.generation_defaults.get("top_k", 0), -1, 1 << 30)
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None and (
         not isinstance(stop_token_ids, list)
@@ -509,20 +513,23 @@ def parse_sampling(body: dict, limits: Limits, kind: Kind = "chat") -> Sampling:
         )
     logprobs, prompt_logprobs = parse_logprobs(body, chat, echo)
     structured, structured_param = parse_structured(body)
+    model = limits.generation_defaults  # what the model's own generation config sets, for absent fields
     return Sampling(
         n=n,
-        temperature=opt_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=opt_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        temperature=opt_number(body, "temperature", model.get("temperature", 1.0), 0.0, 2.0),
+        top_p=opt_number(body, "top_p", model.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
         top_k=top_k,
         max_tokens=max_tokens,
-        default_max_tokens=None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
+        default_max_tokens=model.get("max_tokens") if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
         seed=None if seed is None else seed % 2**63,  # any int64, as OpenAI: negative ones map into the engine's range
         stop=parse_stop(body),
         stop_token_ids=stop_token_ids,
         ignore_eos=opt_bool(body, "ignore_eos"),
         presence_penalty=opt_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=opt_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=opt_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        repetition_penalty=opt_number(
+            body, "repetition_penalty", model.get("repetition_penalty", 1.0), 0.0, 10.0, lo_open=True
+        ),
         logit_bias=parse_logit_bias(body, vocab),
         min_tokens=min_tokens,
         logprobs=logprobs,
