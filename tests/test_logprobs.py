@@ -30,8 +30,19 @@ def test_row_logprobs_reference():
     lp = row_logprobs(logits, torch.tensor([0, 3]), 2, [0.0, 2.0])
     assert torch.allclose(lp.chosen, torch.stack([torch.log_softmax(logits[0], 0)[0], torch.tensor(math.log(0.25))]))
     assert lp.top_ids[0].tolist() == [2, 1]
-    d = lp.as_dicts([2, 1])
+    d = lp.to_host(pin=False).as_dicts([2, 1])
     assert list(d[0]) == [2, 1, 0] and list(d[1])[-1] == 3  # the chosen token is always a key
+    assert d[0] == {2: lp.top_vals[0, 0].item(), 1: lp.top_vals[0, 1].item(), 0: lp.chosen[0].item()}
+
+
+def test_packed_host_logprobs_keep_large_token_ids_exact():
+    """The host copy packs ids as float32: exact for every id of a 262k vocabulary."""
+    logits = torch.zeros(2, 262_144)
+    logits[0, 262_143], logits[0, 7], logits[1, 128_255], logits[1, 200_001] = 5.0, 1.0, 4.0, 3.0
+    lp = row_logprobs(logits, torch.tensor([262_141, 128_255]), 2)
+    d = lp.to_host(pin=False).as_dicts([2, 1])
+    assert list(d[0]) == [262_143, 7, 262_141] and list(d[1]) == [128_255]
+    assert all(type(t) is int for row in d for t in row)
 
 
 @pytest.mark.parametrize("k", [0, 5])

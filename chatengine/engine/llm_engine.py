@@ -324,11 +324,14 @@ class LLMEngine:
         out = self.scheduler.schedule()
         launched = None
         outputs: list[RequestOutput] = []
+        received: list = []  # (out, launched, sampled) of the step in flight, once its tokens are in
         if not out.seqs and self._in_flight is None and self.tiers is not None:
             self.tiers.wait_for_loads(0.05)  # only prefixes on their way from disk: no busy loop
         if out.seqs:
             between = (
-                self._collect_between(out, outputs) if self._in_flight is not None and self._history_requests else None
+                self._collect_between(out, received, outputs)
+                if self._in_flight is not None and self._history_requests
+                else None
             )
             try:
                 if self.transfers is not None:
@@ -343,59 +346,77 @@ class LLMEngine:
                     self.scheduler.launched(out)
         if self._in_flight is not None:
             previous, self._in_flight = self._in_flight, None
-            outputs += self._complete(*previous)
+            self._receive(previous[0], previous[1], received, outputs)
+        for previous_out, previous_launched, sampled in received:
+            outputs += self._advance(previous_out, previous_launched, sampled)
         if launched is not None:
             if self.async_scheduling:
                 self._in_flight = launched
             else:
-                outputs += self._complete(*launched)
+                self._receive(launched[0], launched[1], received, outputs)
+                outputs += self._advance(*received.pop())
         if self.config.debug_checks:
             self.check_invariants()
         return outputs
 
-    def _collect_between(self, out, outputs: list[RequestOutput]):
-        """Penalties, grammars and min_tokens read every token so far on the host: the step in flight
-        is collected after this step's forward is queued and before its sampling (the device runs
-        the forward meanwhile, so nobody's step waits for it)."""
+    def _collect_between(self, out, received: list, outputs: list[RequestOutput]):
+        """Penalties, grammars and min_tokens read every token so far on the host: the tokens of the
+        step in flight are received (placeholders filled, grammars advanced) after this step's
+        forward is queued and before its sampling; the rest of that step's work (stop checks,
+        detokenizing, outputs) waits until this step's sampling is queued too, so the device never
+        waits for it."""
 
         def collect() -> None:
             previous, self._in_flight = self._in_flight, None
             assert previous is not None
             self.scheduler.launched(out)  # as without it: this step's placeholders, then the last step's tokens
-            outputs.extend(self._complete(*previous))
+            self._receive(previous[0], previous[1], received, outputs)
 
         return collect
 
-    def _complete(self, out, launched) -> list[RequestOutput]:
+    def _receive(self, out, launched, received: list, outputs: list[RequestOutput]) -> None:
         """A launched step's tokens are back: fill its placeholders, publish the blocks that became
-        full, fork n > 1 requests, check stops, and build outputs. Sequences finished meanwhile (a
+        full and feed the grammars, which the next sampling reads. Appends (out, launched, sampled)
+        to `received`, or a failed forward's outputs to `outputs`. Sequences finished meanwhile (a
         stop found late, an abort) are skipped: their lanes were wasted."""
         try:
             token_ids = self.runner.collect(launched)
         except Exception as e:
             log.exception("forward pass failed")
-            return self._fail({seq.request_id for seq in out.seqs if not seq.is_finished}, f"{type(e).__name__}: {e}")
-        now = time.monotonic()
+            failed = {seq.request_id for seq in out.seqs if not seq.is_finished}
+            outputs += self._fail(failed, f"{type(e).__name__}: {e}")
+            return
         sampled = [
             (seq, token_id, seq.fill_placeholder(token_id))
             for seq, token_id in zip(out.seqs, token_ids)
             if token_id is not None and not seq.is_finished
         ]
+        self.scheduler.publish(out)  # before a grammar that ends a sequence frees its blocks
+        for seq, token_id, _ in sampled:
+            if seq.grammar is not None:
+                self._advance_grammar(self.requests[seq.request_id], seq, token_id)
+        received.append((out, launched, sampled))
+
+    def _advance(self, out, launched, sampled: list) -> list[RequestOutput]:
+        """The rest of a received step: logprobs, fork n > 1 requests, check stops, and build outputs."""
+        now = time.monotonic()
         if launched.logprob_rows or launched.prompt_rows:
             self._record_logprobs(out.seqs, sampled, *self.runner.collected_logprobs(launched))
-        self.scheduler.publish(out)
         if self.transfers is not None:
             self.transfers.write_behind()
         self.num_steps += 1
         touched = {}
         for seq, token_id, pos in sampled:
-            req = self.requests[seq.request_id]
+            req = self.requests.get(seq.request_id)
+            if req is None:  # failed meanwhile (its output is out already)
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
             if pos == seq.num_prompt_tokens and seq.index == 0 and len(req.seqs) < req.params.n:
                 self._fork(req, seq)
             self.num_generated_tokens += 1
-            self._check_stop(req, seq, token_id)
+            if not seq.is_finished:  # its grammar may have ended it on receipt
+                self._check_stop(req, seq, token_id)
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
@@ -424,8 +445,6 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, seq: Sequence, token_id: int) -> None:
         p = seq.params
-        if seq.grammar is not None and not self._advance_grammar(req, seq, token_id):
-            return
         detok = req.detoks[seq.index]
         if not p.min_tokens or seq.num_output_tokens >= p.min_tokens:  # below it: no stop yet
             if self._stopped(req, seq, token_id, detok):

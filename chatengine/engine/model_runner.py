@@ -35,7 +35,7 @@ from chatengine.engine.attention import get_backend
 from chatengine.engine.host_to_device import on_device
 from chatengine.engine.loader import LoadedModel, ModelConfig
 from chatengine.engine.logits_processor import process_logits
-from chatengine.engine.logprobs import RowLogprobs, row_logprobs
+from chatengine.engine.logprobs import HostLogprobs, row_logprobs
 from chatengine.engine.models.llama import AttentionMetadata, LlamaModel
 from chatengine.engine.models.parallel_layers import kv_heads_per_rank, split
 from chatengine.engine.parallel.group import TPGroup
@@ -96,12 +96,12 @@ class LaunchedStep:
     samples: list[bool]
     token_ids: torch.Tensor | None = None  # (S,) int64 on the host (pinned on CUDA); None: nothing sampled
     done: Any = None  # CUDA event after the copy into token_ids
-    # the sampled rows that asked for logprobs: (seq_id, k) each, and their RowLogprobs on the host
+    # the sampled rows that asked for logprobs: (seq_id, k) each, and their HostLogprobs on the host
     logprob_rows: list[tuple[int, int]] | None = None
-    logprobs: RowLogprobs | None = None
+    logprobs: HostLogprobs | None = None
     # prompt logprobs: (seq_id, first position predicted, k, count) per sequence, their rows on the host
     prompt_rows: list[tuple[int, int, int, int]] | None = None
-    prompt_logprobs: RowLogprobs | None = None
+    prompt_logprobs: HostLogprobs | None = None
 
 
 def _prompt_rows_plan(seqs: list[Sequence], num_new_tokens: list[int], wanted: list[bool]):
@@ -646,7 +646,7 @@ class ModelRunner:
         process_logits(out, seqs, self.eos_token_ids)
         return out
 
-    def _logprobs(self, logits, seqs, tokens) -> tuple[list[tuple[int, int]] | None, RowLogprobs | None]:
+    def _logprobs(self, logits, seqs, tokens) -> tuple[list[tuple[int, int]] | None, HostLogprobs | None]:
         """The logprobs of the rows that asked for them, copied to the host (non-blocking)."""
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not rows:
@@ -658,7 +658,7 @@ class ModelRunner:
         meta = [(seqs[i].seq_id, seqs[i].params.logprobs) for i in rows]
         return meta, lp.to_host(self._token_host is not None)
 
-    def _prompt_logprobs(self, prompt) -> tuple[list[tuple[int, int, int, int]] | None, RowLogprobs | None]:
+    def _prompt_logprobs(self, prompt) -> tuple[list[tuple[int, int, int, int]] | None, HostLogprobs | None]:
         """Logprobs of prompt tokens from their predicting rows (raw log-softmax), copied to the host."""
         prompt = [(seq, first, rows) for seq, first, rows in prompt if rows.shape[0]]
         if not prompt:
