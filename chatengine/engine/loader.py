@@ -9,6 +9,7 @@ that. Nothing here touches the network.
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger("chatengine")
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 # Named shapes for random weights (GPU benchmarks, tests). Values follow the public configs.
 DUMMY_SHAPES: dict[str, dict] = {
@@ -100,6 +103,36 @@ DUMMY_SHAPES: dict[str, dict] = {
         tie_word_embeddings=True,
         attention_bias=True,
     ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+    ),
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=True,
+    ),
     "smollm2-135m": dict(
         vocab_size=49152,
         hidden_size=576,
@@ -127,6 +160,21 @@ DUMMY_SHAPES: dict[str, dict] = {
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         attention_bias=False,
+    ),
+    "tiny-qwen3": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,  # not hidden / heads, as in Qwen3
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
     ),
     "tiny-qwen": dict(
         vocab_size=256,
@@ -160,6 +208,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: biases on q/k/v projections
     rope_scaling: dict | None = None
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before RoPE
     eos_token_ids: list[int] = field(default_factory=list)
     # the model's own sampling defaults (generation_config.json), SamplingParams names: temperature,
     # top_p, top_k, repetition_penalty, max_tokens; what a client that names none gets
@@ -247,9 +296,26 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _sliding_window(cfg) -> int | None:
+    """The attention window of a config whose layers see only their last N tokens (Mistral v0.1's
+    `sliding_window`; Qwen's `use_sliding_window` with sliding layers), else None."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    if cfg.model_type == "mistral":
+        return int(window)
+    layers = getattr(cfg, "layer_types", None) or ["sliding_attention"]
+    return int(window) if getattr(cfg, "use_sliding_window", False) and "sliding_attention" in layers else None
+
+
 def _config_from_hf(cfg) -> ModelConfig:
     if cfg.model_type not in SUPPORTED_TYPES:
         raise ValueError(f"model type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
+    max_positions = cfg.max_position_embeddings
+    window = _sliding_window(cfg)
+    if window is not None and window < max_positions:  # within one window, full attention is the same
+        log.warning("%s uses sliding-window attention: the context is capped at its %d", cfg.model_type, window)
+        max_positions = window
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope = dict(rope)
     theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", 10000.0)
@@ -266,10 +332,11 @@ def _config_from_hf(cfg) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=float(theta),
-        max_position_embeddings=cfg.max_position_embeddings,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         attention_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
         rope_scaling=None if rope_type == "default" else rope,
+        qk_norm=cfg.model_type == "qwen3",
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
     )
 
@@ -414,6 +481,8 @@ def _dummy(shape: str, seed: int, dtype: torch.dtype, device: str) -> LoadedMode
             (p + "self_attn.v_proj.weight", (config.num_kv_heads * D, H), 0),
             (p + "self_attn.o_proj.weight", (H, config.num_heads * D), 0),
         ]
+        if config.qk_norm:
+            specs += [(p + "self_attn.q_norm.weight", (D,), 1), (p + "self_attn.k_norm.weight", (D,), 1)]
         if config.attention_bias:
             for name, n in (("q", config.num_heads), ("k", config.num_kv_heads), ("v", config.num_kv_heads)):
                 specs.append((p + f"self_attn.{name}_proj.bias", (n * D,), 0))

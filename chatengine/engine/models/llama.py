@@ -1,4 +1,5 @@
-"""Llama-family forward over the paged KV cache (Llama 3.x, SmolLM2, Qwen2, Mistral).
+"""Llama-family forward over the paged KV cache (Llama 3.x, SmolLM2, Qwen2, Qwen3, Mistral): one
+decoder with each family's options (q/k/v biases, per-head q/k norms) from its config.
 
 Tokens of all sequences in a step are packed into one flat batch of T tokens; attention finds each
 token's sequence and context through `AttentionMetadata`. Numerics follow Hugging Face's Llama
@@ -103,6 +104,10 @@ class Attention(nn.Module):
         )
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, group)
         self.scale = self.head_dim**-0.5
+        if config.qk_norm:  # weights (head_dim,): the same on every rank
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x, positions, rope, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
@@ -110,6 +115,9 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]  # (N, bs, Hkv, D) views
         # q rotated; k rotated and v into their cache slots (one launch on triton)
         q = self.backend.rotary_store_kv(positions, q, k, v, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)

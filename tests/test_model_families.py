@@ -1,0 +1,139 @@
+"""Every model family the engine serves, proven the one way possible without downloads: a tiny
+random-weight model saved with transformers' `save_pretrained`, loaded by `LLM(model=dir)`, gives
+transformers' greedy tokens (fp32, CPU) for prompts longer than two prefill chunks, again when
+their prefix is cached, and in every sample of n > 1."""
+
+import random
+
+import pytest
+import torch
+
+from chatengine import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, EOS, CHUNK = 256, 255, 32
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=EOS,
+    initializer_range=0.2,  # weights large enough that attention, not the embeddings alone, picks the token
+)
+FAMILIES = {
+    "llama3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, saved directory, transformers model) of one family."""
+    config_name, model_name, extra = FAMILIES[request.param]
+    config = getattr(transformers, config_name)(**{**COMMON, **extra})
+    torch.manual_seed(1)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # norms made of ones would hide a norm left out
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, path, model
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)  # 2.5 to 4 prefill chunks each
+    return [[rng.randrange(1, EOS) for _ in range(rng.randint(5 * CHUNK // 2, 4 * CHUNK))] for _ in range(3)]
+
+
+def reference(model, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=EOS
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def test_greedy_equals_transformers_chunked_cached_and_forked(family):
+    name, path, model = family
+    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=CHUNK, block_size=16, debug_checks=True)
+    try:
+        refs = [reference(model, ids) for ids in prompts()]
+        cold = llm.generate(prompts(), GREEDY)
+        assert [o.outputs[0].token_ids for o in cold] == refs, name
+        assert all(o.num_cached_tokens == 0 for o in cold)
+        warm = llm.generate(prompts(), GREEDY)  # the same prompts: their full blocks come from the cache
+        assert [o.outputs[0].token_ids for o in warm] == refs, name
+        assert all(o.num_cached_tokens >= 16 for o in warm)
+        forked = llm.generate(prompts()[:1], SamplingParams(temperature=0, max_tokens=12, n=3))
+        assert [c.token_ids for c in forked[0].outputs] == [refs[0]] * 3, name
+    finally:
+        llm.shutdown()
+
+
+def test_prompt_logprobs_equal_transformers(family):
+    """Every prompt token's logprob, prefilled in chunks, within 1e-4 of one transformers forward."""
+    name, path, model = family
+    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=CHUNK, block_size=16)
+    try:
+        ids = prompts()[0]
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+        ours = torch.tensor([d[t] for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
+        with torch.no_grad():
+            theirs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        expected = theirs.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+        assert torch.allclose(ours, expected, atol=1e-4, rtol=0), (name, (ours - expected).abs().max().item())
+    finally:
+        llm.shutdown()
+
+
+def test_qwen3_loads_its_qk_norms(family):
+    name, path, _ = family
+    from chatengine.engine.loader import load_model
+
+    config = load_model(str(path)).config
+    assert config.qk_norm == (name == "qwen3")
+    if name == "qwen3":
+        assert config.head_dim == 32 != config.hidden_size // config.num_heads
+
+
+def test_a_sliding_window_caps_the_context(tmp_path):
+    """Mistral v0.1 attends to its last 4096 tokens: within one window that is full attention, so the
+    context stops at the window (a longer one would need windowed attention)."""
+    from chatengine.engine.loader import load_model
+
+    config = transformers.MistralConfig(**{**COMMON, "sliding_window": 128})
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    assert load_model(str(tmp_path)).config.max_position_embeddings == 128
+
+
+def test_a_dummy_qwen3_shape_makes_its_norm_weights():
+    llm = LLM("dummy:tiny-qwen3", num_kv_blocks=32, max_num_batched_tokens=64)
+    try:
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+        norms = [n for n, _ in llm.engine.runner.model.named_parameters() if "q_norm" in n or "k_norm" in n]
+        assert len(norms) == 2 * 2  # two layers, q and k
+    finally:
+        llm.shutdown()
