@@ -142,3 +142,26 @@ def test_an_unreadable_generation_config_is_named(hf_dir, tmp_path):
 
 def test_the_embedded_default_has_its_model_cards_settings(llm):
     assert llm.generation_defaults == {"temperature": 0.2, "top_p": 0.9}
+
+
+def _hf_cache_layout(hf_dir, cache, repo_id: str):
+    """The local HF cache's layout for repo_id: refs/main names a snapshot holding the files."""
+    path, _ = hf_dir
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    for f in path.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+
+
+def test_a_repo_id_resolves_from_the_local_hf_cache(hf_dir, tmp_path, monkeypatch):
+    _hf_cache_layout(hf_dir, tmp_path, "acme/tiny-qwen2")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = load_model("acme/tiny-qwen2")
+    assert loaded.hf_dir == str(tmp_path / "models--acme--tiny-qwen2" / "snapshots" / ("a" * 40))
+    assert loaded.config.vocab_size == 128 and loaded.config.attention_bias
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+        load_model("acme/not-cached")

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -500,20 +501,48 @@ def _dummy(shape: str, seed: int, dtype: torch.dtype, device: str) -> LoadedMode
     return LoadedModel(f"dummy:{shape}", config, sd, None, f"dummy:{shape}:seed={seed}")
 
 
+# "org/name" as the Hub spells repo ids (a path that does not exist and looks like one)
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+# what serving needs from a repo: config, generation config, tokenizer and chat template, safetensors
+REPO_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
+
+
+def resolve_repo_id(repo_id: str) -> Path:
+    """The local directory of a Hugging Face repo id: from the local HF cache (HF_HUB_CACHE), else
+    downloaded (safetensors and the tokenizer only, with the hub's progress bars) unless offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = os.environ.get("HF_HUB_CACHE") or None  # read now, not when huggingface_hub was imported
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=REPO_FILES, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ValueError(f"{repo_id!r} is no local path and not in the local Hugging Face cache (offline)")
+    log.warning("%s is not in the local Hugging Face cache: downloading it", repo_id)
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=REPO_FILES, cache_dir=cache))
+    except Exception as e:
+        raise ValueError(f"{repo_id!r} is no local path and the Hugging Face Hub did not give it: {e}") from e
+
+
 def load_model(
     model: str | None, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> LoadedModel:
-    """Resolve `model` (None, a .gguf path, an HF directory or "dummy:<shape>") and load it on the CPU
-    (dummy weights are made directly on `device` in `dtype`)."""
+    """Resolve `model` (None, a .gguf path, an HF directory, a Hugging Face repo id or "dummy:<shape>")
+    and load it on the CPU (dummy weights are made directly on `device` in `dtype`)."""
     if model is not None and not isinstance(model, str):
         raise ValueError(f"model must be None, a path or 'dummy:<shape>', got {type(model).__name__}")
     if model is not None and model.startswith("dummy:"):
         return _dummy(model.removeprefix("dummy:"), seed, dtype, device)
     path = default_gguf_path() if model is None else Path(model).expanduser()
+    if not path.exists() and model is not None and REPO_ID.fullmatch(model):
+        return _load_hf_dir(resolve_repo_id(model), model_id=model)
     if not path.exists():
         raise ValueError(
-            f"model path {str(path)!r} does not exist; give a .gguf file, a Hugging Face "
-            f"model directory, 'dummy:<shape>' ({', '.join(DUMMY_SHAPES)}) or None for the default"
+            f"model path {str(path)!r} does not exist; give a .gguf file, a Hugging Face model directory "
+            f"or repo id, 'dummy:<shape>' ({', '.join(DUMMY_SHAPES)}) or None for the default"
         )
     if path.is_dir():
         return _load_hf_dir(path)
