@@ -42,6 +42,8 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False, rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
+    # fused qkv_proj and gate_up_proj in the checkpoint
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, bos_token_id=1, tie_word_embeddings=False)),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -137,3 +139,12 @@ def test_a_dummy_qwen3_shape_makes_its_norm_weights():
         assert len(norms) == 2 * 2  # two layers, q and k
     finally:
         llm.shutdown()
+
+
+def test_partial_rotary_is_refused_by_name(tmp_path):
+    config = transformers.Phi3Config(**{**COMMON, "pad_token_id": 0, "bos_token_id": 1, "partial_rotary_factor": 0.75})
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    from chatengine.engine.loader import load_model
+
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        load_model(str(tmp_path))

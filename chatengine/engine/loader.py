@@ -23,7 +23,7 @@ import torch
 log = logging.getLogger("chatengine")
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 # Named shapes for random weights (GPU benchmarks, tests). Values follow the public configs.
 DUMMY_SHAPES: dict[str, dict] = {
@@ -320,6 +320,12 @@ def _config_from_hf(cfg) -> ModelConfig:
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope = dict(rope)
     theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", 10000.0)
+    partial = rope.pop("partial_rotary_factor", None) or getattr(cfg, "partial_rotary_factor", None) or 1.0
+    if partial != 1.0:
+        raise ValueError(
+            f"this {cfg.model_type} model rotates part of each head (partial_rotary_factor "
+            f"{partial}), which is not supported yet"
+        )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     eos = cfg.eos_token_id
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -1,5 +1,6 @@
-"""Llama-family forward over the paged KV cache (Llama 3.x, SmolLM2, Qwen2, Qwen3, Mistral): one
-decoder with each family's options (q/k/v biases, per-head q/k norms) from its config.
+"""Llama-family forward over the paged KV cache (Llama 3.x, SmolLM2, Qwen2, Qwen3, Mistral, Phi-3):
+one decoder with each family's options (q/k/v biases, per-head q/k norms) from its config; Phi-3's
+fused qkv_proj / gate_up_proj checkpoints load into the same fused layers.
 
 Tokens of all sequences in a step are packed into one flat batch of T tokens; attention finds each
 token's sequence and context through `AttentionMetadata`. Numerics follow Hugging Face's Llama
@@ -199,15 +200,23 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"weights missing from the checkpoint: [{name!r}]")
             return sd.pop(names.pop(name))
 
+        c = self.config
+        qkv_rows = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         self.embed_tokens.load(take("embed_tokens.weight"))
         layer: Any
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             for param in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
-                attn.qkv_proj.load(*(take(p + f"self_attn.{x}_proj.{param}") for x in "qkv"), param)
+                if p + f"self_attn.qkv_proj.{param}" in names:  # Phi-3: one tensor, q then k then v rows
+                    attn.qkv_proj.load(*take(p + f"self_attn.qkv_proj.{param}").split(qkv_rows), param)
+                else:
+                    attn.qkv_proj.load(*(take(p + f"self_attn.{x}_proj.{param}") for x in "qkv"), param)
             attn.o_proj.load(take(p + "self_attn.o_proj.weight"))
-            mlp.gate_up_proj.load(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
+            if p + "mlp.gate_up_proj.weight" in names:  # Phi-3: gate rows, then up rows
+                mlp.gate_up_proj.load(*take(p + "mlp.gate_up_proj.weight").chunk(2))
+            else:
+                mlp.gate_up_proj.load(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
             mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
         if not self.config.tie_word_embeddings:
             self.lm_head.load(take("lm_head.weight"))
