@@ -45,6 +45,7 @@ from chatengine.engine.loader import DUMMY_SHAPES  # noqa: E402
 from chatengine.kernels import paged_attention as pa  # noqa: E402
 
 MODELS = ["llama-3.2-1b", "qwen2.5-0.5b"]
+SHAPES = [*MODELS, "qwen3-0.6b", "llama-3.1-8b"]  # --models may pick any of these
 PARTS = ["bandwidth", "throughput", "peer", "decode", "kernel", "profile"]
 
 
@@ -281,7 +282,10 @@ def hf_model(shape: str):
     import transformers
 
     c = DUMMY_SHAPES[shape]
-    cls = transformers.LlamaConfig if shape.startswith("llama") else transformers.Qwen2Config
+    if shape.startswith("llama"):
+        cls = transformers.LlamaConfig
+    else:
+        cls = transformers.Qwen3Config if c.get("qk_norm") else transformers.Qwen2Config
     cfg = cls(
         vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"],
@@ -781,7 +785,7 @@ def main(argv=None):
     ap.add_argument("--render", metavar="JSON", help="only re-render the markdown of a saved JSON (no GPU)")
     ap.add_argument("--part", nargs="+", choices=PARTS, default=None, help="parts to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes and subsets: a smoke run in ~3 min")
-    ap.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    ap.add_argument("--models", nargs="+", default=MODELS, choices=SHAPES)
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--peer-requests", type=int, default=None, help="HF CB subset (default 64, quick 16)")
     ap.add_argument("--peer-timeout", type=float, default=150.0, help="seconds before the peer is cut off")

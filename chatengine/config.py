@@ -28,6 +28,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step N+1 before step N's tokens are back; None: on CUDA
     tensor_parallel_size: int = 1  # ranks (GPUs) the weights and KV heads are split over; one process each
+    quantization: str | None = None  # "fp8": e4m3 weights of the linear layers, per-channel scales (models/fp8.py)
     seed: int = 0  # seed of dummy weights and of unseeded sampling
     debug_checks: bool = False  # check block-manager invariants after every step
 
@@ -51,6 +52,8 @@ class EngineConfig:
                 "the disk tier of the KV cache (kv_store_dir) does not work with tensor_parallel_size > 1 yet: "
                 "leave kv_store_dir unset, or serve with --no-disk-kv (the host tier works)"
             )
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
         if self.cpu_offload_gib < 0 or self.kv_store_gib <= 0:

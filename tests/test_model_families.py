@@ -79,7 +79,7 @@ def reference(model, ids: list[int]) -> list[int]:
 
 def test_greedy_equals_transformers_chunked_cached_and_forked(family):
     name, path, model = family
-    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=CHUNK, block_size=16, debug_checks=True)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=128, max_num_batched_tokens=CHUNK, debug_checks=True)
     try:
         refs = [reference(model, ids) for ids in prompts()]
         cold = llm.generate(prompts(), GREEDY)
@@ -97,7 +97,7 @@ def test_greedy_equals_transformers_chunked_cached_and_forked(family):
 def test_prompt_logprobs_equal_transformers(family):
     """Every prompt token's logprob, prefilled in chunks, within 1e-4 of one transformers forward."""
     name, path, model = family
-    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=CHUNK, block_size=16)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=128, max_num_batched_tokens=CHUNK)
     try:
         ids = prompts()[0]
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
@@ -131,7 +131,7 @@ def test_a_sliding_window_caps_the_context(tmp_path):
 
 
 def test_a_dummy_qwen3_shape_makes_its_norm_weights():
-    llm = LLM("dummy:tiny-qwen3", num_kv_blocks=32, max_num_batched_tokens=64)
+    llm = LLM("dummy:tiny-qwen3", device="cpu", num_kv_blocks=32, max_num_batched_tokens=64)
     try:
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
@@ -148,3 +148,47 @@ def test_partial_rotary_is_refused_by_name(tmp_path):
 
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
         load_model(str(tmp_path))
+
+
+REALISTIC = dict(  # a 1B-class width, four layers: the kernels' real tile shapes, a short run
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+    eos_token_id=2,
+    pad_token_id=0,
+    bos_token_id=1,
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cuda_fp32_realistic_width_equals_transformers(name, tmp_path):
+    """On the device in fp32 (our Triton kernels, CUDA graphs): prompt logprobs within 1e-4 of
+    transformers' and the same greedy tokens."""
+    config_name, model_name, extra = FAMILIES[name]
+    extra = {k: v for k, v in extra.items() if k not in ("rope_scaling", "head_dim")}
+    head_dim = {"head_dim": 128} if name in ("qwen3",) else {}
+    config = getattr(transformers, config_name)(**{**REALISTIC, **extra, **head_dim})
+    torch.manual_seed(2)
+    model = getattr(transformers, model_name)(config).eval()
+    model.save_pretrained(tmp_path)
+    model = model.cuda()
+    rng = random.Random(3)
+    ids = [rng.randrange(3, 32000) for _ in range(700)]
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_batched_tokens=256, register_personas=False)
+    try:
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0))[0]
+        ours = torch.tensor([d[t] for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
+        with torch.no_grad():
+            theirs = torch.log_softmax(model(torch.tensor([ids], device="cuda")).logits[0, :-1].float(), -1).cpu()
+            prompt = torch.tensor([ids], device="cuda")
+            ref = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        expected = theirs.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+        assert torch.allclose(ours, expected, rtol=1e-4, atol=1e-4), (name, (ours - expected).abs().max().item())
+        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist(), name
+    finally:
+        llm.shutdown()

@@ -48,6 +48,7 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "max_model_len",
     "tensor_parallel_size",
+    "quantization",
 )
 
 
@@ -298,10 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="a .gguf file or a Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct",
+        help="a .gguf file, a Hugging Face model directory or repo id (org/name: the local HF cache, else "
+        "downloaded); default: the embedded SmolLM2-135M-Instruct",
     )
     p.add_argument("--device", default=None, help='"cuda" or "cpu"; default: cuda when available')
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        default=None,
+        help="fp8: e4m3 weights with per-channel scales for the linear layers (GPUs of compute capability "
+        "8.9+: half the weight memory and bytes per decode step)",
+    )
     p.add_argument(
         "--kv-cache-gib", type=float, default=None, help="CPU: size of the KV page pool in GiB (engine default 1.0)"
     )

@@ -36,6 +36,7 @@ from chatengine.engine.host_to_device import on_device
 from chatengine.engine.loader import LoadedModel, ModelConfig
 from chatengine.engine.logits_processor import process_logits
 from chatengine.engine.logprobs import HostLogprobs, row_logprobs
+from chatengine.engine.models.fp8 import check_fp8_device
 from chatengine.engine.models.llama import AttentionMetadata, LlamaModel
 from chatengine.engine.models.parallel_layers import kv_heads_per_rank, split
 from chatengine.engine.parallel.group import TPGroup
@@ -243,6 +244,11 @@ class ModelRunner:
             model = LlamaModel(mc, self.backend, max_model_len, self.group).to(dtype)
         model.to_empty(device=device)  # in the final dtype: no full-precision copy of the slice
         model.load_hf_state_dict(loaded.state_dict)
+        if config.quantization == "fp8":
+            check_fp8_device(device)
+            model.quantize_fp8()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the bf16 weights' memory goes back before the KV pool is sized
         self.model = model.eval()
         self.model.rope.build()
         self.sampler = Sampler(device, config.seed)

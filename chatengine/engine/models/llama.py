@@ -16,6 +16,7 @@ from torch import nn
 
 from chatengine.engine.loader import ModelConfig
 from chatengine.engine.models.parallel_layers import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -184,6 +185,11 @@ class LlamaModel(nn.Module):
         assert residual is not None  # every model has at least one layer
         x, _ = self.norm(x[logits_indices], residual[logits_indices])  # only the rows that sample
         return self.lm_head(x)
+
+    def quantize_fp8(self) -> None:
+        """The attention and MLP projections to e4m3 weights with per-channel scales (after loading)."""
+        for linear in [m for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]:
+            linear.quantize_fp8()
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd) -> None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from chatengine.engine.models.fp8 import fp8_linear, quantize_rows
 from chatengine.engine.parallel.group import TPGroup
 
 
@@ -54,12 +55,37 @@ def _rows(full: torch.Tensor, n: int, group: TPGroup) -> torch.Tensor:
     return full.narrow(0, start * n, n)
 
 
-class ColumnParallelLinear(nn.Linear):
+class _Fp8Weight:
+    """A linear layer whose weight may be swapped for e4m3 rows and their scales (models/fp8.py)."""
+
+    fp8 = False
+    weight_fp8: torch.Tensor  # buffers once quantized (annotations only: register_buffer makes them)
+    weight_scale: torch.Tensor
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Replace the loaded weight (N, K) by e4m3 rows and fp32 scales (N,): half the bytes."""
+        q, scale = quantize_rows(self.weight)  # type: ignore[attr-defined]  # the nn.Linear's
+        del self.weight  # type: ignore[attr-defined]
+        self.register_buffer("weight_fp8", q)  # type: ignore[attr-defined]
+        self.register_buffer("weight_scale", scale)  # type: ignore[attr-defined]
+        self.fp8 = True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8:
+            return fp8_linear(x, self.weight_fp8, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)  # type: ignore[attr-defined]
+
+
+class ColumnParallelLinear(_Fp8Weight, nn.Linear):
     """y[..., this rank's outputs] = x W_r^T (+ b_r). `out_features` is this rank's share."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: TPGroup):
         super().__init__(in_features, out_features, bias=bias)
         self.group = group
+
+    def forward(self, x):
+        return self.matmul(x, self.bias)
 
     @torch.no_grad()
     def load_parts(self, parts: list[tuple[torch.Tensor, int]], param: str = "weight") -> None:
@@ -92,7 +118,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.load_parts([(gate, self.size), (up, self.size)])
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_Fp8Weight, nn.Linear):
     """y = all_reduce(x[..., this rank's inputs] W_r^T): each rank a partial sum. No bias."""
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup):
@@ -100,7 +126,7 @@ class RowParallelLinear(nn.Linear):
         self.group = group
 
     def forward(self, x):
-        return self.group.all_reduce(F.linear(x, self.weight))
+        return self.group.all_reduce(self.matmul(x, None))
 
     @torch.no_grad()
     def load(self, full: torch.Tensor) -> None:
