@@ -26,8 +26,8 @@ from benchmarks.common import commit  # noqa: E402
 from chatengine import LLM, SamplingParams  # noqa: E402
 
 
-def run(model: str, prompts: list[list[int]], tokens: int, **kw) -> tuple[list, list]:
-    llm = LLM(model, dtype="bfloat16", register_personas=False, max_model_len=2048, **kw)
+def run(model: str, prompts: list[list[int]], tokens: int, dtype: str = "bfloat16", **kw) -> tuple[list, list]:
+    llm = LLM(model, dtype=dtype, register_personas=False, max_model_len=2048, **kw)
     try:
         prefill = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
         logprobs = [[d[t] for d, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(prefill, prompts)]
@@ -51,6 +51,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--max-id", type=int, default=10000, help="prompt ids below this (tiny models: their vocab)")
+    ap.add_argument("--fp32-baseline", action="store_true", help="also run fp32: bf16's and fp8's distance from it")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     rng = random.Random(0)
@@ -59,6 +60,14 @@ def main():
     lp8, g8 = run(args.model, prompts, args.tokens, quantization="fp8")
     diffs = [abs(a - b) for pa, pb in zip(lp16, lp8) for a, b in zip(pa, pb)]
     prefix = [agree_prefix(a, b) / args.tokens for a, b in zip(g16, g8)]
+    baseline = {}
+    if args.fp32_baseline:  # how far bf16 itself is from fp32 on these weights: the scale to read fp8's by
+        lp32, g32 = run(args.model, prompts, args.tokens, dtype="float32")
+        for name, (lp, g) in {"bf16": (lp16, g16), "fp8": (lp8, g8)}.items():
+            d = [abs(a - b) for pa, pb in zip(lp32, lp) for a, b in zip(pa, pb)]
+            baseline[f"{name}_vs_fp32_logprob_abs_diff_mean"] = statistics.mean(d)
+            baseline[f"{name}_vs_fp32_logprob_abs_diff_max"] = max(d)
+            baseline[f"{name}_vs_fp32_greedy_identical"] = sum(a == b for a, b in zip(g32, g))
     res = {
         "model": args.model,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -71,6 +80,7 @@ def main():
         "logprob_abs_diff_mean": statistics.mean(diffs),
         "greedy_identical": sum(a == b for a, b in zip(g16, g8)),
         "greedy_agree_before_divergence_mean": statistics.mean(prefix),
+        **baseline,
     }
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H%M")
     out = Path(args.out)

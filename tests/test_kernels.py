@@ -20,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ imports triton
 
-from chatengine.kernels import cache_ops, fused_ops, sampling  # noqa: E402
+from chatengine.kernels import cache_ops, fp8_ops, fused_ops, sampling  # noqa: E402
 from chatengine.kernels import paged_attention as pa
 
 HAS_CUDA = torch.cuda.is_available()
@@ -660,3 +660,16 @@ def test_silu_mul(device, dtype, I):
     got = fused_ops.silu_mul_triton(gate_up)
     torch.testing.assert_close(got, fused_ops.silu_mul_ref(gate_up), **ulp_close(device, dtype))
     assert rel_err(got, fused_ops.silu_mul_ref(gate_up.double()).cpu()) < truncation(device, dtype) * REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_kernel_equals_reference(device, dtype):
+    """One launch, two passes over each row (K past one 1024 block); an all-zero row; a strided view."""
+    x = torch.randn(6, 2500, device=device, dtype=dtype) * torch.tensor([1e-3, 1, 30, 1, 1, 1], device=device)[:, None]
+    x[3] = 0
+    x = torch.cat([x, x], dim=1)[:, :2500]  # row stride 5000, columns contiguous
+    q, scale = fp8_ops.quantize_rows_triton(x)
+    q_ref, scale_ref = fp8_ops.quantize_rows_ref(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())

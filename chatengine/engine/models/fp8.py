@@ -2,22 +2,18 @@
 every weight once, reads half as much.
 
 Each weight row (output channel) gets its own fp32 scale, amax / 448; each activation row (token)
-gets one too, computed every call. On CUDA one `torch._scaled_mm` multiplies the e4m3 operands and
-applies both scales (Hopper's FP8 tensor cores); elsewhere `fp8_linear_ref` does the same arithmetic
-on dequantized fp32 copies, the reference the CUDA path is tested against. Embeddings, the LM head
-and the norms stay in the model's dtype.
+gets one too, computed every call (one Triton launch on CUDA: kernels/fp8_ops.py). On CUDA one
+`torch._scaled_mm` multiplies the e4m3 operands and applies both scales (Hopper's FP8 tensor cores);
+elsewhere `fp8_linear_ref` does the same arithmetic on dequantized fp32 copies, the reference the
+CUDA path is tested against. Embeddings, the LM head and the norms stay in the model's dtype.
 """
 
 import torch
 
-E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+from chatengine.kernels.fp8_ops import E4M3_MAX, quantize_rows_ref, quantize_rows_triton
 
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) -> (e4m3 (M, K), fp32 scales (M,)) with x ~= q * scale[:, None]."""
-    scale = x.abs().amax(dim=1).float().clamp(min=1e-12) / E4M3_MAX
-    q = (x.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+quantize_rows = quantize_rows_ref  # weights at load, activations off CUDA
+__all__ = ["E4M3_MAX", "check_fp8_device", "fp8_linear", "fp8_linear_cuda", "fp8_linear_ref", "quantize_rows"]
 
 
 def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None):
@@ -33,7 +29,7 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias
 def fp8_linear_cuda(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None):
     """fp8_linear_ref's result from one scaled FP8 matmul (row-wise scales; out in x's dtype)."""
     x2 = x.reshape(-1, x.shape[-1])
-    xq, x_scale = quantize_rows(x2)
+    xq, x_scale = quantize_rows_triton(x2)
     y = torch._scaled_mm(xq, w.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=x.dtype)
     if bias is not None:
         y = y + bias
