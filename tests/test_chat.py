@@ -233,22 +233,47 @@ def test_stop_keeps_partial_reply(svc):
     assert run(lambda: svc.send(user, cid, "ok", GREEDY)).status == "done"
 
 
-def test_closing_the_stream_keeps_partial_reply(svc):
-    """A cancelled UI event closes the generator: the partial reply is kept as 'aborted'."""
+def test_a_reply_outlives_its_follower_and_a_late_follower_sees_it_live(svc):
+    """The reply belongs to the server: the tab that asked for it leaves (a reload, another chat)
+    and the reply goes on to its end; another tab of the user attaches and follows it from where
+    it is; another user cannot attach."""
     user = "alice"
     cid = svc.new_conversation(user)
 
     async def go():
-        gen = svc.send(user, cid, LONG_PROMPT, LONG)
-        async for up in gen:
+        gen = svc.send(user, cid, LONG_PROMPT, dict(temperature=0, max_tokens=24))
+        async for first in gen:
+            if first.num_tokens[0] >= 2:
+                break  # the first tab leaves
+        assert svc.is_generating(user, cid)
+        with pytest.raises(NotFound):
+            svc.attach("bob", cid)
+        late = [up async for up in svc.attach(user, cid)]  # a second tab opens the chat
+        return first, late
+
+    first, late = asyncio.run(go())
+    assert late[0].texts[0].startswith(first.texts[0]) and late[0].status == "streaming"
+    final = late[-1]
+    assert final.status == "done" and final.num_tokens[0] == 24 and final.finish_reasons == ["length"]
+    msg = svc.store.get_message(user, final.message_ids[0])
+    assert msg["status"] == "done" and msg["content"] == final.texts[0]
+    assert not svc.is_generating(user, cid) and svc.attach(user, cid) is None
+
+
+def test_a_server_shutdown_marks_the_reply_interrupted(svc):
+    """Only the server's end cancels a generation: its partial text is kept as "interrupted"."""
+    user = "alice"
+    cid = svc.new_conversation(user)
+
+    async def go():
+        async for up in svc.send(user, cid, LONG_PROMPT, LONG):
             if up.num_tokens[0] >= 2:
-                break
-        await gen.aclose()
-        return up
+                return up  # the loop ends with the generation still running: asyncio.run cancels it
 
     up = asyncio.run(go())
     msg = svc.store.get_message(user, up.message_ids[0])
-    assert msg["status"] == "aborted" and msg["content"].startswith(up.texts[0])
+    assert msg["status"] == "interrupted" and msg["content"].startswith(up.texts[0])
+    assert not svc.is_generating(user, cid)
 
 
 def test_users_are_isolated(svc):

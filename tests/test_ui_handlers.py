@@ -84,7 +84,8 @@ def test_send_streams_then_renders_the_stored_turn(ui):
     assert [r["role"] for r in last[c.chatbot]] == ["user", "assistant"]
     assert "tokens" in last[c.chatbot][-1]["content"]  # the stats footer
     assert last[c.conv_list]["value"] == conv_id
-    assert ui.painting == {}  # no stream left counted
+    assert ui.following == {}  # no reply left followed
+    assert last[c.send_btn]["visible"] is True and last[c.stop_btn]["visible"] is False
 
 
 def test_empty_message_changes_nothing(ui):
@@ -94,11 +95,73 @@ def test_empty_message_changes_nothing(ui):
 def test_another_users_conversation_is_not_found(ui):
     c = ui.c
     conv_id = send(ui, "alice", "Hello")[0][c.cid]
-    out = ui.open_conv(conv_id, request("bob", "s2"))
+    [out] = drain(ui.open_conv(conv_id, request("bob", "s2")))
     assert out[c.cid] is None and out[c.chatbot] == [] and out[c.rows] == []
     assert ui.fill_title(conv_id, request("bob", "s2")) == ""
-    opened = ui.open_conv(conv_id, request("alice"))
+    [opened] = drain(ui.open_conv(conv_id, request("alice")))
     assert opened[c.cid] == conv_id and len(opened[c.rows]) == 2
+    assert opened[c.send_btn]["visible"] is True  # nothing is being written there
+
+
+def test_a_reply_goes_on_when_its_tab_leaves_and_another_tab_follows_it(ui):
+    """Tab 1 sends, then opens a new chat mid-reply: its event ends at once (the tab is free) and
+    the reply goes on. Tab 2 of the same user opens the chat: Stop shows, the reply streams from
+    where it is, then its final state; bob's tab gets nothing of it."""
+    c = ui.c
+
+    async def go():
+        tab1 = ui.send("Tell me a long story.", None, "assistant", 0, 1, 24, -1, 1, request("alice", "t1"))
+        sent = await anext(tab1)
+        conv_id = sent[c.cid]
+        assert sent[c.stop_btn]["visible"] is True
+        while True:  # until some text shows
+            upd = await anext(tab1)
+            if "▍" in upd[c.chatbot][-1]["content"] and len(upd[c.chatbot][-1]["content"]) > 8:
+                break
+        ui.new_chat("assistant", request("alice", "t1"))  # tab 1 moves on...
+        left = [u async for u in tab1]  # ...and stops following at once, without a final render
+        assert ui.service.is_generating("alice", conv_id)
+        assert ui.buttons_now(None, request("alice", "t1"))[c.send_btn]["visible"] is True
+        assert ui.buttons_now(conv_id, request("alice", "t2"))[c.stop_btn]["visible"] is True
+        [bob] = [u async for u in ui.open_conv(conv_id, request("bob", "b1"))]
+        tab2 = [u async for u in ui.open_conv(conv_id, request("alice", "t2"))]
+        return conv_id, left, bob, tab2
+
+    conv_id, left, bob, tab2 = asyncio.run(go())
+    assert left == []
+    assert bob[c.cid] is None and bob[c.chatbot] == []
+    first, last = tab2[0], tab2[-1]
+    assert first[c.cid] == conv_id and first[c.stop_btn]["visible"] is True
+    assert "▍" in first[c.chatbot][-1]["content"]  # live, from where the reply is
+    assert "▍" not in last[c.chatbot][-1]["content"] and "24 tokens" in last[c.chatbot][-1]["content"]
+    assert "stopped" not in last[c.chatbot][-1]["content"]
+    assert last[c.send_btn]["visible"] is True and last[c.stop_btn]["visible"] is False
+    reply = ui.service.view("alice", conv_id)[-1]
+    assert reply["status"] == "done" and reply["stats"]["tokens"] == 24
+    assert ui.following == {}
+
+
+def test_stop_in_one_chat_leaves_the_other_streaming(ui):
+    """Send / Stop belong to the chat: X streams while Y sends and finishes; Stop in X stops X."""
+    c = ui.c
+
+    async def go():
+        tab = request("alice", "t1")
+        x = ui.send("Tell me a long story.", None, "assistant", 0, 1, 400, -1, 1, tab)
+        x_id = (await anext(x))[c.cid]
+        await anext(x)
+        ui.new_chat("assistant", tab)
+        assert [u async for u in x] == []
+        y = [u async for u in ui.send("Say hi.", None, "assistant", *GREEDY, tab)]
+        assert ui.service.is_generating("alice", x_id)  # X still streams after Y is done
+        stopped = await ui.stop(x_id, tab)
+        return x_id, y, stopped
+
+    x_id, y, stopped = asyncio.run(go())
+    assert "tokens" in y[-1][c.chatbot][-1]["content"] and y[-1][c.send_btn]["visible"] is True
+    assert stopped[c.send_btn]["visible"] is True
+    assert not ui.service.is_generating("alice", x_id)
+    assert ui.service.view("alice", x_id)[-1]["status"] == "aborted"
 
 
 def test_regenerate_then_switch_versions(ui):

@@ -22,13 +22,18 @@ of another user's conversation raises ``NotFound`` exactly like an id that does 
 
     svc = ChatService(engine, store, personas)
     cid = svc.new_conversation(user, persona="assistant")
-    async for update in svc.send(user, cid, "Hello", settings):   # -> ReplyUpdate (cumulative)
-        ...
-    async for update in svc.regenerate(user, cid, assistant_msg_id, settings): ...
-    async for update in svc.edit(user, cid, user_msg_id, "new text", settings): ...
+    gen = svc.send(user, cid, "Hello", settings)          # -> Generation (generation.py)
+    async for update in gen: ...                          # ReplyUpdates (cumulative) to the end
+    gen = svc.regenerate(user, cid, assistant_msg_id, settings)
+    gen = svc.edit(user, cid, user_msg_id, "new text", settings)
+    svc.attach(user, cid)              # the Generation running in cid, or None: follow it too
     await svc.stop(user, cid)          # abort; the partial reply is kept with status "aborted"
     svc.view(user, cid)                # the active branch with k/N of every message
     svc.switch(user, cid, msg_id, +1)  # show the next alternative of msg_id
+
+Replies belong to the server, not to whoever asked: a Generation runs as a task of the server's
+event loop and writes the reply to the store as it goes. Leaving it (a tab that reloads, closes or
+opens another chat) does not stop it; only Stop, the reply's own end or the server's shutdown do.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from chatengine.app.generation import Generation
 from chatengine.app.store import ChatStore, NotFound, StoreWriteError
 from chatengine.sampling_params import SamplingParams
 
@@ -210,15 +216,6 @@ class TurnTemplate:
         return self.engine.encode_turn("", text, "") + self.close_ids
 
 
-class _Turn:
-    """One generation in flight (for stop)."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self.stop_requested = False
-        self.done = asyncio.Event()
-
-
 class ChatService:
     def __init__(
         self, engine, store: ChatStore, personas: dict | None = None, *, default_persona: str | None = "assistant"
@@ -232,7 +229,7 @@ class ChatService:
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         self.template = TurnTemplate(engine)
-        self._active: dict[tuple[str, str], dict[str, _Turn]] = {}
+        self._running: dict[tuple[str, str], Generation] = {}  # (user, conversation) -> its reply
         # (user, conversation) -> when its one turn was claimed: one turn at a time per conversation,
         # whatever tab or client asks (a second turn would build on a reply still being written)
         self._claims: dict[tuple[str, str], float] = {}
@@ -313,8 +310,9 @@ class ChatService:
         return target
 
     # ---- turns ----------------------------------------------------------------------------------
-    def send(self, user: str, cid: str, text: str, settings=None):
-        """Append a user message after the active leaf and stream the reply."""
+    def send(self, user: str, cid: str, text: str, settings=None) -> Generation:
+        """Append a user message after the active leaf; its reply is the Generation returned (it runs
+        once started or followed)."""
         text = self._user_text(text)
         s = self._settings(settings)
         conv = self.store.get_conversation(user, cid)
@@ -325,7 +323,7 @@ class ChatService:
                 leaf = leaf_msg["parent_id"]
         return self._new_user_turn(user, cid, leaf, text, s, conv)
 
-    def edit(self, user: str, cid: str, user_msg_id: str, text: str, settings=None):
+    def edit(self, user: str, cid: str, user_msg_id: str, text: str, settings=None) -> Generation:
         """Fork: a sibling of ``user_msg_id`` with ``text``, and a reply to it."""
         text = self._user_text(text)
         s = self._settings(settings)
@@ -335,7 +333,7 @@ class ChatService:
             raise NotFound(f"user message {user_msg_id!r} not found")
         return self._new_user_turn(user, cid, msg["parent_id"], text, s, conv)
 
-    def regenerate(self, user: str, cid: str, msg_id: str | None = None, settings=None):
+    def regenerate(self, user: str, cid: str, msg_id: str | None = None, settings=None) -> Generation:
         """Add alternative replies (``settings.n`` of them) beside ``msg_id`` (an assistant
         message; None: the active leaf), or replies to ``msg_id`` if it is a user message."""
         s = self._settings(settings)
@@ -359,32 +357,40 @@ class ChatService:
         return self._generate(user, cid, parent, prompt, s, seed_offset=existing)
 
     async def stop(self, user: str, cid: str, timeout: float = 10.0) -> bool:
-        """Abort the generation(s) running in this conversation; the partial replies are kept
-        (status "aborted"). Waits until they are stored, so call it from another task than the
-        one consuming the stream (the UI's Stop is its own event); that consumer then gets the
-        final, "aborted" update. Returns whether anything was running."""
-        self.store.get_conversation(user, cid)  # NotFound for others' conversations
-        turns = list(self._active.get((user, cid), {}).values())
-        for t in turns:
-            t.stop_requested = True
-            await self.engine.abort(t.request_id)
-        if turns:
+        """Abort the generation running in this conversation; the partial replies are kept (status
+        "aborted"). Waits until they are stored; its followers then get the final, "aborted" update.
+        Returns whether anything was running."""
+        gen = self.attach(user, cid)
+        if gen is None:
+            return False
+        gen.stop_requested = True  # a generation not yet submitted to the engine ends before it is
+        await self.engine.abort(gen.request_id)
+        if gen.task is not None:
             try:
-                await asyncio.wait_for(asyncio.gather(*(t.done.wait() for t in turns)), timeout)
+                await asyncio.wait_for(gen.done.wait(), timeout)
             except TimeoutError:
                 log.warning("stop: generation did not finish within %.0f s", timeout)
-        return bool(turns)
+        return True
+
+    def attach(self, user: str, cid: str) -> Generation | None:
+        """The generation running in ``user``'s conversation ``cid`` (None: none): follow it with
+        ``async for``. NotFound for a conversation of another user, as for one that does not exist."""
+        self.store.get_conversation(user, cid)
+        return self._running.get((user, cid))
 
     def is_generating(self, user: str, cid: str) -> bool:
-        return bool(self._active.get((user, cid)))
+        gen = self._running.get((user, cid))
+        return gen is not None and gen.task is not None
 
     def _claim(self, user: str, cid: str) -> None:
         """Reserve the conversation's one turn, or refuse: a reply is still being written there.
-        A claim whose stream never started (its caller dropped it) lapses after CLAIM_LAPSE_S."""
+        A claim whose generation never started (its caller dropped it) lapses after CLAIM_LAPSE_S."""
         key = (user, cid)
         with self._claim_lock:
             since = self._claims.get(key)
-            if since is not None and (key in self._active or time.monotonic() - since < CLAIM_LAPSE_S):
+            gen = self._running.get(key)
+            started = gen is not None and gen.task is not None
+            if since is not None and (started or time.monotonic() - since < CLAIM_LAPSE_S):
                 raise ValueError(
                     "a reply is still being written in this conversation: stop it or wait for it to finish"
                 )
@@ -416,7 +422,7 @@ class ChatService:
                 f"{self.max_model_len}; start a new chat (or edit an earlier message)"
             )
 
-    def _new_user_turn(self, user, cid, parent, text, s: ChatSettings, conv):
+    def _new_user_turn(self, user, cid, parent, text, s: ChatSettings, conv) -> Generation:
         tpl = self.template
         if tpl.incremental:
             if parent is None:
@@ -467,63 +473,78 @@ class ChatService:
             return self._path_ids(user, user_msg_id)
         return self.engine.apply_chat_template(self._path_messages(user, user_msg_id))
 
-    async def _generate(self, user, cid, parent_id, prompt, s: ChatSettings, seed_offset: int):
-        """Stream one engine request with n samples into n new assistant siblings under
-        ``parent_id``. An async generator of ReplyUpdate; closing it aborts and keeps the partial
-        replies."""
+    def _generate(self, user, cid, parent_id, prompt, s: ChatSettings, seed_offset: int) -> Generation:
+        """One engine request with n samples into n new assistant siblings under ``parent_id``, as a
+        Generation of this conversation (it runs once started or followed)."""
         seed = s.seed + seed_offset if s.seed is not None else random.randrange(2**31)
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed)
         settings = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed, n=s.n)
-        try:
-            mids = await asyncio.to_thread(self._add_replies, user, cid, parent_id, settings, s.n)
-        except BaseException:
-            self._claims.pop((user, cid), None)
-            raise
-        turn = _Turn(f"chat-{uuid.uuid4().hex}")
-        self._active.setdefault((user, cid), {})[turn.request_id] = turn
-        run = _Reply(
-            self,
-            user,
-            ReplyUpdate(
-                cid,
-                parent_id,
-                mids,
-                [""] * s.n,
-                [0] * s.n,
-                [None] * s.n,
-                stats=[{} for _ in range(s.n)],
-                num_prompt_tokens=len(prompt),
-            ),
+        up = ReplyUpdate(
+            cid,
+            parent_id,
+            [],
+            [""] * s.n,
+            [0] * s.n,
+            [None] * s.n,
+            stats=[{} for _ in range(s.n)],
+            num_prompt_tokens=len(prompt),
         )
-        stream = self.engine.generate(prompt, params, request_id=turn.request_id, user=user)
+
+        async def run(gen: Generation) -> None:
+            await self._run(gen, user, cid, parent_id, prompt, params, settings)
+
+        gen = Generation(f"chat-{uuid.uuid4().hex}", up, run)
+        self._running[(user, cid)] = gen
+        return gen
+
+    async def _run(self, gen: Generation, user, cid, parent_id, prompt, params: SamplingParams, settings: dict):
+        """The task of a Generation: write the reply rows, stream the engine's outputs into them (saved
+        every SAVE_EVERY_S), store the final state, then free the conversation and end."""
+        run = _Reply(self, user, gen.update)
+        stream = None
         try:
             try:
-                async for out in stream:
-                    if run.absorb(out):
-                        break
-                    if run.save_due():  # every SAVE_EVERY_S, in a worker thread (an fsync stalls a loop)
-                        await _in_thread(run.save_partial)
-                    yield run.up
-            except ValueError as e:  # the engine refused the request (length, memory)
-                run.up.error = str(e)
+                gen.update.message_ids = await asyncio.to_thread(
+                    self._add_replies, user, cid, parent_id, settings, params.n
+                )
+            except StoreWriteError as e:  # a full disk: nothing was written
+                run.up.status, run.up.error = "error", str(e)
+                return
+            gen.publish()
+            if not gen.stop_requested:  # Stop may come before the engine has the request
+                stream = self.engine.generate(prompt, params, request_id=gen.request_id, user=user)
+                try:
+                    async for out in stream:
+                        if run.absorb(out):
+                            break
+                        if run.save_due():  # every SAVE_EVERY_S, in a worker thread (an fsync stalls a loop)
+                            await _in_thread(run.save_partial)
+                        gen.publish()
+                except ValueError as e:  # the engine refused the request (length, memory)
+                    run.up.error = str(e)
             try:
-                await asyncio.to_thread(run.finish, turn.stop_requested)
+                await asyncio.to_thread(run.finish, gen.stop_requested or stream is None)
             except StoreWriteError as e:  # the reply was generated but cannot be kept: say so
                 run.failed_to_save(str(e))
-                self._unsaved.update(dict.fromkeys(mids, str(run.up.error)))
-            yield run.up
+                self._unsaved.update(dict.fromkeys(run.up.message_ids, str(run.up.error)))
+        except asyncio.CancelledError:  # only the server's shutdown cancels a generation
+            await _in_thread(lambda: run.keep_partial("interrupted"))
+            raise
+        except Exception as e:  # a bug: the reply says so rather than stay "streaming"
+            log.exception("generation %s failed", gen.request_id)
+            run.up.error = f"generation failed: {e}"
+            await _in_thread(lambda: run.keep_partial("error"))
         finally:
-            # normal end, Stop, or the consumer closed us (cancelled event): keep what we have
-            await _close_quietly(stream)
+            if stream is not None:
+                await _close_quietly(stream)
             try:
-                await _in_thread(run.keep_partial)
+                await _in_thread(lambda: run.keep_partial("aborted"))
             finally:
-                turns = self._active.get((user, cid), {})
-                turns.pop(turn.request_id, None)
-                if not turns:
-                    self._active.pop((user, cid), None)
+                # free the conversation before the final update: a follower may send the next turn at once
+                if self._running.get((user, cid)) is gen:
+                    del self._running[(user, cid)]
                 self._claims.pop((user, cid), None)
-                turn.done.set()
+                gen.end()
 
     def _add_replies(self, user, cid, parent_id, settings: dict, n: int) -> list[str]:
         """n empty "streaming" assistant messages under parent_id (the first becomes the active leaf)."""
@@ -563,7 +584,7 @@ class _Reply:
 
     def __init__(self, service: ChatService, user: str, up: ReplyUpdate):
         self.service, self.user, self.up = service, user, up
-        self.n = len(up.message_ids)
+        self.n = len(up.texts)
         self.t0 = self.last_save = time.monotonic()
         self.t_first: float | None = None
         self.t_end: list[float | None] = [None] * self.n
@@ -630,15 +651,16 @@ class _Reply:
         up.status, up.error = "error", f"this reply could not be saved: {reason}"
         up.stats = [dict(st, error=up.error) for st in up.stats]
 
-    def keep_partial(self) -> None:
-        """The stream ended before finish() (Stop, a closed tab): save what came as aborted."""
+    def keep_partial(self, status: str) -> None:
+        """The generation ended before finish() (the server shuts down: "interrupted"; an
+        unexpected error: "aborted"): save what came."""
         up = self.up
-        if up.status != "streaming":
+        if up.status != "streaming" or not up.message_ids:
             return
-        up.status = "aborted"
+        up.status = status
         up.finish_reasons = [r or "abort" for r in up.finish_reasons]
         try:
-            self.save("aborted")
+            self.save(status)
         except Exception:
             log.exception("could not save the partial reply")
 

@@ -5,21 +5,23 @@ user otherwise) and passes it to ChatService, which checks ownership in SQL: a c
 someone else behaves exactly like an id that does not exist. Handlers return dicts keyed by
 component (see components.py): what a handler leaves out keeps its value.
 
-Streaming: async generators, UI updates throttled to ~80 ms (the engine batches every user; a
-browser cannot paint faster than that anyway). While a tab shows another conversation, a reply goes
-on (and is saved) without touching the screen.
+Streaming: a reply is a Generation that the server owns (see chat.py); a tab only follows it, in
+async generators whose UI updates are throttled to ~80 ms (the engine batches every user; a browser
+cannot paint faster than that anyway). A tab follows the reply of the chat it shows: sending,
+regenerating or editing there, or opening a chat whose reply is still being written (after a
+reload, in a second tab). When the tab opens another chat, reloads or closes, it stops following
+and the reply goes on. Send / Stop follow the chat on screen: Stop while its reply is written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import html
-import time
-from collections import Counter
 
 import gradio as gr
 
 from chatengine.app.chat import ChatService, NotFound
+from chatengine.app.generation import Generation
 from chatengine.app.session_guard import SessionOwners
 from chatengine.app.store import StoreWriteError
 from chatengine.app.ui.components import Components
@@ -70,7 +72,7 @@ class ChatUI:
         self.personas, self.default_persona = service.personas, service.default_persona
         self.monitor = EngineMonitor(service.engine)
         self.viewing: dict[str, str | None] = {}  # session -> the conversation its tab shows
-        self.painting: Counter = Counter()  # (session, conversation) -> replies streaming into it
+        self.following: dict[str, Generation] = {}  # session -> the reply its tab follows
         self.owners = SessionOwners()  # session -> its user: a tab's state serves no one else
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -84,6 +86,17 @@ class ChatUI:
         if session and not self.owners.admit(str(session), str(name)):
             raise gr.Error("This tab belongs to another sign-in: reload the page.")
         return str(name)
+
+    def show(self, session: str, cid: str | None) -> None:
+        """Record what the tab shows; a reply it was following elsewhere lets it go at once."""
+        self.viewing[session] = cid
+        gen = self.following.get(session)
+        if gen is not None:
+            gen.wake()
+
+    def buttons(self, generating: bool) -> dict:
+        """Send, or Stop while the chat on screen has a reply being written."""
+        return {self.c.send_btn: gr.update(visible=not generating), self.c.stop_btn: gr.update(visible=generating)}
 
     def is_admin(self, user: str) -> bool:
         return not self.auth_enabled or user in self.admins
@@ -157,11 +170,12 @@ class ChatUI:
         }
 
     def on_unload(self, request: gr.Request) -> None:
+        self.show(_session(request), None)
         self.viewing.pop(_session(request), None)
 
     def new_chat(self, persona_name, request: gr.Request) -> dict:
         self.who(request)
-        self.viewing[_session(request)] = None
+        self.show(_session(request), None)
         name = persona_name if persona_name in self.personas else self.default_persona
         p = self.personas.get(name or "")
         c = self.c
@@ -174,27 +188,43 @@ class ChatUI:
             c.rename_box: "",
             c.persona: gr.update(visible=True, value=name, info=p.description if p else None),
             c.header: gr.update(visible=False),
+            **self.buttons(False),
         }
 
-    def open_conv(self, conv_id, request: gr.Request) -> dict:
+    async def open_conv(self, conv_id, request: gr.Request):
+        """Show a conversation; if its reply is being written (by this tab before a reload, by another
+        tab), follow it live from where it is to its end."""
         user = self.who(request)
         if not conv_id:
-            return gr.skip()
-        c = self.c
+            yield gr.skip()
+            return
+        c, session = self.c, _session(request)
         try:
-            conv = self.service.get_conversation(user, conv_id)
-            out = self.render(user, conv_id)
+            conv, gen, out = await asyncio.to_thread(self._open, user, conv_id)
         except NotFound:
             gr.Warning("That conversation does not exist.")
-            return {**self.blank(), c.cid: None, c.rename_box: "", c.conv_list: self.conv_list(user, None)}
-        self.viewing[_session(request)] = conv_id
-        return {
+            yield {**self.blank(), c.cid: None, c.rename_box: "", c.conv_list: self.conv_list(user, None)}
+            return
+        self.show(session, conv_id)
+        yield {
             **out,
             c.cid: conv_id,
             c.persona: gr.update(visible=False),
             c.rename_box: conv["title"],
             c.header: self.header(conv["persona"]),
+            **self.buttons(gen is not None),
         }
+        if gen is not None:
+            async for upd in self.follow(user, conv_id, gen, session):
+                yield upd
+
+    def _open(self, user: str, conv_id: str):
+        """(conversation, its running Generation or None, its transcript): live text while one runs."""
+        conv = self.service.get_conversation(user, conv_id)
+        gen = self.service.attach(user, conv_id)
+        if gen is None or gen.version == 0:
+            return conv, gen, self.render(user, conv_id) if gen is None else self.waiting_view(user, conv_id)
+        return conv, gen, self._progress(self.service.view(user, conv_id), gen.snapshot())
 
     def fill_title(self, conv_id, request: gr.Request) -> str:
         user = self.who(request)
@@ -266,38 +296,39 @@ class ChatUI:
             c.regen_btn: off,
         }
 
-    async def stream(self, user: str, conv_id: str, gen, session: str):
-        """Drive a ChatService generator; yield throttled UI updates, then the stored state
-        (statuses, stats, k/N) once it ends."""
-        last, final, view = 0.0, None, None
-        self.painting[session, conv_id] += 1
+    async def follow(self, user: str, conv_id: str, gen: Generation, session: str):
+        """Paint a reply into this tab while the tab shows its conversation (throttled), then the
+        stored state (statuses, stats, k/N). Leaving the chat ends only the painting."""
+        self.following[session] = gen
+        gen.start()
+        seen, view = 0, None
         try:
-            async for up in gen:
-                final = up
+            while not gen.finished:
+                if self.viewing.get(session, conv_id) != conv_id:
+                    return  # the tab moved on: the reply goes on without it
+                if gen.version == seen:
+                    await gen.changed(seen)
+                    continue
+                seen, up = gen.version, gen.snapshot()
                 if view is None:
                     view = await asyncio.to_thread(self.service.view, user, conv_id)
-                now = time.monotonic()
-                if up.finished or now - last < THROTTLE_S or self.viewing.get(session, conv_id) != conv_id:
-                    continue
-                last = now
                 yield self._progress(view, up)
-        except StoreWriteError as e:  # the reply could not even be started: nothing was kept
-            gr.Warning(str(e))
+                await asyncio.sleep(THROTTLE_S)  # then the latest snapshot: no backlog of tokens
         finally:
-            await gen.aclose()
-            self.painting[session, conv_id] -= 1
-            if not self.painting[session, conv_id]:
-                del self.painting[session, conv_id]
-        if final is not None and final.status == "error":
+            if self.following.get(session) is gen:
+                del self.following[session]
+        final = gen.snapshot()
+        if final.status == "error":
             gr.Warning(final.error or "generation failed")
-        if self.viewing.get(session, conv_id) != conv_id:  # the tab moved on: only its list changes
-            yield {self.c.conv_list: await asyncio.to_thread(self.conv_list, user, self.viewing.get(session))}
-            return
-        focus_id = final.message_ids[0] if final is not None else None
+        focus_id = final.message_ids[0] if final.message_ids else None
         yield await asyncio.to_thread(self._ended_view, user, conv_id, focus_id)
 
     def _ended_view(self, user: str, conv_id: str, focus_id: str | None) -> dict:
-        return {**self.render(user, conv_id, focus_id), self.c.conv_list: self.conv_list(user, conv_id)}
+        return {
+            **self.render(user, conv_id, focus_id),
+            self.c.conv_list: self.conv_list(user, conv_id),
+            **self.buttons(self.service.is_generating(user, conv_id)),
+        }
 
     def _start_send(self, user: str, text: str, conv_id, persona_name, settings: dict):
         """(conversation id, reply generator) of a new turn; a new chat that fails leaves nothing behind."""
@@ -345,9 +376,10 @@ class ChatUI:
             gr.Warning(str(e))
             yield gr.skip()
             return
-        self.viewing[_session(request)] = conv_id
-        yield await asyncio.to_thread(self._sent_view, user, conv_id)
-        async for upd in self.stream(user, conv_id, gen, _session(request)):
+        gen.start()  # at once: the reply no longer depends on this event
+        self.show(_session(request), conv_id)
+        yield {**await asyncio.to_thread(self._sent_view, user, conv_id), **self.buttons(True)}
+        async for upd in self.follow(user, conv_id, gen, _session(request)):
             yield upd
 
     async def regenerate(self, conv_id, msg_id, temperature, top_p, max_tokens, seed, n, request: gr.Request):
@@ -358,6 +390,7 @@ class ChatUI:
         try:
             settings = settings_of(temperature, top_p, max_tokens, seed, n)
             gen = await asyncio.to_thread(self.service.regenerate, user, conv_id, msg_id, settings)
+            gen.start()
         except NotFound:
             gr.Warning("That message does not exist.")
             yield gr.skip()
@@ -366,7 +399,7 @@ class ChatUI:
             gr.Warning(str(e))
             yield gr.skip()
             return
-        async for upd in self.stream(user, conv_id, gen, _session(request)):
+        async for upd in self.follow(user, conv_id, gen, _session(request)):
             yield upd
 
     async def retry(
@@ -391,12 +424,13 @@ class ChatUI:
                 raise NotFound("no such message")
             text, settings = unescape_html(str(value or "")), settings_of(temperature, top_p, max_tokens, seed, n)
             gen = await asyncio.to_thread(self.service.edit, user, conv_id, msg_id, text, settings)
+            gen.start()
         except (NotFound, ValueError, StoreWriteError) as e:
             gr.Warning("That message does not exist." if isinstance(e, NotFound) else str(e))
             yield await asyncio.to_thread(self.render, user, conv_id) if conv_id else gr.skip()
             return
         yield await asyncio.to_thread(self.waiting_view, user, conv_id)
-        async for upd in self.stream(user, conv_id, gen, _session(request)):
+        async for upd in self.follow(user, conv_id, gen, _session(request)):
             yield upd
 
     async def stop(self, conv_id, request: gr.Request) -> dict:
@@ -406,20 +440,23 @@ class ChatUI:
                 await self.service.stop(user, conv_id)
             except NotFound:
                 pass
-        return self.idle()
+        return self.buttons(False)
 
     def busy(self) -> dict:
-        return {self.c.send_btn: gr.update(visible=False), self.c.stop_btn: gr.update(visible=True)}
+        return self.buttons(True)
 
-    def idle(self) -> dict:
-        return {self.c.send_btn: gr.update(visible=True), self.c.stop_btn: gr.update(visible=False)}
+    def buttons_now(self, conv_id, request: gr.Request) -> dict:
+        """Send or Stop for the chat the tab shows now (after a generating event ends, the tab may
+        show another chat than the one it started in)."""
+        user = self.who(request)
+        return self.buttons(bool(conv_id) and self.service.is_generating(user, conv_id))
 
     # ---- alternatives ---------------------------------------------------------------------------
     def switch(self, conv_id, focus_id, step: int, request: gr.Request) -> dict:
         user = self.who(request)
         if not conv_id or not focus_id:
             return gr.skip()
-        if self.painting[_session(request), conv_id]:
+        if self.service.is_generating(user, conv_id):
             gr.Warning("Wait for the reply to finish before switching versions.")
             return gr.skip()
         try:
@@ -439,7 +476,7 @@ class ChatUI:
         idx = _index(data)
         if not conv_id or not (0 <= idx < len(row_ids or [])) or row_ids[idx] is None:
             return gr.skip()
-        if self.painting[_session(request), conv_id]:  # the stream owns the view and nav
+        if self.service.is_generating(user, conv_id):  # the stream owns the view and nav
             return gr.skip()
         try:
             view = self.service.view(user, conv_id)

@@ -82,17 +82,20 @@ def build_ui(
 
 
 def _new_chat_outputs(c: Components) -> list:
-    return [c.cid, *c.view, c.conv_list, c.persona, c.rename_box, c.header]
+    return [c.cid, *c.view, c.conv_list, c.persona, c.rename_box, c.header, c.send_btn, c.stop_btn]
 
 
 def _wire_sidebar(ui: ChatUI, c: Components) -> None:
     c.new_btn.click(ui.new_chat, [c.persona], _new_chat_outputs(c), api_name="new_chat", queue=False)
+    # queued: it follows a reply still being written; "multiple": another chat opens meanwhile
     c.conv_list.input(
         ui.open_conv,
         [c.conv_list],
-        [c.cid, *c.view, c.persona, c.rename_box, c.conv_list, c.header],
+        [c.cid, *c.view, c.persona, c.rename_box, c.conv_list, c.header, c.send_btn, c.stop_btn],
         api_name="open",
-        queue=False,
+        trigger_mode="multiple",
+        show_progress="hidden",
+        **ENGINE,
     )
     c.conv_list.change(ui.fill_title, [c.conv_list], [c.rename_box], **QUIET)
     c.search.change(
@@ -111,13 +114,14 @@ def _wire_sidebar(ui: ChatUI, c: Components) -> None:
 
 
 def _generating(ui: ChatUI, c: Components, listen, fn, inputs, outputs, chained: bool = True, **kw) -> None:
-    """Wire a generating handler to an event: the send button gives way to stop while it runs.
+    """Wire a generating handler to an event: the send button gives way to stop at once; the handler
+    follows the reply while the tab shows its chat; then the buttons suit the chat on screen.
     chained=False for events whose data (RetryData, EditData) reaches only direct listeners, not
     .then() steps: the busy toggle is then a second listener of the same event."""
     buttons = [c.send_btn, c.stop_btn]
     first = listen(ui.busy, None, buttons, **QUIET)
-    event = (first.then if chained else listen)(fn, inputs, outputs, show_progress="hidden", **ENGINE, **kw)
-    event.then(ui.idle, None, buttons, **QUIET)
+    event = (first.then if chained else listen)(fn, inputs, outputs + buttons, show_progress="hidden", **ENGINE, **kw)
+    event.then(ui.buttons_now, [c.cid], buttons, **QUIET)
 
 
 def _wire_turns(ui: ChatUI, c: Components) -> None:
