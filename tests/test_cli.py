@@ -55,6 +55,7 @@ def test_bench_list_and_unknown(capsys):
     assert code == 0
     if (ROOT / "benchmarks" / "cpu_throughput.py").exists():
         assert "cpu_throughput" in out.split()
+    assert "common" not in out.split()  # a helper the scripts import, not a benchmark
     code, _, err = call(capsys, "bench", "no_such_benchmark")
     assert code == 2 and "no benchmark 'no_such_benchmark'" in err
 

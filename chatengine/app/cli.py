@@ -4,12 +4,14 @@ chat on the engine, streaming) and `bench` (the scripts in benchmarks/)."""
 import argparse
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmarks"
+MAIN_BLOCK = re.compile(r"^if __name__ == .__main__.:", re.M)
 DEFAULT_BENCH = "cpu_throughput"
 
 DESCRIPTION = """\
@@ -180,9 +182,15 @@ def delete_user(user: str, data_dir: str) -> int:
 
 # ---- bench --------------------------------------------------------------------------------------
 def bench_scripts() -> dict[str, Path]:
+    """The runnable scripts of benchmarks/: those with a main block (common.py and other helpers
+    that the scripts import have none)."""
     if not BENCH_DIR.is_dir():
         return {}
-    return {p.stem: p for p in sorted(BENCH_DIR.glob("*.py")) if not p.name.startswith("_")}
+    return {
+        p.stem: p
+        for p in sorted(BENCH_DIR.glob("*.py"))
+        if not p.name.startswith("_") and MAIN_BLOCK.search(p.read_text(encoding="utf-8", errors="replace"))
+    }
 
 
 def bench(argv: list[str]) -> int:
