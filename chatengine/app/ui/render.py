@@ -162,7 +162,11 @@ def kv_picture(stats: dict, max_cells: int = 768) -> str:
 
     hit = stats.get("prefix_cache_hit_rate")
     tiers = [
-        ("Device pages", f"{used + cached}/{total}", f"{used} in use · {cached} cached · {free} free"),
+        (
+            "Device pages",
+            f"{used + cached}/{total}",
+            f"{used} in use ({shared} shared) · {cached} cached · {free} free",
+        ),
         ("Shared pages", shared, "used by more than one sequence (personas, forks)"),
         ("CPU tier", stats.get("cpu_blocks_used", 0), "pages offloaded to CPU memory"),
         ("Disk tier", stats.get("disk_blocks", 0), "pages persisted on disk"),
@@ -185,8 +189,9 @@ def kv_picture(stats: dict, max_cells: int = 768) -> str:
     )
     scale = f" (one cell = {per} pages)" if per > 1 else ""
     return (
-        f"<div><div class='kv-legend'>{legend('kv-shared', 'shared', shared)}"
-        f"{legend('kv-used', 'in use', used - shared)}{legend('kv-cached', 'cached (reusable)', cached)}"
+        # "in use" counts the shared pages too, as the Device pages card does: the two must agree
+        f"<div><div class='kv-legend'>{legend('kv-used', 'in use', used)}"
+        f"{legend('kv-shared', 'of them shared', shared)}{legend('kv-cached', 'cached (reusable)', cached)}"
         f"{legend('kv-free', 'free', free)}<span style='opacity:.7'>{total} device pages of {bs} tokens{scale}"
         f"</span></div><div class='kv-grid'>{grid}</div><div class='kv-tiers'>{tier_html}</div></div>"
     )
