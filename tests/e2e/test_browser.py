@@ -296,6 +296,55 @@ def test_second_user_sees_nothing(server, chat_page, browser_ctx):
     browser_ctx.clear_cookies()
 
 
+POEM_PROMPT = "Write a very long poem about the sea, at least 1000 words."
+
+
+def open_chat(page, title):
+    page.locator("#conv-list label", has_text=title).first.click()
+
+
+def test_a_reply_outlives_its_tab_and_follows_the_open_chat(server, chat_page, browser_ctx):
+    """The reply belongs to the server, Send / Stop to the chat on screen: the tab that sent it opens
+    a new chat (Send shows, and a message there is answered), a second tab opens the chat and sees
+    it live, the first tab reloads and finds it still growing; both then show it finished."""
+    page = chat_page
+    login(page, server.url, "alice", "pw-alice")
+    set_setting(page, "temperature", 0)
+    set_setting(page, "max-tokens", 128)  # greedy, this prompt runs to max tokens
+    send(page, POEM_PROMPT)
+    expect(last_bot(page)).to_contain_text("▍")
+    expect(page.locator("#stop")).to_be_visible()
+    t0 = time.monotonic()
+
+    page.locator("#new-chat").click()  # another chat while the poem is written
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator("#stop")).to_be_hidden()
+    set_setting(page, "max-tokens", 4)
+    send(page, "Say hi.")
+    wait_idle(page)
+
+    tab2 = browser_ctx.new_page()
+    tab2.goto(server.url)
+    open_chat(tab2, "Write a very long poem")
+    expect(last_bot(tab2)).to_contain_text("▍")  # live, from where it is
+    expect(tab2.locator("#stop")).to_be_visible()
+
+    page.reload()
+    open_chat(page, "Write a very long poem")
+    expect(last_bot(page)).to_contain_text("▍")
+    grown = "n => document.querySelector('#chat').innerText.length > n"
+    page.wait_for_function(grown, arg=len(page.locator("#chat").inner_text()))
+    print(f"still growing {time.monotonic() - t0:.1f} s after the send")
+    page.screenshot(path=str(ARTIFACTS / "05b-after-reload.png"))
+    for p in (page, tab2):
+        wait_idle(p)
+        expect(last_bot(p)).to_contain_text("128 tokens")
+        expect(last_bot(p)).not_to_contain_text("stopped")
+    print(f"finished {time.monotonic() - t0:.1f} s after the send")
+    tab2.close()
+    browser_ctx.clear_cookies()
+
+
 def test_reload_and_sigkill_mid_reply(server, chat_page, browser_ctx):
     page = chat_page
     login(page, server.url, "alice", "pw-alice")
@@ -361,3 +410,25 @@ def test_a_failed_sign_in_keeps_the_name_and_says_why(server, browser_ctx):
     page.screenshot(path=str(ARTIFACTS / "07-sign-in-throttled.png"))
     login(page, server.url, "alice", "pw-alice")  # another name still signs in
     assert not page.errors, page.errors
+
+
+def test_log_out_in_place_then_a_wrong_password_then_the_right_one(server, browser_ctx):
+    """Log out leaves this tab on the sign-in page (no new tab); a wrong password keeps the name and
+    says so; the next try in the same page signs in."""
+    browser_ctx.clear_cookies()
+    page = browser_ctx.new_page()
+    login(page, server.url, "bob", "pw-bob")
+    expect(page.locator("#who")).to_contain_text("Signed in as bob")
+    tabs = len(browser_ctx.pages)
+    page.locator("#logout").click()
+    expect(page.get_by_label("username")).to_be_visible()
+    assert len(browser_ctx.pages) == tabs
+    page.get_by_label("username").fill("bob")
+    page.get_by_label("password").fill("not-bob's")
+    page.get_by_role("button", name="Login").click()
+    expect(page.locator("#error")).to_have_text("Wrong username or password.")
+    assert page.get_by_label("username").input_value() == "bob"
+    page.get_by_label("password").fill("pw-bob")
+    page.get_by_role("button", name="Login").click()
+    expect(page.locator("#who")).to_contain_text("Signed in as bob")
+    page.close()

@@ -21,6 +21,7 @@ class Components:
     focus: gr.State  # the selected message (its ◀ k/N ▶)
     # sidebar
     who_md: gr.Markdown
+    logout_btn: gr.Button
     new_btn: gr.Button
     search: gr.Textbox
     conv_list: gr.Radio
@@ -87,6 +88,10 @@ def _sidebar(title: str) -> dict:
     gr.Markdown(f"### {html.escape(title)}")
     c: dict[str, Any] = dict(
         who_md=gr.Markdown("", elem_id="who"),
+        # a link button in this tab (a markdown link opened a new tab and left this one signed in)
+        logout_btn=gr.Button(
+            "Log out", link="/logout", link_target="_self", size="sm", visible=False, elem_id="logout"
+        ),
         new_btn=gr.Button("+ New chat", variant="primary", elem_id="new-chat"),
         search=gr.Textbox(placeholder="Search chats…", show_label=False, elem_id="search", container=False),
         conv_list=gr.Radio(choices=[], value=None, show_label=False, elem_id="conv-list", container=False),

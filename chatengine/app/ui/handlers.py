@@ -161,11 +161,12 @@ class ChatUI:
     async def on_load(self, request: gr.Request) -> dict:  # async: runs on the server loop (the sampler task)
         user = self.who(request)
         self.monitor.ensure_running()
-        name = f"Signed in as **{html.escape(user)}** · [Log out](/logout)" if self.auth_enabled else ""
+        name = f"Signed in as **{html.escape(user)}**" if self.auth_enabled else ""
         c = self.c
         return {
             c.conv_list: await asyncio.to_thread(self.conv_list, user, None),
             c.who_md: name,
+            c.logout_btn: gr.update(visible=self.auth_enabled),
             c.engine_tab: gr.update(visible=self.is_admin(user)),
         }
 

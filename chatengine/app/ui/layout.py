@@ -71,7 +71,9 @@ def build_ui(
     with gr.Blocks(title=title, analytics_enabled=False, fill_width=True) as demo:
         c = build_components(service.personas, service.default_persona, title, max_n, show_engine=not auth_enabled)
         ui = ChatUI(service, c, auth_enabled=auth_enabled, local_user=local_user, admins=admins)
-        demo.load(ui.on_load, None, [c.conv_list, c.who_md, c.engine_tab], api_visibility="private", queue=False)
+        demo.load(
+            ui.on_load, None, [c.conv_list, c.who_md, c.logout_btn, c.engine_tab], api_visibility="private", queue=False
+        )
         demo.unload(ui.on_unload)
         _wire_sidebar(ui, c)
         _wire_turns(ui, c)
