@@ -86,7 +86,11 @@ def test_attention_plan_per_step(H_q, H_kv):
             atol=2e-6,
             rtol=2e-6,
         )
-    plan = backend._plan
+    plan = backend._plans[0]
+    windowed = backend.attention(q, k_cache, v_cache, meta, 0.125, window=9)  # a sliding layer: its own plan
+    expected = pa.paged_attention_ref(q, k_cache, v_cache, cu, seq_lens, tables, 0.125, window=9)
+    torch.testing.assert_close(windowed, expected, atol=2e-6, rtol=2e-6)
+    assert backend._plans[0] is plan and backend._plans[9][1].window == 9
     # another metadata object (the next step) never sees this step's plan
     cu2, lens2 = torch.arange(7, dtype=torch.int32), seq_lens.clone()
     other = meta_of(cu2, lens2, tables)
@@ -97,7 +101,7 @@ def test_attention_plan_per_step(H_q, H_kv):
         atol=2e-6,
         rtol=2e-6,
     )
-    assert backend._plan is plan
+    assert backend._plans[0] is plan
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -77,8 +77,8 @@ def make_batch(q_lens, seq_lens, H_q, H_kv, D, page_size, dtype, device, num_lay
     return (q, kv[:, layer, 0], kv[:, layer, 1], cu_seqlens_q.to(device), seq_lens.to(device), block_tables.to(device))
 
 
-def naive_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
-    """float64, one sequence and one head at a time, causal mask written out by hand."""
+def naive_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window=0):
+    """float64, one sequence and one head at a time, causal (and sliding-window) mask by hand."""
     T, H_q, D = q.shape
     page_size, H_kv = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(T, H_q, D, dtype=torch.float64)
@@ -95,6 +95,8 @@ def naive_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
             scores = q[start : start + q_len, h].cpu().double() @ keys[:, kv_head].T * scale  # (q_len, L)
             for i in range(q_len):  # query i sits at position L - q_len + i
                 scores[i, L - q_len + i + 1 :] = float("-inf")
+                if window:  # it sees only keys at positions > its own - window
+                    scores[i, : max(L - q_len + i - window + 1, 0)] = float("-inf")
             out[start : start + q_len, h] = scores.softmax(-1) @ values[:, kv_head]
     return out
 
@@ -167,15 +169,37 @@ def test_attention_torch_empty_batch():
     assert out.shape == (0, 4, 64)
 
 
+@pytest.mark.parametrize("window", [1, 5, 20, 64])
+@pytest.mark.parametrize("batch", [MIXED, DECODE, PREFILL_PREFIX])
+def test_sliding_window_ref_and_torch_match_naive(window, batch):
+    args = make_batch(*batch, 8, 2, 32, 16, torch.float32, "cpu")
+    ref = pa.paged_attention_ref(*args, scale=0.125, window=window)
+    assert rel_err(ref, naive_attention(*args, scale=0.125, window=window)) < 1e-5
+    torch.testing.assert_close(pa.paged_attention_torch(*args, scale=0.125, window=window), ref, atol=2e-6, rtol=2e-6)
+    plan = pa.plan_paged_attention_torch(*args[3:6], 16, 8, torch.float32)  # a full-attention plan
+    with pytest.raises(AssertionError, match="another window"):
+        pa.paged_attention_torch(*args, scale=0.125, plan=plan, window=window)
+
+
 # ---------------------------------------------------------------------------- paged attention
-def check_attention(device, batch, H_q, H_kv, D, page_size, dtype, num_splits=None):
+def check_attention(device, batch, H_q, H_kv, D, page_size, dtype, num_splits=None, window=0):
     q, *rest = make_batch(*batch, H_q, H_kv, D, page_size, dtype, device)
     scale = D**-0.5
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)  # poisoned
-    res = pa.paged_attention_triton(q, *rest, scale, num_splits=num_splits, out=out)
+    res = pa.paged_attention_triton(q, *rest, scale, num_splits=num_splits, out=out, window=window)
     assert res is out and not out.isnan().any()
-    assert rel_err(out, naive_attention(q, *rest, scale)) < REL_TOL[dtype]
-    torch.testing.assert_close(out, pa.paged_attention_ref(q, *rest, scale), **CLOSE[dtype])
+    assert rel_err(out, naive_attention(q, *rest, scale, window)) < REL_TOL[dtype]
+    torch.testing.assert_close(out, pa.paged_attention_ref(q, *rest, scale, window=window), **CLOSE[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [1, 20, 70])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_sliding_window_attention(device, window, num_splits):
+    """Windowed layers (Gemma 3, Mistral): a query sees only its last `window` keys, in prefill
+    chunks on a cached prefix, in decodes, split or not."""
+    for batch in (MIXED_CUDA, DECODE_CUDA) if device == "cuda" else (MIXED, DECODE):
+        check_attention(device, batch, 8, 2, 64, 16, torch.float32, num_splits, window)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -655,11 +679,13 @@ def test_rotary_store_kv_is_rotary_then_store_kv(device, dtype, cache_dtype, H_q
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("I", [300, 8192])
-def test_silu_mul(device, dtype, I):
-    gate_up = torch.randn(19, 2 * I).to(device, dtype)
-    got = fused_ops.silu_mul_triton(gate_up)
-    torch.testing.assert_close(got, fused_ops.silu_mul_ref(gate_up), **ulp_close(device, dtype))
-    assert rel_err(got, fused_ops.silu_mul_ref(gate_up.double()).cpu()) < truncation(device, dtype) * REL_TOL[dtype]
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_mul(device, dtype, I, act):
+    gate_up = (3 * torch.randn(19, 2 * I)).to(device, dtype)  # gate values far into both tails too
+    triton_fn, ref = getattr(fused_ops, f"{act}_mul_triton"), getattr(fused_ops, f"{act}_mul_ref")
+    got = triton_fn(gate_up)
+    torch.testing.assert_close(got, ref(gate_up), **ulp_close(device, dtype))
+    assert rel_err(got, ref(gate_up.double()).cpu()) < truncation(device, dtype) * REL_TOL[dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -44,6 +44,46 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
     # fused qkv_proj and gate_up_proj in the checkpoint
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, bos_token_id=1, tie_word_embeddings=False)),
+    # every layer sees its last 40 keys: prompts of 80-128 tokens, chunks of 32
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=40, tie_word_embeddings=False)),
+    # Phi-4-mini's rope: 3/4 of each head rotates, LongRoPE short factors within the original context
+    "phi4-mini": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            bos_token_id=1,
+            tie_word_embeddings=True,
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0],
+                "long_factor": [2.0, 3.0, 4.0, 6.0, 9.0, 12.0],
+                "original_max_position_embeddings": 256,
+            },
+        ),
+    ),
+    # q/k norms, sandwich norms, (1 + w) norms, scaled embeddings, GeGLU, a 24-key sliding layer with
+    # its own RoPE base beside a global layer with linear RoPE scaling, query_pre_attn_scalar
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=32,
+            sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            pad_token_id=0,
+            bos_token_id=1,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -110,24 +150,30 @@ def test_prompt_logprobs_equal_transformers(family):
         llm.shutdown()
 
 
-def test_qwen3_loads_its_qk_norms(family):
+def test_each_family_loads_its_options(family):
     name, path, _ = family
     from chatengine.engine.loader import load_model
 
     config = load_model(str(path)).config
-    assert config.qk_norm == (name == "qwen3")
-    if name == "qwen3":
+    assert config.qk_norm == (name in ("qwen3", "gemma3"))
+    if name in ("qwen3", "gemma3"):
         assert config.head_dim == 32 != config.hidden_size // config.num_heads
+    assert config.layer_windows == {"mistral-window": [40, 40], "gemma3": [24, 0]}.get(name, [])
+    assert config.rotary_dim == (12 if name == "phi4-mini" else None)
+    # LongRoPE is served exactly up to its original context
+    assert config.max_position_embeddings == (256 if name == "phi4-mini" else 512)
+    if name == "gemma3":
+        assert (config.hidden_act, config.sandwich_norms, config.norm_offset) == ("gelu_tanh", True, 1.0)
+        assert (config.local_rope_theta, config.rope_scaling["rope_type"]) == (10000.0, "linear")
+        assert config.embed_scale == 8.0 and config.query_scale == 24**-0.5
 
 
-def test_a_sliding_window_caps_the_context(tmp_path):
-    """Mistral v0.1 attends to its last 4096 tokens: within one window that is full attention, so the
-    context stops at the window (a longer one would need windowed attention)."""
+def test_a_window_past_the_context_is_full_attention(tmp_path):
     from chatengine.engine.loader import load_model
 
-    config = transformers.MistralConfig(**{**COMMON, "sliding_window": 128})
+    config = transformers.MistralConfig(**{**COMMON, "sliding_window": 4096})
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
-    assert load_model(str(tmp_path)).config.max_position_embeddings == 128
+    assert load_model(str(tmp_path)).config.layer_windows == []
 
 
 def test_a_dummy_qwen3_shape_makes_its_norm_weights():
@@ -141,13 +187,18 @@ def test_a_dummy_qwen3_shape_makes_its_norm_weights():
         llm.shutdown()
 
 
-def test_partial_rotary_is_refused_by_name(tmp_path):
-    config = transformers.Phi3Config(**{**COMMON, "pad_token_id": 0, "bos_token_id": 1, "partial_rotary_factor": 0.75})
-    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
-    from chatengine.engine.loader import load_model
+def test_partial_rotary_order_pairs_the_rotated_dims_at_half_the_head():
+    from chatengine.engine.models.llama import partial_rotary_order
 
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
-        load_model(str(tmp_path))
+    assert partial_rotary_order(8, 4).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert partial_rotary_order(8, 8).tolist() == list(range(8))
+
+
+def test_a_dummy_gemma3_shape_runs():
+    from chatengine.engine.loader import DUMMY_SHAPES
+
+    shape = DUMMY_SHAPES["gemma-3-4b"]
+    assert shape["layer_windows"].count(0) == 5 and len(shape["layer_windows"]) == shape["num_layers"] == 34
 
 
 REALISTIC = dict(  # a 1B-class width, four layers: the kernels' real tile shapes, a short run

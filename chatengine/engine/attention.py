@@ -1,5 +1,6 @@
 """Attention backends: how a layer stores its new K/V and attends over the paged cache, plus the
-per-layer elementwise ops (RMSNorm with an optional residual add, rotary embedding, SiLU-and-mul).
+per-layer elementwise ops (RMSNorm with an optional residual add, rotary embedding, SiLU- or
+GELU-and-mul).
 
 "torch" is plain torch, vectorised for CPU (attention: kernels/paged_attention.py
 `paged_attention_torch`, which tests hold to `paged_attention_ref`; RMSNorm and SiLU-mul: the kernels'
@@ -27,13 +28,14 @@ class TorchBackend:
 
     def __init__(self):
         self._meta = self._positions = None  # the current step's metadata and positions (begin_step)
-        self._plan = None  # its TorchAttentionPlan, built at the first layer
+        self._plans: dict = {}  # window -> (geometry, its TorchAttentionPlan), built at the first layer
         self._store = None  # its (cache rows, keep mask) for store_kv
         self._rope = None  # its (cos, sin, dtype, cos rows, signed sin rows)
 
     def begin_step(self, meta, positions=None):
         self._meta, self._positions = meta, positions
-        self._plan = self._store = self._rope = None
+        self._store = self._rope = None
+        self._plans = {}
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         """k/v [T, H_kv, D] into the cache slots `slot_mapping` (< 0: skipped): one index_copy_ each
@@ -67,7 +69,8 @@ class TorchBackend:
             slots_view = cache.as_strided((n, width), (width, 1), cache.storage_offset())
             slots_view.index_copy_(0, rows, x.reshape(-1, width))
 
-    def attention(self, q, k_cache, v_cache, meta, scale):
+    def attention(self, q, k_cache, v_cache, meta, scale, window=0):
+        """Each query over its sequence's cached keys: all before it, or its last `window`."""
         if not paged_attention.torch_attention_supported(k_cache, v_cache):
             return paged_attention.paged_attention_ref(
                 q,
@@ -79,16 +82,18 @@ class TorchBackend:
                 scale,
                 meta.max_seqlen_q,
                 meta.max_seqlen_k,
+                window,
             )
         geometry = (k_cache.shape[1], q.shape[1], q.dtype)  # what the plan depends on
-        if meta is self._meta and self._plan is not None and self._plan[0] == geometry:
-            plan = self._plan[1]
+        cached = self._plans.get(window) if meta is self._meta else None
+        if cached is not None and cached[0] == geometry:
+            plan = cached[1]
         else:
             plan = paged_attention.plan_paged_attention_torch(
-                meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, k_cache.shape[1], q.shape[1], q.dtype
+                meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, k_cache.shape[1], q.shape[1], q.dtype, window
             )
             if meta is self._meta:
-                self._plan = (geometry, plan)
+                self._plans[window] = (geometry, plan)
         return paged_attention.paged_attention_torch(
             q,
             k_cache,
@@ -100,6 +105,7 @@ class TorchBackend:
             meta.max_seqlen_q,
             meta.max_seqlen_k,
             plan=plan,
+            window=window,
         )
 
     def rms_norm(self, x, weight, eps, residual=None):
@@ -144,6 +150,9 @@ class TorchBackend:
     def silu_mul(self, gate_up):
         return fused_ops.silu_mul_ref(gate_up)
 
+    def gelu_tanh_mul(self, gate_up):
+        return fused_ops.gelu_tanh_mul_ref(gate_up)
+
 
 class TritonBackend:
     name = "triton"
@@ -151,7 +160,7 @@ class TritonBackend:
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         cache_ops.store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
 
-    def attention(self, q, k_cache, v_cache, meta, scale):
+    def attention(self, q, k_cache, v_cache, meta, scale, window=0):
         # num_splits: fixed by the model runner for a CUDA graph (no host-dependent launch inside it)
         return paged_attention.paged_attention_triton(
             q,
@@ -164,6 +173,7 @@ class TritonBackend:
             meta.max_seqlen_q,
             meta.max_seqlen_k,
             getattr(meta, "num_splits", None),
+            window=window,
         )
 
     def rms_norm(self, x, weight, eps, residual=None):
@@ -177,6 +187,9 @@ class TritonBackend:
 
     def silu_mul(self, gate_up):
         return fused_ops.silu_mul_triton(gate_up)
+
+    def gelu_tanh_mul(self, gate_up):
+        return fused_ops.gelu_tanh_mul_triton(gate_up)
 
 
 def get_backend(name: str, device_type: str):

@@ -23,7 +23,8 @@ import torch
 log = logging.getLogger("chatengine")
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", "gemma3")
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> ours
 
 # Named shapes for random weights (GPU benchmarks, tests). Values follow the public configs.
 DUMMY_SHAPES: dict[str, dict] = {
@@ -148,6 +149,29 @@ DUMMY_SHAPES: dict[str, dict] = {
         tie_word_embeddings=True,
         attention_bias=False,
     ),
+    "gemma-3-4b": dict(
+        vocab_size=262208,
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_layers=34,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+        hidden_act="gelu_tanh",
+        sandwich_norms=True,
+        norm_offset=1.0,
+        embed_scale=2560**0.5,
+        query_scale=256**-0.5,
+        layer_windows=[0 if (i + 1) % 6 == 0 else 1024 for i in range(34)],  # 5 local : 1 global
+        local_rope_theta=10000.0,
+    ),
     "tiny": dict(
         vocab_size=256,
         hidden_size=64,
@@ -209,7 +233,16 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: biases on q/k/v projections
     rope_scaling: dict | None = None
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k, before RoPE
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    sandwich_norms: bool = False  # Gemma 3: the attention and MLP outputs are normed before the residual add
+    embed_scale: float | None = None  # Gemma: embeddings are multiplied by sqrt(hidden_size)
+    query_scale: float | None = None  # the attention softmax scale; None: head_dim ** -0.5
+    # per layer: > 0 a sliding window (the layer sees a token's last N keys), 0 full attention; []: all full
+    layer_windows: list[int] = field(default_factory=list)
+    local_rope_theta: float | None = None  # Gemma 3: the RoPE base of the windowed layers (no scaling)
+    rotary_dim: int | None = None  # Phi-3/4: RoPE turns only the first rotary_dim of each head; None: all
+    norm_offset: float = 0.0  # Gemma: RMSNorms scale by (1 + weight); added to the weights at load
     eos_token_ids: list[int] = field(default_factory=list)
     # the model's own sampling defaults (generation_config.json), SamplingParams names: temperature,
     # top_p, top_k, repetition_penalty, max_tokens; what a client that names none gets
@@ -297,38 +330,75 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _sliding_window(cfg) -> int | None:
-    """The attention window of a config whose layers see only their last N tokens (Mistral v0.1's
-    `sliding_window`; Qwen's `use_sliding_window` with sliding layers), else None."""
+def _layer_windows(cfg) -> list[int]:
+    """Per layer, the sliding window of a config whose layers see only their last N keys (Mistral's
+    `sliding_window` on every layer; Qwen's with `use_sliding_window`, and Gemma 3's, on the layers its
+    `layer_types` names sliding), 0 for full attention; [] when every layer is full."""
     window = getattr(cfg, "sliding_window", None)
-    if not window:
-        return None
+    if not window or window >= cfg.max_position_embeddings:  # a window past the context changes nothing
+        return []
     if cfg.model_type == "mistral":
-        return int(window)
-    layers = getattr(cfg, "layer_types", None) or ["sliding_attention"]
-    return int(window) if getattr(cfg, "use_sliding_window", False) and "sliding_attention" in layers else None
+        return [int(window)] * cfg.num_hidden_layers
+    if cfg.model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+        return []
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    windows = [int(window) if t == "sliding_attention" else 0 for t in types]
+    return windows if any(windows) else []
+
+
+def _gemma_options(cfg, rope: dict) -> dict:
+    """Gemma 3's options over the shared decoder, and its RoPE split: `rope` keeps the global layers'."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            raise ValueError(f"{name} is set in this gemma3 config, which is not supported")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+    local = rope.pop("sliding_attention", None) or {}
+    rope.update(rope.pop("full_attention", None) or {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"RoPE scaling {local.get('rope_type')!r} on sliding layers is not supported")
+    local_theta = local.get("rope_theta") or getattr(cfg, "rope_local_base_freq", None) or 10000.0
+    return dict(
+        norm_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=cfg.hidden_size**0.5,
+        query_scale=cfg.query_pre_attn_scalar**-0.5,
+        local_rope_theta=float(local_theta),
+    )
 
 
 def _config_from_hf(cfg) -> ModelConfig:
     if cfg.model_type not in SUPPORTED_TYPES:
         raise ValueError(f"model type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
+    if cfg.model_type == "gemma3":  # the multimodal checkpoint: its language model, text only
+        cfg = cfg.get_text_config()
     max_positions = cfg.max_position_embeddings
-    window = _sliding_window(cfg)
-    if window is not None and window < max_positions:  # within one window, full attention is the same
-        log.warning("%s uses sliding-window attention: the context is capped at its %d", cfg.model_type, window)
-        max_positions = window
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope = dict(rope)
+    options = _gemma_options(cfg, rope) if cfg.model_type == "gemma3_text" else {}
     theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", 10000.0)
     partial = rope.pop("partial_rotary_factor", None) or getattr(cfg, "partial_rotary_factor", None) or 1.0
-    if partial != 1.0:
-        raise ValueError(
-            f"this {cfg.model_type} model rotates part of each head (partial_rotary_factor "
-            f"{partial}), which is not supported yet"
-        )
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    eos = cfg.eos_token_id
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor {partial} of head_dim {head_dim} is not an even number of dims")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "longrope":  # Phi-3.5 / Phi-4-mini: exact with the short factors up to the original context
+        rope["rope_type"] = rope_type
+        original = rope.get("original_max_position_embeddings") or getattr(
+            cfg, "original_max_position_embeddings", None
+        )
+        if not original or len(rope.get("short_factor") or []) != rotary_dim // 2:
+            raise ValueError("longrope needs original_max_position_embeddings and rotary_dim / 2 short factors")
+        rope.setdefault("factor", max_positions / original)
+        rope["original_max_position_embeddings"] = original
+        if original < max_positions:
+            log.warning("%s uses LongRoPE: the context is capped at its original %d", cfg.model_type, original)
+            max_positions = original
+    eos = cfg.eos_token_id
     return ModelConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -343,8 +413,12 @@ def _config_from_hf(cfg) -> ModelConfig:
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         attention_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
         rope_scaling=None if rope_type == "default" else rope,
-        qk_norm=cfg.model_type == "qwen3",
+        qk_norm=cfg.model_type in ("qwen3", "gemma3_text"),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        hidden_act=ACTIVATIONS[act],
+        layer_windows=_layer_windows(cfg),
+        **options,
     )
 
 
@@ -490,6 +564,8 @@ def _dummy(shape: str, seed: int, dtype: torch.dtype, device: str) -> LoadedMode
         ]
         if config.qk_norm:
             specs += [(p + "self_attn.q_norm.weight", (D,), 1), (p + "self_attn.k_norm.weight", (D,), 1)]
+        if config.sandwich_norms:
+            specs += [(p + f"{x}_feedforward_layernorm.weight", (H,), 1) for x in ("pre", "post")]
         if config.attention_bias:
             for name, n in (("q", config.num_heads), ("k", config.num_kv_heads), ("v", config.num_kv_heads)):
                 specs.append((p + f"self_attn.{name}_proj.bias", (n * D,), 0))
@@ -502,7 +578,10 @@ def _dummy(shape: str, seed: int, dtype: torch.dtype, device: str) -> LoadedMode
         ]
     if not config.tie_word_embeddings:
         specs.append(("lm_head.weight", (config.vocab_size, H), 0))
-    stream = ((name, 1 + rand(*size) if offset else rand(*size)) for name, size, offset in specs)
+    # norm weights near 1 as used: (1 + w) with Gemma's offset added at load
+    stream = (
+        (name, offset - config.norm_offset + rand(*size) if offset else rand(*size)) for name, size, offset in specs
+    )
     sd = LazyWeights([name for name, _, _ in specs], _InOrder(stream))
     return LoadedModel(f"dummy:{shape}", config, sd, None, f"dummy:{shape}:seed={seed}")
 

@@ -250,7 +250,7 @@ class ModelRunner:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the bf16 weights' memory goes back before the KV pool is sized
         self.model = model.eval()
-        self.model.rope.build()
+        self.model.build_rope()
         self.sampler = Sampler(device, config.seed)
         self._sample_seeds = random.Random(config.seed)  # per-step seeds of the fused sampler
         self.fused_sampling = device.type == "cuda" and self.backend.name == "triton"

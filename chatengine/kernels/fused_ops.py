@@ -300,19 +300,23 @@ def rotary_store_kv_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slot_map
     return q
 
 
-# ---------------------------------------------------------------------------- SiLU-and-mul
+# ---------------------------------------------------------------------------- SiLU-and-mul, GeGLU
 @jit
-def _silu_mul_kernel(GateUp, Out, stride_g, stride_o, I, BLOCK: tl.constexpr):
+def _act_mul_kernel(GateUp, Out, stride_g, stride_o, I, GELU: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
     g = tl.load(GateUp + t * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(GateUp + t * stride_g + I + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + t * stride_o + cols, (g / (1.0 + tl.exp(-g)) * u).to(Out.dtype.element_ty), mask=ok)
+    if GELU:  # tanh-approximated GELU: 0.5 g (1 + tanh(y)) = g * sigmoid(2y)
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+        a = g / (1.0 + tl.exp(-2.0 * y))
+    else:  # SiLU: g * sigmoid(g)
+        a = g / (1.0 + tl.exp(-g))
+    tl.store(Out + t * stride_o + cols, (a * u).to(Out.dtype.element_ty), mask=ok)
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] (T, 2I); returns (T, I)."""
+def _act_mul_triton(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     check_device(gate_up)
     T, I2 = gate_up.shape
     I = I2 // 2
@@ -320,12 +324,27 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, I, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         block = min(1024, triton.next_power_of_2(I))
-        _silu_mul_kernel[(T, triton.cdiv(I, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), I, BLOCK=block, num_warps=4
+        _act_mul_kernel[(T, triton.cdiv(I, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), I, GELU=gelu, BLOCK=block, num_warps=4
         )
     return out
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] (T, 2I); returns (T, I)."""
+    return _act_mul_triton(gate_up, gelu=False)
+
+
+def gelu_tanh_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's GeGLU) for gate_up = [gate | up] (T, 2I); returns (T, I)."""
+    return _act_mul_triton(gate_up, gelu=True)
 
 
 def silu_mul_ref(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul_ref(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

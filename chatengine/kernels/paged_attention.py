@@ -8,7 +8,9 @@ A batch is varlen: the new queries of all sequences are packed into `q [T, H_q, 
 sequence b owns rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]`, has `seq_lens[b]` tokens of context in
 total (cached prefix + new), and its pages are `block_tables[b, :ceil(seq_lens[b] / block_size)]`.
 Query i of sequence b sits at absolute position `seq_lens[b] - q_len[b] + i` and attends causally
-to every key at or before it. Decode is the case q_len = 1.
+to every key at or before it; with a sliding `window` > 0 only to the last `window` of them
+(keys at positions > its own - window, as Hugging Face masks sliding-window layers). Decode is the
+case q_len = 1.
 
 Backends: `paged_attention(..., backend=None)` runs Triton on CUDA tensors and the torch reference
 elsewhere; `backend="triton"` (or `CHATENGINE_KERNELS=triton`) forces Triton. On CPU tensors Triton
@@ -73,6 +75,7 @@ def _paged_attention_kernel(
     seq_lens,
     block_tables,
     scale_log2,  # softmax scale * log2(e): we use exp2
+    window,  # > 0: a query sees only keys at positions > its own - window
     num_kv_heads,
     stride_qt,
     stride_qh,
@@ -126,10 +129,13 @@ def _paged_attention_kernel(
         other=0.0,
     ).to(DOT_DTYPE)  # (M, D)
 
-    # keys of this program: its split of [0, seq_len), cut at the block's last query (causal)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_start = split * split_len
+    # keys of this program: its split of [lo, seq_len), cut at the block's last query (causal); lo is
+    # the first key the block's first query sees (0 without a window)
+    lo = tl.where(window > 0, tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0), 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = lo + split * split_len
     kv_end = tl.minimum(tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q), kv_start + split_len)
+    q_low = tl.where(window > 0, q_pos - window, -1)  # keys must be past it
 
     # finite start for the running max: fully masked rows then give p = 0, never NaN
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -148,7 +154,8 @@ def _paged_attention_kernel(
         )  # (D, N)
         k = k.to(DOT_DTYPE)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # (M, N)
-        s = tl.where(row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_low[:, None])
+        s = tl.where(row_ok[:, None] & n_ok[None, :] & seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -350,6 +357,7 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     launch: tuple[int, int, int] | None = None,
     pdl: bool | str | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Triton varlen paged attention, same contract as `paged_attention_ref`; writes `out` if given.
 
@@ -413,6 +421,7 @@ def paged_attention_triton(
         seq_lens,
         block_tables,
         scale * 1.4426950408889634,
+        window,
         H_kv,
         q.stride(0),
         q.stride(1),
@@ -482,6 +491,7 @@ def paged_attention_ref(
     scale: float,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Reference varlen paged attention (prefill chunks and decodes mixed). Returns [T, H_q, D]."""
     T, H_q, D = q.shape
@@ -511,7 +521,9 @@ def paged_attention_ref(
     q_abs = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=q.device)[None, :]  # (B, Q)
     key_pos = torch.arange(num_pages * block_size, device=q.device)
     mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
-    mask[:, :, 0] = True  # padded query rows: avoid NaN
+    if window > 0:  # sliding window: only the last `window` keys
+        mask &= key_pos[None, None, :] > q_abs[:, :, None] - window
+    mask[:, :, 0] |= ~mask.any(-1)  # padded query rows: avoid NaN
 
     # an additive float mask and contiguous inputs: with a bool mask or strided inputs CPU SDPA
     # falls back to a path ~50x slower
@@ -559,6 +571,7 @@ class TorchAttentionPlan:
     num_tokens: int
     num_q_heads: int
     groups: list
+    window: int = 0
 
 
 def _page_view(cache: torch.Tensor) -> torch.Tensor:
@@ -586,9 +599,10 @@ def plan_paged_attention_torch(
     block_size: int,
     num_q_heads: int,
     dtype: torch.dtype,
+    window: int = 0,
 ) -> TorchAttentionPlan:
-    """Indices and masks of one step for `paged_attention_torch`, the same for every layer
-    (computed on the host: a sync on CUDA)."""
+    """Indices and masks of one step for `paged_attention_torch`, the same for every layer of one
+    `window` (computed on the host: a sync on CUDA)."""
     device = block_tables.device
     cu = cu_seqlens_q.cpu().long()
     lens = seq_lens.cpu().long()
@@ -613,6 +627,8 @@ def plan_paged_attention_torch(
         s = torch.arange(S)
         q_abs = (sl - ql)[:, None] + torch.arange(Q)[None, :]  # (B_g, Q)
         ok = (s[None, None, :] <= q_abs[:, :, None]) & (s[None, None, :] < sl[:, None, None])
+        if window > 0:
+            ok &= s[None, None, :] > q_abs[:, :, None] - window
         ok[:, :, 0] |= ~ok.any(-1)  # padded rows: no NaN
         bias = torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf"))[:, None]
         dest = None if (decode or B_g == 1) else b_of * Q + i_of
@@ -628,7 +644,7 @@ def plan_paged_attention_torch(
                 num_pages=P,
             )
         )
-    return TorchAttentionPlan(num_tokens=T, num_q_heads=num_q_heads, groups=groups)
+    return TorchAttentionPlan(num_tokens=T, num_q_heads=num_q_heads, groups=groups, window=window)
 
 
 def paged_attention_torch(
@@ -642,6 +658,7 @@ def paged_attention_torch(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     plan: TorchAttentionPlan | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`paged_attention_ref`'s function, vectorised for CPU; pass the step's `plan`
     (`plan_paged_attention_torch`) to share it between layers. Returns [T, H_q, D]."""
@@ -650,10 +667,11 @@ def paged_attention_torch(
     G = H_q // H_kv
     if not torch_attention_supported(k_cache, v_cache):
         return paged_attention_ref(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k, window
         )
     if plan is None:
-        plan = plan_paged_attention_torch(cu_seqlens_q, seq_lens, block_tables, bs, H_q, q.dtype)
+        plan = plan_paged_attention_torch(cu_seqlens_q, seq_lens, block_tables, bs, H_q, q.dtype, window)
+    assert plan.window == window, "the plan was made for another window"
     k_pages, v_pages = _page_view(k_cache), _page_view(v_cache)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     outs = []

@@ -1,6 +1,8 @@
-"""Llama-family forward over the paged KV cache (Llama 3.x, SmolLM2, Qwen2, Qwen3, Mistral, Phi-3):
-one decoder with each family's options (q/k/v biases, per-head q/k norms) from its config; Phi-3's
-fused qkv_proj / gate_up_proj checkpoints load into the same fused layers.
+"""Llama-family forward over the paged KV cache (Llama 3.x, SmolLM2, Qwen2, Qwen3, Mistral, Phi-3/4,
+Gemma 3): one decoder with each family's options from its config: q/k/v biases, per-head q/k norms,
+sliding-window layers, SwiGLU or GeGLU, Gemma's sandwich norms, scaled embeddings, (1 + w) norms and
+local RoPE, partial rotary. Phi-3's fused qkv_proj / gate_up_proj checkpoints load into the same
+fused layers.
 
 Tokens of all sequences in a step are packed into one flat batch of T tokens; attention finds each
 token's sequence and context through `AttentionMetadata`. Numerics follow Hugging Face's Llama
@@ -51,13 +53,17 @@ class RMSNorm(nn.Module):
         return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    D = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
-    scaling = config.rope_scaling
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """(rotary_dim / 2,) inverse frequencies; `local`: those of Gemma 3's sliding layers."""
+    D = config.rotary_dim or config.head_dim
+    theta = config.local_rope_theta if local and config.local_rope_theta else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    scaling = None if local else config.rope_scaling
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "longrope":  # the short factors: the context is capped at the original one (loader)
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":  # Llama 3.1+: long wavelengths scaled down, short kept, smooth in between
@@ -69,15 +75,37 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope)")
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """LongRoPE scales cos and sin (so q.k) by sqrt(1 + ln(factor) / ln(original context))."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order our heads keep the dims of a partially rotated head in (q and k rows per head are
+    permuted at load; q.k is unchanged): rotate-half pairs (i, i + rotary_dim / 2) of the rotated
+    dims become (j, j + head_dim / 2), as our full-head kernels pair them, and the passed-through
+    dims fill the rest, where the cos/sin tables hold 1 and 0. new dim j = old dim order[j]."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    half = lambda start_rot, start_pass: list(range(start_rot, start_rot + r)) + list(range(start_pass, start_pass + p))  # noqa: E731
+    return torch.tensor(half(0, rotary_dim) + half(r, rotary_dim + p))
 
 
 class RotaryEmbedding(nn.Module):
-    """The fp32 cos/sin tables (P, D) that every layer's backend rotates q and k by."""
+    """The fp32 cos/sin tables (P, D) that every layer's backend rotates q and k by (`local`: those of
+    Gemma 3's sliding layers)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, local: bool = False):
         super().__init__()
-        self.config, self.max_positions = config, max_positions
+        self.config, self.max_positions, self.local = config, max_positions, local
         self.register_buffer("cos", torch.empty(max_positions, config.head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, config.head_dim), persistent=False)
 
@@ -85,10 +113,15 @@ class RotaryEmbedding(nn.Module):
     def build(self):
         """Fill the cos/sin tables (after the model has its device and dtype)."""
         device = self.cos.device
-        inv_freq = rope_inv_freq(self.config).to(device)
+        inv_freq = rope_inv_freq(self.config, self.local).to(device)
         freqs = torch.arange(self.max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
-        self.cos, self.sin = emb.cos(), emb.sin()  # fp32 tables, cast per use as HF does
+        factor = 1.0 if self.local else rope_attention_factor(self.config)
+        cos, sin = freqs.cos() * factor, freqs.sin() * factor  # (P, rotary_dim / 2) fp32, cast per use as HF does
+        pad = (self.config.head_dim - 2 * freqs.shape[1]) // 2  # passed-through dims: cos 1, sin 0
+        if pad:
+            cos = torch.cat([cos, torch.ones(cos.shape[0], pad, device=device)], dim=-1)
+            sin = torch.cat([sin, torch.zeros(sin.shape[0], pad, device=device)], dim=-1)
+        self.cos, self.sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)  # (P, D)
 
 
 class Attention(nn.Module):
@@ -105,7 +138,8 @@ class Attention(nn.Module):
             config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.attention_bias, group
         )
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, group)
-        self.scale = self.head_dim**-0.5
+        self.scale = config.query_scale or self.head_dim**-0.5
+        self.window = config.layer_windows[layer] if config.layer_windows else 0  # 0: full attention
         if config.qk_norm:  # weights (head_dim,): the same on every rank
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
@@ -123,7 +157,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]  # (N, bs, Hkv, D) views
         # q rotated; k rotated and v into their cache slots (one launch on triton)
         q = self.backend.rotary_store_kv(positions, q, k, v, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
-        o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        o = self.backend.attention(q, k_cache, v_cache, meta, self.scale, self.window)  # (T, Hq, D)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -134,22 +168,34 @@ class MLP(nn.Module):
         self.intermediate = split(config.intermediate_size, group, "intermediate_size")  # this rank's share
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, self.intermediate, group)
         self.down_proj = RowParallelLinear(self.intermediate, config.hidden_size, group)
+        self.gelu = config.hidden_act == "gelu_tanh"
 
     def forward(self, x):
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        h = self.backend.gelu_tanh_mul(gate_up) if self.gelu else self.backend.silu_mul(gate_up)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden state so that each residual add
     is fused into the next norm: layer i returns (mlp_out, residual) and layer i+1's input norm adds
-    them, as Hugging Face's `residual + mlp_out` followed by its norm does (same rounding)."""
+    them, as Hugging Face's `residual + mlp_out` followed by its norm does (same rounding).
+
+    Gemma 3 (sandwich norms) also norms each block's output before it joins the residual stream:
+    post_attention_layernorm norms the attention output, pre_feedforward_layernorm then takes the
+    residual add, and post_feedforward_layernorm norms the MLP output."""
 
     def __init__(self, config: ModelConfig, layer: int, backend, group: TPGroup):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps, backend)
         self.self_attn = Attention(config, layer, backend, group)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(H, eps, backend)
         self.mlp = MLP(config, backend, group)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(H, eps, backend)
+            self.post_feedforward_layernorm = RMSNorm(H, eps, backend)
 
     def forward(self, x, residual, positions, rope, kv_cache, meta):
         if residual is None:  # first layer: x is the embedding
@@ -157,8 +203,11 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         a = self.self_attn(h, positions, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(a, residual)
-        return self.mlp(h), residual
+        if not self.sandwich:
+            h, residual = self.post_attention_layernorm(a, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(a), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class LlamaModel(nn.Module):
@@ -175,13 +224,24 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(config, max_positions)
+        # Gemma 3: its sliding layers rotate with their own base
+        self.rope_local = RotaryEmbedding(config, max_positions, local=True) if config.local_rope_theta else None
+
+    def build_rope(self) -> None:
+        """Fill the cos/sin tables (after the model has its device and dtype)."""
+        for rope in (self.rope, self.rope_local):
+            if rope is not None:
+                rope.build()
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices):
         """input_ids, positions: (T,); returns logits (len(logits_indices), vocab) in the model's dtype
         (the samplers compute in fp32; a bf16 -> fp32 copy of 256 x 128k logits costs 0.1 ms a step)."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.config.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as HF
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+            local = self.rope_local is not None and layer.self_attn.window > 0
+            x, residual = layer(x, residual, positions, self.rope_local if local else self.rope, kv_cache, meta)
         assert residual is not None  # every model has at least one layer
         x, _ = self.norm(x[logits_indices], residual[logits_indices])  # only the rows that sample
         return self.lm_head(x)
@@ -199,7 +259,7 @@ class LlamaModel(nn.Module):
         if self.config.tie_word_embeddings:  # re-tie: to_empty() gives each module fresh storage
             self.lm_head.weight = self.embed_tokens.weight
         own = dict(self.named_parameters())
-        names = {k.removeprefix("model."): k for k in sd}  # our name -> the checkpoint's
+        names = {n: k for k in sd if (n := _our_name(k)) is not None}  # our name -> the checkpoint's
 
         def take(name: str) -> torch.Tensor:
             if name not in names:
@@ -208,6 +268,11 @@ class LlamaModel(nn.Module):
 
         c = self.config
         qkv_rows = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        order = partial_rotary_order(c.head_dim, c.rotary_dim) if c.rotary_dim else None
+
+        def heads_in_order(x):  # partial rotary: each head's q or k rows into our dim order
+            return x if order is None else x.unflatten(0, (-1, c.head_dim))[:, order].flatten(0, 1)
+
         self.embed_tokens.load(take("embed_tokens.weight"))
         layer: Any
         for i, layer in enumerate(self.layers):
@@ -215,9 +280,10 @@ class LlamaModel(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             for param in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
                 if p + f"self_attn.qkv_proj.{param}" in names:  # Phi-3: one tensor, q then k then v rows
-                    attn.qkv_proj.load(*take(p + f"self_attn.qkv_proj.{param}").split(qkv_rows), param)
+                    q, k, v = take(p + f"self_attn.qkv_proj.{param}").split(qkv_rows)
                 else:
-                    attn.qkv_proj.load(*(take(p + f"self_attn.{x}_proj.{param}") for x in "qkv"), param)
+                    q, k, v = (take(p + f"self_attn.{x}_proj.{param}") for x in "qkv")
+                attn.qkv_proj.load(heads_in_order(q), heads_in_order(k), v, param)
             attn.o_proj.load(take(p + "self_attn.o_proj.weight"))
             if p + "mlp.gate_up_proj.weight" in names:  # Phi-3: gate rows, then up rows
                 mlp.gate_up_proj.load(*take(p + "mlp.gate_up_proj.weight").chunk(2))
@@ -234,4 +300,16 @@ class LlamaModel(nn.Module):
         for name in list(names):
             if name not in own:
                 raise ValueError(f"unexpected weight {name!r} for a {type(self).__name__}")
-            own[name].copy_(take(name))
+            own[name].copy_(take(name).float() + c.norm_offset if "norm" in name else take(name))
+
+
+def _our_name(checkpoint_name: str) -> str | None:
+    """Our parameter name of a checkpoint's (None: not the language model's, e.g. Gemma 3's vision
+    tower): text models keep theirs under model., multimodal ones under model.language_model. (or
+    language_model.model. in older files)."""
+    name = checkpoint_name
+    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    return None if name.startswith(("vision_tower.", "multi_modal_projector.")) else name
