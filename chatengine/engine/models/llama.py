@@ -239,6 +239,7 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        layer: Any
         for layer in self.layers:
             local = self.rope_local is not None and layer.self_attn.window > 0
             x, residual = layer(x, residual, positions, self.rope_local if local else self.rope, kv_cache, meta)
