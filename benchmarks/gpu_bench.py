@@ -45,7 +45,7 @@ from chatengine.engine.loader import DUMMY_SHAPES  # noqa: E402
 from chatengine.kernels import paged_attention as pa  # noqa: E402
 
 MODELS = ["llama-3.2-1b", "qwen2.5-0.5b"]
-SHAPES = [*MODELS, "qwen3-0.6b", "llama-3.1-8b"]  # --models may pick any of these
+SHAPES = [*MODELS, "qwen3-0.6b", "llama-3.1-8b", "gemma-3-4b"]  # --models may pick any of these
 PARTS = ["bandwidth", "throughput", "peer", "decode", "kernel", "profile"]
 
 
@@ -282,11 +282,21 @@ def hf_model(shape: str):
     import transformers
 
     c = DUMMY_SHAPES[shape]
+    extra: dict = {}
     if shape.startswith("llama"):
         cls = transformers.LlamaConfig
+    elif c.get("sandwich_norms"):  # Gemma 3: its sliding layers, window and query scale
+        cls = transformers.Gemma3TextConfig
+        windows = c["layer_windows"]
+        extra = dict(
+            sliding_window=max(windows),
+            layer_types=["sliding_attention" if w else "full_attention" for w in windows],
+            query_pre_attn_scalar=round(c["query_scale"] ** -2),
+        )
     else:
         cls = transformers.Qwen3Config if c.get("qk_norm") else transformers.Qwen2Config
     cfg = cls(
+        **extra,
         vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"],

@@ -215,6 +215,29 @@ REALISTIC = dict(  # a 1B-class width, four layers: the kernels' real tile shape
 )
 
 
+REALISTIC_EXTRA = {  # the families' options at that width: windows of several pages, head_dim 256
+    "qwen3": dict(head_dim=128),
+    "mistral-window": dict(sliding_window=300),
+    "phi4-mini": dict(
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + i / 8 for i in range(48)],
+            "long_factor": [2.0 + i / 8 for i in range(48)],
+            "original_max_position_embeddings": 4096,
+        },
+        original_max_position_embeddings=4096,
+    ),
+    "gemma3": dict(
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=300,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    ),
+}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_cuda_fp32_realistic_width_equals_transformers(name, tmp_path):
@@ -222,8 +245,7 @@ def test_cuda_fp32_realistic_width_equals_transformers(name, tmp_path):
     transformers' and the same greedy tokens."""
     config_name, model_name, extra = FAMILIES[name]
     extra = {k: v for k, v in extra.items() if k not in ("rope_scaling", "head_dim")}
-    head_dim = {"head_dim": 128} if name in ("qwen3",) else {}
-    config = getattr(transformers, config_name)(**{**REALISTIC, **extra, **head_dim})
+    config = getattr(transformers, config_name)(**{**REALISTIC, **extra, **REALISTIC_EXTRA.get(name, {})})
     torch.manual_seed(2)
     model = getattr(transformers, model_name)(config).eval()
     model.save_pretrained(tmp_path)
