@@ -268,3 +268,15 @@ def test_store_writes_run_off_the_event_loop(ui, monkeypatch):
     updates, lag = asyncio.run(go())
     assert len(updates[-1][ui.c.rows]) == 2  # the turn completed and was stored
     assert lag < 0.2, lag
+
+
+def test_max_tokens_starts_chat_sized_within_the_context(ui):
+    """The page's Max tokens starts at the server's default reply length, held within the model's
+    context, which is also where the slider ends."""
+    from chatengine.app.ui.layout import build_ui
+
+    limit = ui.service.engine.max_tokens_limit
+    for default, want in ((2048, min(2048, limit)), (10 * limit, limit), (None, limit)):
+        demo = build_ui(ui.service, default_max_tokens=default)
+        [slider] = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "max-tokens"]
+        assert (slider.value, slider.maximum) == (want, limit)

@@ -93,7 +93,7 @@ def create_app(
     from chatengine.app.api.cors import check_origins
     from chatengine.app.api.routes import build_api
     from chatengine.app.chat import ChatService
-    from chatengine.app.ui.layout import CSS, build_ui, theme
+    from chatengine.app.ui.layout import CSS, JS, build_ui, theme
     from chatengine.personas import load_personas
 
     # checks that can fail run before the model loads: a bad directory or database costs one line at once
@@ -129,7 +129,14 @@ def create_app(
         cors_origins=cors_origins,
         default_max_tokens=default_max_tokens or None,
     )
-    demo = build_ui(service, auth_enabled=users is not None, title=title, max_n=max_n, admins=auth.admins(users))
+    demo = build_ui(
+        service,
+        auth_enabled=users is not None,
+        title=title,
+        max_n=max_n,
+        admins=auth.admins(users),
+        default_max_tokens=default_max_tokens or None,
+    )
     login = _login_check(users) if users is not None else None
     app = gr.mount_gradio_app(
         app,
@@ -139,6 +146,7 @@ def create_app(
         auth_message="Sign in to chatengine" if login else None,
         theme=theme(),
         css=CSS,
+        js=JS,
         ssr_mode=False,
         footer_links=["settings"],
         show_error=True,
@@ -360,9 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--default-max-tokens",
         type=int,
         default=DEFAULT_MAX_TOKENS,
-        help="an API reply's length cap when the client sends no max_tokens (Open WebUI sends none); "
-        "0: up to the context. Sampling settings a client leaves out come from the model's "
-        "generation_config.json",
+        help="an API reply's length cap when the client sends no max_tokens (Open WebUI sends none), and the "
+        "UI's Max tokens to start with, within the model's context; 0: up to the context. Sampling settings "
+        "a client leaves out come from the model's generation_config.json",
     )
     p.add_argument(
         "--max-alternatives", type=int, default=4, help="largest n (parallel alternatives per turn) offered in the UI"

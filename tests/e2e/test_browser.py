@@ -361,6 +361,12 @@ def test_reload_and_sigkill_mid_reply(server, chat_page, browser_ctx):
     expect(last_bot(page)).to_contain_text("▍")
     time.sleep(1.5)  # a partial save happens every second
     server.kill()
+    # the page says so in words; the reply on screen is marked; Stop (which cannot reach it) goes
+    expect(page.locator("#conn-banner")).to_contain_text("Connection to the server lost")
+    expect(last_bot(page)).to_contain_text("connection lost")
+    expect(page.locator("#stop")).to_be_hidden()
+    expect(page.locator("#alt-label")).not_to_contain_text("Generating")
+    page.screenshot(path=str(ARTIFACTS / "06a-connection-lost.png"))
     page.goto("about:blank")
     page.close()
     db = sqlite3.connect(server.data_dir / "chat.db")

@@ -70,15 +70,21 @@ class Components:
 
 
 def build_components(
-    personas: dict, default_persona: str | None, title: str, max_n: int, show_engine: bool = True
+    personas: dict,
+    default_persona: str | None,
+    title: str,
+    max_n: int,
+    show_engine: bool = True,
+    max_tokens: tuple[int, int] = (256, 2048),
 ) -> Components:
-    """Lay the page out (inside `with gr.Blocks()`); returns its components by name."""
+    """Lay the page out (inside `with gr.Blocks()`); returns its components by name. max_tokens: the
+    slider's (default, maximum)."""
     state: dict[str, Any] = dict(cid=gr.State(None), rows=gr.State([]), focus=gr.State(None))
     with gr.Sidebar(width=300, elem_id="sidebar"):
         sidebar = _sidebar(title)
     with gr.Tabs():
         with gr.Tab("Chat", id="chat-tab") as chat_tab:
-            chat = _chat_tab(personas, default_persona, max_n)
+            chat = _chat_tab(personas, default_persona, max_n, max_tokens)
         with gr.Tab("Engine", id="engine-tab", visible=show_engine) as engine_tab:
             engine = _engine_tab()
     return Components(**state, **sidebar, chat_tab=chat_tab, **chat, engine_tab=engine_tab, **engine)
@@ -110,7 +116,7 @@ def _sidebar(title: str) -> dict:
     return c
 
 
-def _chat_tab(personas: dict, default_persona: str | None, max_n: int) -> dict:
+def _chat_tab(personas: dict, default_persona: str | None, max_n: int, max_tokens: tuple[int, int]) -> dict:
     first = personas.get(default_persona or "")
     c: dict[str, Any] = dict(
         persona=gr.Dropdown(
@@ -158,18 +164,20 @@ def _chat_tab(personas: dict, default_persona: str | None, max_n: int) -> dict:
         c["send_btn"] = gr.Button("Send", variant="primary", scale=1, elem_id="send")
         c["stop_btn"] = gr.Button("■ Stop", variant="stop", scale=1, visible=False, elem_id="stop")
     with gr.Accordion("Generation settings", open=False, elem_id="settings"):
-        c.update(_settings(max_n))
+        c.update(_settings(max_n, max_tokens))
     return c
 
 
-def _settings(max_n: int) -> dict:
+def _settings(max_n: int, max_tokens: tuple[int, int]) -> dict:
     with gr.Row():
         c: dict[str, Any] = dict(
             temperature=gr.Slider(
                 0, 2, value=0.7, step=0.05, label="Temperature", info="0 = greedy", elem_id="temperature"
             ),
             top_p=gr.Slider(0.05, 1, value=0.95, step=0.05, label="Top-p", elem_id="top-p"),
-            max_tokens=gr.Slider(1, 2048, value=256, step=1, label="Max tokens", elem_id="max-tokens"),
+            max_tokens=gr.Slider(
+                1, max_tokens[1], value=max_tokens[0], step=1, label="Max tokens", elem_id="max-tokens"
+            ),
         )
     with gr.Row():
         c["seed"] = gr.Number(value=-1, precision=0, label="Seed", info="-1 = random", elem_id="seed")

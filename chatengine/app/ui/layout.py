@@ -51,6 +51,66 @@ CSS = """
 .kv-tier {border: 1px solid var(--border-color-primary); border-radius: 8px; padding: .6em .8em}
 .kv-tier b {font-size: 1.35em; display: block}
 .kv-tier span {font-size: .8em; opacity: .7}
+#conn-banner {position: fixed; top: 0; left: 0; right: 0; z-index: 100000; padding: .7em 1em; text-align: center;
+              background: #fef3c7; color: #78350f; border-bottom: 1px solid #f59e0b; font-size: .95em}
+#conn-banner button {margin-left: .4em; padding: .2em .9em; border-radius: 6px; border: 1px solid #b45309;
+                     background: #fff; cursor: pointer}
+body.conn-lost #stop {display: none}
+"""
+
+# The server gone (stopped, crashed, the network): Gradio shows a toast and leaves the page as it
+# was, "Generating…" and Stop included. This says so in words, marks the reply being shown, hides
+# Stop (it cannot reach the server), and offers a reload once the server answers again. It starts
+# from Gradio's own error toast (its heartbeat notices a lost server at once) and then asks /health
+# every 2 s until the server is back.
+JS = """
+() => {
+  const bar = document.createElement("div");
+  bar.id = "conn-banner";
+  bar.setAttribute("role", "alert");
+  bar.hidden = true;
+  document.body.prepend(bar);
+  let lost = false, checking = false, poll = null;
+  async function healthy() {
+    try { return (await fetch("health", {cache: "no-store"})).ok; } catch (e) { return false; }
+  }
+  function markLost() {
+    lost = true;
+    document.body.classList.add("conn-lost");
+    for (const el of document.querySelectorAll("#chat .msg-stats")) {
+      if (el.textContent.includes("generating…")) {
+        el.textContent = "⚠ connection lost";
+        el.classList.add("msg-warn");
+      }
+    }
+    const label = document.querySelector("#alt-label p");
+    if (label) label.textContent = "";
+    bar.textContent = "Connection to the server lost. A reply being written goes on if the server still "
+      + "runs; reload this page once the server is back.";
+    bar.hidden = false;
+    poll = setInterval(check, 2000);
+  }
+  function markBack() {
+    clearInterval(poll);
+    bar.textContent = "The server is back.";
+    const reload = document.createElement("button");
+    reload.id = "conn-reload";
+    reload.textContent = "Reload";
+    reload.onclick = () => location.reload();
+    bar.append(reload);
+  }
+  async function check() {
+    if (checking) return;
+    checking = true;
+    const ok = await healthy();
+    checking = false;
+    if (!ok && !lost) markLost();
+    else if (ok && lost && poll !== null) { markBack(); poll = null; }
+  }
+  new MutationObserver(() => {
+    if (!lost && document.querySelector(".toast-body.error")) check();
+  }).observe(document.body, {childList: true, subtree: true});
+}
 """
 
 
@@ -66,10 +126,17 @@ def build_ui(
     title: str = "chatengine",
     max_n: int = 4,
     admins: frozenset[str] = frozenset(),
+    default_max_tokens: int | None = 2048,
 ) -> gr.Blocks:
-    """With auth on, only `admins` see the Engine tab (it shows every user's load on the server)."""
+    """With auth on, only `admins` see the Engine tab (it shows every user's load on the server).
+    default_max_tokens: the Max tokens setting a page starts with (as the API's --default-max-tokens;
+    None: up to the context), held within the model's context, which is also the slider's end."""
+    limit = service.engine.max_tokens_limit
+    max_tokens = (min(default_max_tokens or limit, limit), limit)
     with gr.Blocks(title=title, analytics_enabled=False, fill_width=True) as demo:
-        c = build_components(service.personas, service.default_persona, title, max_n, show_engine=not auth_enabled)
+        c = build_components(
+            service.personas, service.default_persona, title, max_n, show_engine=not auth_enabled, max_tokens=max_tokens
+        )
         ui = ChatUI(service, c, auth_enabled=auth_enabled, local_user=local_user, admins=admins)
         demo.load(
             ui.on_load, None, [c.conv_list, c.who_md, c.logout_btn, c.engine_tab], api_visibility="private", queue=False
