@@ -26,19 +26,21 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @jit
-def _quantize_rows_kernel(X, Q, S, stride_x, stride_q, K, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(
+    X, Q, S, stride_x, stride_q, K, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr
+):  # AMAX_MIN, QMAX: MIN_SCALE_AMAX, E4M3_MAX (compiled kernels read no module globals)
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k in range(0, K, BLOCK):
         cols = k + tl.arange(0, BLOCK)
         x = tl.load(X + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), MIN_SCALE_AMAX) / E4M3_MAX
+    scale = tl.maximum(tl.max(amax, 0), AMAX_MIN) / QMAX
     tl.store(S + row, scale)
     for k in range(0, K, BLOCK):
         cols = k + tl.arange(0, BLOCK)
         x = tl.load(X + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(x / scale, -E4M3_MAX), E4M3_MAX))
+        q = _round_to_e4m3(tl.minimum(tl.maximum(x / scale, -QMAX), QMAX))
         tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=cols < K)
 
 
@@ -60,5 +62,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
-        _quantize_rows_kernel[(M,)](x, q, scale, x.stride(0), q.stride(0), K, BLOCK=1024, num_warps=4)
+        _quantize_rows_kernel[(M,)](
+            x, q, scale, x.stride(0), q.stride(0), K, AMAX_MIN=MIN_SCALE_AMAX, QMAX=E4M3_MAX, BLOCK=1024, num_warps=4
+        )
     return q, scale
