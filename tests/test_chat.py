@@ -276,6 +276,31 @@ def test_a_server_shutdown_marks_the_reply_interrupted(svc):
     assert not svc.is_generating(user, cid)
 
 
+def test_continue_a_reply_cut_at_max_tokens(svc):
+    """Continue writes into the same message; its prompt is the history plus the ids the reply
+    generated (not its text re-tokenized, nor the close of its turn)."""
+    user = "alice"
+    cid = svc.new_conversation(user)
+    cut = run(lambda: svc.send(user, cid, LONG_PROMPT, dict(temperature=0, max_tokens=6)))
+    assert cut.finish_reasons == ["length"]
+    generated = svc.store.get_message(user, cut.message_ids[0])["token_ids"][: -len(svc.template.close_ids)]
+    more = run(lambda: svc.continue_reply(user, cid, cut.message_ids[0], dict(temperature=0, max_tokens=6)))
+    assert more.message_ids == cut.message_ids and more.status == "done"
+    assert more.texts[0].startswith(cut.texts[0]) and len(more.texts[0]) > len(cut.texts[0])
+    assert svc.engine.calls[-1]["prompt"] == svc.engine.calls[0]["prompt"] + generated
+    msg = svc.store.get_message(user, cut.message_ids[0])
+    assert msg["content"] == more.texts[0] and msg["stats"]["tokens"] == 12 and msg["status"] == "done"
+    assert msg["token_ids"][: len(generated)] == generated and len(svc.view(user, cid)) == 2
+    # only a reply cut at max tokens, of this user, in this conversation
+    done = svc.store.add_message(user, cid, "assistant", "Hi.", cut.user_message_id, stats={"finish_reason": "stop"})
+    with pytest.raises(ValueError, match="cut at max tokens"):
+        svc.continue_reply(user, cid, done)
+    with pytest.raises(NotFound):
+        svc.continue_reply(user, cid, cut.user_message_id)
+    with pytest.raises(NotFound):
+        svc.continue_reply("bob", cid, cut.message_ids[0])
+
+
 def test_users_are_isolated(svc):
     cid = svc.new_conversation("alice")
     up = run(lambda: svc.send("alice", cid, "My secret is 42.", GREEDY))

@@ -280,3 +280,17 @@ def test_max_tokens_starts_chat_sized_within_the_context(ui):
         demo = build_ui(ui.service, default_max_tokens=default)
         [slider] = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "max-tokens"]
         assert (slider.value, slider.maximum) == (want, limit)
+
+
+def test_continue_writes_more_into_a_reply_cut_at_max_tokens(ui):
+    c = ui.c
+    last = send(ui, "alice", "Write a very long story about a dragon.")[-1]  # greedy, 6 tokens: cut
+    assert "cut at max tokens" in last[c.chatbot][-1]["content"]
+    assert last[c.continue_btn]["interactive"] is True
+    conv_id, reply = ui.viewing["s1"], last[c.focus]
+    final = drain(ui.continue_reply(conv_id, reply, *GREEDY, request("alice")))[-1]
+    assert final[c.rows] == last[c.rows] and final[c.focus] == reply  # the same reply, longer
+    assert "12 tokens" in final[c.chatbot][-1]["content"]
+    assert final[c.chatbot][-1]["content"].startswith(last[c.chatbot][-1]["content"].split("\n\n")[0])
+    refused = drain(ui.continue_reply(conv_id, last[c.rows][0], *GREEDY, request("alice")))  # a user message
+    assert refused == [gr.skip()]

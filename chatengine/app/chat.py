@@ -26,6 +26,7 @@ of another user's conversation raises ``NotFound`` exactly like an id that does 
     async for update in gen: ...                          # ReplyUpdates (cumulative) to the end
     gen = svc.regenerate(user, cid, assistant_msg_id, settings)
     gen = svc.edit(user, cid, user_msg_id, "new text", settings)
+    gen = svc.continue_reply(user, cid, cut_reply_id, settings)   # more of a reply cut at max tokens
     svc.attach(user, cid)              # the Generation running in cid, or None: follow it too
     await svc.stop(user, cid)          # abort; the partial reply is kept with status "aborted"
     svc.view(user, cid)                # the active branch with k/N of every message
@@ -356,6 +357,31 @@ class ChatService:
         self._claim(user, cid)
         return self._generate(user, cid, parent, prompt, s, seed_offset=existing)
 
+    def continue_reply(self, user: str, cid: str, msg_id: str, settings=None) -> Generation:
+        """Write more of a reply cut at max tokens, into the same message: the prompt is its history
+        plus the ids it generated (without the turn's close), so the model goes on where it stopped."""
+        s = self._settings(settings)
+        s.n = 1
+        msg = self.store.get_message(user, msg_id)
+        if msg["conversation_id"] != cid or msg["role"] != "assistant":
+            raise NotFound(f"reply {msg_id!r} not found")
+        if msg["status"] != "done" or (msg["stats"] or {}).get("finish_reason") != "length":
+            raise ValueError("only a reply cut at max tokens can be continued")
+        if not self.template.incremental:
+            raise ValueError("this model's chat template is re-rendered from text: its replies cannot be continued")
+        generated = self._generated_ids(msg)
+        prompt = self._path_ids(user, msg["parent_id"]) + generated
+        self._check_length(prompt, s)
+        self._claim(user, cid)
+        return self._generate(user, cid, msg["parent_id"], prompt, s, seed_offset=1, into=(msg, generated))
+
+    def _generated_ids(self, msg: dict) -> list[int]:
+        """The ids a stored reply generated: its stored ids without the close that ends the turn."""
+        tpl = self.template
+        ids = msg["token_ids"] or tpl.assistant_ids_from_text(msg["content"])
+        close = tpl.close_ids
+        return ids[: -len(close)] if close and ids[-len(close) :] == close else ids
+
     async def stop(self, user: str, cid: str, timeout: float = 10.0) -> bool:
         """Abort the generation running in this conversation; the partial replies are kept (status
         "aborted"). Waits until they are stored; its followers then get the final, "aborted" update.
@@ -473,9 +499,19 @@ class ChatService:
             return self._path_ids(user, user_msg_id)
         return self.engine.apply_chat_template(self._path_messages(user, user_msg_id))
 
-    def _generate(self, user, cid, parent_id, prompt, s: ChatSettings, seed_offset: int) -> Generation:
-        """One engine request with n samples into n new assistant siblings under ``parent_id``, as a
-        Generation of this conversation (it runs once started or followed)."""
+    def _generate(
+        self,
+        user,
+        cid,
+        parent_id,
+        prompt,
+        s: ChatSettings,
+        seed_offset: int,
+        into: tuple[dict, list[int]] | None = None,
+    ) -> Generation:
+        """One engine request with n samples into n new assistant siblings under ``parent_id`` (or, with
+        ``into`` = (reply, its generated ids), appended to that reply), as a Generation of this
+        conversation (it runs once started or followed)."""
         seed = s.seed + seed_offset if s.seed is not None else random.randrange(2**31)
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed)
         settings = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed, n=s.n)
@@ -483,29 +519,29 @@ class ChatService:
             cid,
             parent_id,
             [],
-            [""] * s.n,
-            [0] * s.n,
+            [into[0]["content"] if into else ""] * s.n,
+            [len(into[1]) if into else 0] * s.n,
             [None] * s.n,
             stats=[{} for _ in range(s.n)],
             num_prompt_tokens=len(prompt),
         )
 
         async def run(gen: Generation) -> None:
-            await self._run(gen, user, cid, parent_id, prompt, params, settings)
+            await self._run(gen, user, cid, parent_id, prompt, params, settings, into)
 
         gen = Generation(f"chat-{uuid.uuid4().hex}", up, run)
         self._running[(user, cid)] = gen
         return gen
 
-    async def _run(self, gen: Generation, user, cid, parent_id, prompt, params: SamplingParams, settings: dict):
+    async def _run(self, gen: Generation, user, cid, parent_id, prompt, params: SamplingParams, settings: dict, into):
         """The task of a Generation: write the reply rows, stream the engine's outputs into them (saved
         every SAVE_EVERY_S), store the final state, then free the conversation and end."""
-        run = _Reply(self, user, gen.update)
+        run = _Reply(self, user, gen.update, prefix=into)
         stream = None
         try:
             try:
                 gen.update.message_ids = await asyncio.to_thread(
-                    self._add_replies, user, cid, parent_id, settings, params.n
+                    self._add_replies, user, cid, parent_id, settings, params.n, into
                 )
             except StoreWriteError as e:  # a full disk: nothing was written
                 run.up.status, run.up.error = "error", str(e)
@@ -546,8 +582,13 @@ class ChatService:
                 self._claims.pop((user, cid), None)
                 gen.end()
 
-    def _add_replies(self, user, cid, parent_id, settings: dict, n: int) -> list[str]:
-        """n empty "streaming" assistant messages under parent_id (the first becomes the active leaf)."""
+    def _add_replies(self, user, cid, parent_id, settings: dict, n: int, into=None) -> list[str]:
+        """n empty "streaming" assistant messages under parent_id (the first becomes the active leaf);
+        with ``into``, that reply, "streaming" again."""
+        if into is not None:
+            self.store.update_message(user, into[0]["id"], status="streaming")
+            self.store.set_active_leaf(user, cid, into[0]["id"])
+            return [into[0]["id"]]
         return [
             self.store.add_message(
                 user,
@@ -582,8 +623,11 @@ async def _close_quietly(stream) -> None:
 class _Reply:
     """The bookkeeping of one generation: its ReplyUpdate, timings, and saving it to the store."""
 
-    def __init__(self, service: ChatService, user: str, up: ReplyUpdate):
+    def __init__(self, service: ChatService, user: str, up: ReplyUpdate, prefix: tuple[dict, list[int]] | None = None):
+        """prefix: (the reply being continued, its generated ids): the new text and ids go after them."""
         self.service, self.user, self.up = service, user, up
+        self.prefix_text = prefix[0]["content"] if prefix else ""
+        self.prefix_ids = prefix[1] if prefix else []
         self.n = len(up.texts)
         self.t0 = self.last_save = time.monotonic()
         self.t_first: float | None = None
@@ -598,7 +642,8 @@ class _Reply:
             self.t_first = now
         up.num_cached_tokens = out.num_cached_tokens
         for c in out.outputs[: self.n]:
-            up.texts[c.index], up.num_tokens[c.index] = c.text, len(c.token_ids)
+            up.texts[c.index] = self.prefix_text + c.text
+            up.num_tokens[c.index] = len(self.prefix_ids) + len(c.token_ids)
             if c.finish_reason and up.finish_reasons[c.index] is None:
                 up.finish_reasons[c.index], self.t_end[c.index] = c.finish_reason, now
         if out.error:
@@ -619,11 +664,12 @@ class _Reply:
     def stats_for(self, i: int, now: float) -> dict:
         up, end = self.up, self.t_end[i] or now
         ntok = up.num_tokens[i]
+        new = ntok - len(self.prefix_ids)  # a continued reply: its speed is this request's
         st: dict = {"tokens": ntok, "prompt_tokens": up.num_prompt_tokens, "cached_tokens": up.num_cached_tokens}
         if self.t_first is not None:
             st["ttft_ms"] = round((self.t_first - self.t0) * 1000, 1)
-            if ntok > 1 and end > self.t_first:
-                st["tok_s"] = round((ntok - 1) / (end - self.t_first), 2)
+            if new > 1 and end > self.t_first:
+                st["tok_s"] = round((new - 1) / (end - self.t_first), 2)
         st["duration_ms"] = round((end - self.t0) * 1000, 1)
         if up.finish_reasons[i]:
             st["finish_reason"] = up.finish_reasons[i]
@@ -675,7 +721,7 @@ class _Reply:
                 continue
             status = "aborted" if final_status == "done" and up.finish_reasons[i] == "abort" else final_status
             ids = (
-                self.service.template.assistant_ids(outs[i].token_ids if i < len(outs) else [])
+                self.service.template.assistant_ids(self.prefix_ids + (outs[i].token_ids if i < len(outs) else []))
                 if self.service.template.incremental
                 else None
             )

@@ -193,6 +193,9 @@ def set_setting(page, elem_id, value):
         acc.get_by_text("Generation settings").first.click()
     box.fill(str(value))
     box.press("Enter")
+    slider = page.locator(f"#{elem_id} input[type=range]")
+    if slider.count():  # the value the next event sends (the page starts at the server's default)
+        expect(slider).to_have_value(str(value))
 
 
 def test_chat_stream_alternatives_edit_stop(server, chat_page):
@@ -305,8 +308,9 @@ def open_chat(page, title):
 
 def test_a_reply_outlives_its_tab_and_follows_the_open_chat(server, chat_page, browser_ctx):
     """The reply belongs to the server, Send / Stop to the chat on screen: the tab that sent it opens
-    a new chat (Send shows, and a message there is answered), a second tab opens the chat and sees
-    it live, the first tab reloads and finds it still growing; both then show it finished."""
+    a new chat (Send shows, a message there is answered and Continue writes more of its reply), a
+    second tab opens the chat and sees it live, the first tab reloads and finds it still growing;
+    both then show it finished."""
     page = chat_page
     login(page, server.url, "alice", "pw-alice")
     set_setting(page, "temperature", 0)
@@ -322,6 +326,11 @@ def test_a_reply_outlives_its_tab_and_follows_the_open_chat(server, chat_page, b
     set_setting(page, "max-tokens", 4)
     send(page, "Say hi.")
     wait_idle(page)
+    expect(last_bot(page)).to_contain_text("cut at max tokens")  # greedy: longer than 4 tokens
+    page.locator("#continue").click()  # 4 more, into the same reply
+    expect(last_bot(page)).to_contain_text("8 tokens")
+    wait_idle(page)
+    expect(page.locator('#chat [data-testid="bot"]')).to_have_count(1)
 
     tab2 = browser_ctx.new_page()
     tab2.goto(server.url)

@@ -40,6 +40,7 @@ class Components:
     next_btn: gr.Button
     alt_label: gr.Markdown
     regen_btn: gr.Button
+    continue_btn: gr.Button
     msg: gr.Textbox
     send_btn: gr.Button
     stop_btn: gr.Button
@@ -61,7 +62,7 @@ class Components:
 
     @property
     def nav(self) -> list:
-        return [self.alt_label, self.prev_btn, self.next_btn, self.regen_btn]
+        return [self.alt_label, self.prev_btn, self.next_btn, self.regen_btn, self.continue_btn]
 
     @property
     def view(self) -> list:
@@ -149,6 +150,9 @@ def _chat_tab(personas: dict, default_persona: str | None, max_n: int, max_token
         c["alt_label"] = gr.Markdown("", elem_id="alt-label")
         c["regen_btn"] = gr.Button(
             "↻ Regenerate", size="sm", interactive=False, elem_id="regenerate", scale=0, min_width=130
+        )
+        c["continue_btn"] = gr.Button(
+            "Continue ▸", size="sm", interactive=False, elem_id="continue", scale=0, min_width=110
         )
     with gr.Row(elem_id="input-row"):
         c["msg"] = gr.Textbox(

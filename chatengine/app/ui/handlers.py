@@ -27,6 +27,7 @@ from chatengine.app.store import StoreWriteError
 from chatengine.app.ui.components import Components
 from chatengine.app.ui.monitor import EngineMonitor
 from chatengine.app.ui.render import (
+    can_continue,
     default_focus,
     kv_picture,
     nav_state,
@@ -119,6 +120,7 @@ class ChatUI:
             c.prev_btn: gr.update(interactive=can_prev),
             c.next_btn: gr.update(interactive=can_next),
             c.regen_btn: gr.update(interactive=focus is not None),
+            c.continue_btn: gr.update(interactive=can_continue(view, focus)),
         }
 
     def render(self, user: str, cid: str | None, focus: str | None = None) -> dict:
@@ -140,6 +142,7 @@ class ChatUI:
             c.prev_btn: off,
             c.next_btn: off,
             c.regen_btn: off,
+            c.continue_btn: off,
         }
 
     def waiting_view(self, user: str, cid: str) -> dict:
@@ -155,6 +158,7 @@ class ChatUI:
             c.prev_btn: off,
             c.next_btn: off,
             c.regen_btn: off,
+            c.continue_btn: off,
         }
 
     # ---- page load / sidebar --------------------------------------------------------------------
@@ -295,6 +299,7 @@ class ChatUI:
             c.prev_btn: off,
             c.next_btn: off,
             c.regen_btn: off,
+            c.continue_btn: off,
         }
 
     async def follow(self, user: str, conv_id: str, gen: Generation, session: str):
@@ -384,13 +389,24 @@ class ChatUI:
             yield upd
 
     async def regenerate(self, conv_id, msg_id, temperature, top_p, max_tokens, seed, n, request: gr.Request):
+        settings = settings_of(temperature, top_p, max_tokens, seed, n)
+        async for upd in self._reply_to(self.service.regenerate, conv_id, msg_id, settings, request):
+            yield upd
+
+    async def continue_reply(self, conv_id, msg_id, temperature, top_p, max_tokens, seed, n, request: gr.Request):
+        """More of a reply cut at max tokens, written into it (Max tokens more at most)."""
+        settings = settings_of(temperature, top_p, max_tokens, seed, n)
+        async for upd in self._reply_to(self.service.continue_reply, conv_id, msg_id, settings, request):
+            yield upd
+
+    async def _reply_to(self, start, conv_id, msg_id, settings: dict, request: gr.Request):
+        """Start ``start(user, conv_id, msg_id, settings)`` (a Generation) and follow it."""
         user = self.who(request)
         if not conv_id:
             yield gr.skip()
             return
         try:
-            settings = settings_of(temperature, top_p, max_tokens, seed, n)
-            gen = await asyncio.to_thread(self.service.regenerate, user, conv_id, msg_id, settings)
+            gen = await asyncio.to_thread(start, user, conv_id, msg_id, settings)
             gen.start()
         except NotFound:
             gr.Warning("That message does not exist.")

@@ -203,6 +203,9 @@ def _wire_turns(ui: ChatUI, c: Components) -> None:
         ui, c, c.regen_btn.click, ui.regenerate, [c.cid, c.focus, *c.sampling], regen_out, api_name="regenerate"
     )
     _generating(
+        ui, c, c.continue_btn.click, ui.continue_reply, [c.cid, c.focus, *c.sampling], regen_out, api_name="continue"
+    )
+    _generating(
         ui,
         c,
         c.chatbot.retry,

@@ -120,6 +120,18 @@ def default_focus(view: list[dict], focus: str | None) -> str | None:
     return ids[-1] if ids else None
 
 
+def can_continue(view: list[dict], focus: str | None) -> bool:
+    """Whether the selected message is the last reply, finished at max tokens (Continue writes more)."""
+    m = view[-1] if view else None
+    return (
+        m is not None
+        and m["id"] == focus
+        and m["role"] == "assistant"
+        and m.get("status") == "done"
+        and (m.get("stats") or {}).get("finish_reason") == "length"
+    )
+
+
 def nav_state(view: list[dict], focus: str | None):
     """(label markdown, prev interactive, next interactive) for the selected message."""
     m = next((m for m in view if m["id"] == focus), None)
