@@ -96,7 +96,9 @@ def footer(m: dict, streaming: bool = False, nav: str = "") -> str:
 
 
 USER_NAV = "\n\n<span class='msg-stats'>{}</span>"
-_USER_NAV_TAIL = re.compile(r"\n*<span class='msg-stats'><span class='ver-nav vm-[\w-]+'>.*?</span></span></span>\s*\Z", re.S)
+_USER_NAV_TAIL = re.compile(
+    r"\n*<span class='msg-stats'><span class='ver-nav vm-[\w-]+'>.*?</span></span></span>\s*\Z", re.S
+)
 _ID = re.compile(r"[\w-]{1,64}")
 
 
