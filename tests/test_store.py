@@ -203,6 +203,8 @@ FOREIGN_OPS = [
     ("rename", lambda s, cid, mid, cb, mb: s.rename_conversation(B, cid, "mine")),
     ("settings", lambda s, cid, mid, cb, mb: s.update_settings(B, cid, {"t": 1})),
     ("delete", lambda s, cid, mid, cb, mb: s.delete_conversation(B, cid)),
+    ("pin", lambda s, cid, mid, cb, mb: s.set_pinned(B, cid, True)),
+    ("messages", lambda s, cid, mid, cb, mb: s.messages(B, cid)),
     ("active_path", lambda s, cid, mid, cb, mb: s.active_path(B, cid)),
     ("add_to_conv", lambda s, cid, mid, cb, mb: s.add_message(B, cid, "user", "x")),
     ("add_under_msg", lambda s, cid, mid, cb, mb: s.add_message(B, cb, "user", "x", mid)),
@@ -454,3 +456,49 @@ def test_store_imports_no_engine_code():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pinned_chats_list_first_and_pinning_keeps_the_date(store):
+    old, mid, new = (store.create_conversation(A, title=t) for t in ("old", "mid", "new"))
+    before = store.get_conversation(A, old)["updated_at"]
+    store.set_pinned(A, old, True)
+    assert store.get_conversation(A, old)["updated_at"] == before and store.get_conversation(A, old)["pinned"] is True
+    assert [c["title"] for c in store.list_conversations(A)] == ["old", "new", "mid"]
+    assert [c["pinned"] for c in store.list_conversations(A)] == [True, False, False]
+    store.set_pinned(A, old, False)
+    assert [c["title"] for c in store.list_conversations(A)] == ["new", "mid", "old"]
+
+
+def test_messages_lists_every_branch_in_creation_order(store):
+    cid = store.create_conversation(A)
+    u1 = store.add_message(A, cid, "user", "q")
+    r1 = store.add_message(A, cid, "assistant", "a1", u1)
+    r2 = store.add_message(A, cid, "assistant", "a2", u1)
+    got = store.messages(A, cid)
+    assert [(m["id"], m["parent_id"], m["content"]) for m in got] == [(u1, None, "q"), (r1, u1, "a1"), (r2, u1, "a2")]
+
+
+def test_a_version_1_database_gains_the_pinned_column(tmp_path):
+    """A database made before pins (schema version 1) opens with every chat unpinned, its data intact."""
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    v1 = store_module.SCHEMA.replace("    pinned          INTEGER NOT NULL DEFAULT 0,\n", "")
+    assert "pinned" not in v1
+    db = sqlite3.connect(path)
+    db.executescript(v1 + "PRAGMA user_version = 1;")
+    db.execute("INSERT INTO users VALUES ('alice', 1.0)")
+    db.execute("INSERT INTO conversations (id, user_id, title, settings, created_at, updated_at)"
+               " VALUES ('c1', 'alice', 'kept', '{}', 1.0, 2.0)")  # fmt: skip
+    db.commit()
+    db.close()
+    s = ChatStore(path)
+    try:
+        [conv] = s.list_conversations(A)
+        assert (conv["id"], conv["title"], conv["pinned"], conv["updated_at"]) == ("c1", "kept", False, 2.0)
+        assert s.db.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 2
+        s.set_pinned(A, "c1", True)
+        assert s.get_conversation(A, "c1")["pinned"] is True
+    finally:
+        s.close()
+    ChatStore(path).close()  # a second start finds the column there

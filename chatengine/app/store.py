@@ -16,7 +16,9 @@ raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is 
     store.list_conversations(user, query=None) -> list[dict]              # newest update first
     store.get_conversation(user, cid) -> dict
     store.rename_conversation(user, cid, title); store.update_settings(user, cid, settings)
+    store.set_pinned(user, cid, pinned)         # pinned chats list first; not a change of the chat
     store.delete_conversation(user, cid)
+    store.messages(user, cid) -> list[dict]     # every message of the tree, creation order (export)
     mid = store.add_message(user, cid, role, content, parent_id=None, *, token_ids=None,
                             stats=None, settings=None, status="done", activate=True)
     store.update_message(user, mid, *, content=None, token_ids=None, stats=None, status=None)
@@ -28,8 +30,8 @@ raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is 
     store.recover_interrupted() -> int          # at server start: 'streaming' -> 'interrupted'
     store.close()
 
-A conversation dict has id, user_id, title, persona, settings, active_leaf_id, created_at,
-updated_at; a message dict has id, conversation_id, parent_id, role, content, token_ids
+A conversation dict has id, user_id, title, persona, settings, active_leaf_id, pinned (bool),
+created_at, updated_at; a message dict has id, conversation_id, parent_id, role, content, token_ids
 (list[int] | None), stats, settings, status, created_at, updated_at. Times are Unix seconds.
 
 Threads: sqlite3 connections belong to the thread that made them, and Gradio runs handlers in a
@@ -77,6 +79,7 @@ CREATE TABLE IF NOT EXISTS conversations (
     persona         TEXT,
     settings        TEXT NOT NULL,          -- JSON object: default sampling settings
     active_leaf_id  TEXT,
+    pinned          INTEGER NOT NULL DEFAULT 0,
     created_at      REAL NOT NULL,
     updated_at      REAL NOT NULL,
     FOREIGN KEY (active_leaf_id, id) REFERENCES messages(id, conversation_id)
@@ -99,8 +102,10 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(parent_id, conversation_id);
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
-PRAGMA user_version = 1;
 """
+SCHEMA_VERSION = 2
+# columns that databases of older versions lack, added in place at start: (table, column, definition)
+MIGRATIONS = [("conversations", "pinned", "INTEGER NOT NULL DEFAULT 0")]  # version 2
 
 # updated_at strictly increases per user, so the sidebar order is the write order even when two
 # writes fall in one clock tick.
@@ -156,6 +161,15 @@ class ChatStore:
         self.db.enable_wal()
         with self._write() as db:
             db.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a database of an older version up to SCHEMA_VERSION (new columns keep old rows)."""
+        with self._write() as db:
+            for table, column, definition in MIGRATIONS:
+                if column not in db[table].columns_dict:  # a new database has it from SCHEMA
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @property
     def db(self) -> sqlite_utils.Database:
@@ -242,14 +256,14 @@ class ChatStore:
         return p["id"]
 
     def list_conversations(self, user: str, query: str | None = None) -> list[dict]:
-        """The user's conversations, newest update first; ``query`` matches titles and message
+        """The user's conversations, pinned first, then newest update first; ``query`` matches titles and message
         text as a case-insensitive (Unicode casefold) substring."""
         q = _text(query, "query", MAX_TITLE_CHARS).strip().casefold() or None if query else None
         rows = self._rows(
             "SELECT c.* FROM conversations c WHERE c.user_id = :user AND (:q IS NULL"
             " OR instr(casefold(c.title), :q) > 0 OR EXISTS (SELECT 1 FROM messages m"
             " WHERE m.conversation_id = c.id AND instr(casefold(m.content), :q) > 0))"
-            " ORDER BY c.updated_at DESC, c.rowid DESC",
+            " ORDER BY c.pinned DESC, c.updated_at DESC, c.rowid DESC",
             dict(user=user, q=q),
         )
         return [_conversation(r) for r in rows]
@@ -268,6 +282,15 @@ class ChatStore:
 
     def update_settings(self, user: str, conv_id: str, settings: dict) -> None:
         self._update_conversation(user, conv_id, settings=_json(settings, "settings"))
+
+    def set_pinned(self, user: str, conv_id: str, pinned: bool) -> None:
+        """Pin or unpin; updated_at stays (the chat did not change, and its date group neither)."""
+        with self._write() as db:
+            cur = db.execute(
+                "UPDATE conversations SET pinned = ? WHERE id = ? AND user_id = ?", [int(bool(pinned)), conv_id, user]
+            )
+            if cur.rowcount != 1:
+                raise NotFound(f"conversation {conv_id!r} not found")
 
     def _update_conversation(self, user: str, conv_id: str, **cols) -> None:
         sets = "".join(f"{k} = :{k}, " for k in cols)
@@ -453,6 +476,16 @@ class ChatStore:
         )
         return [_message(r) for r in rows]
 
+    def messages(self, user: str, conv_id: str) -> list[dict]:
+        """Every message of the conversation (all branches), in creation order."""
+        self.get_conversation(user, conv_id)  # NotFound for others' conversations
+        rows = self._rows(
+            "SELECT m.* FROM messages m JOIN conversations c ON c.id = m.conversation_id"
+            " WHERE m.conversation_id = :cid AND c.user_id = :user ORDER BY m.rowid",
+            dict(cid=conv_id, user=user),
+        )
+        return [_message(r) for r in rows]
+
     def prompt_token_ids(self, user: str, msg_id: str) -> list[int] | None:
         """The stored token ids from the root to ``msg_id``, concatenated; None if any message on
         the path has none (then the caller re-templates the text)."""
@@ -547,7 +580,7 @@ def _unpack(blob: bytes | None) -> list[int] | None:
 
 
 def _conversation(row: dict) -> dict:
-    return dict(row, settings=json.loads(row["settings"]))
+    return dict(row, settings=json.loads(row["settings"]), pinned=bool(row["pinned"]))
 
 
 def _message(row: dict) -> dict:
