@@ -19,6 +19,8 @@ raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is 
     store.set_pinned(user, cid, pinned)         # pinned chats list first; not a change of the chat
     store.delete_conversation(user, cid)
     store.messages(user, cid) -> list[dict]     # every message of the tree, creation order (export)
+    store.add_session(token_hash, user, expires_at); store.delete_session(token_hash)
+    store.session_user(token_hash) -> str | None # the signed-in user of an unexpired session
     mid = store.add_message(user, cid, role, content, parent_id=None, *, token_ids=None,
                             stats=None, settings=None, status="done", activate=True)
     store.update_message(user, mid, *, content=None, token_ids=None, stats=None, status=None)
@@ -102,6 +104,14 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(parent_id, conversation_id);
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
+-- sign-ins that outlive a restart: keyed by the SHA-256 of the cookie's random token, so a copy of
+-- the database signs no one in; a user's deletion ends their sign-ins
+CREATE TABLE IF NOT EXISTS sessions (
+    token_hash  TEXT PRIMARY KEY,
+    user_id     TEXT NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+    created_at  REAL NOT NULL,
+    expires_at  REAL NOT NULL
+);
 """
 SCHEMA_VERSION = 2
 # columns that databases of older versions lack, added in place at start: (table, column, definition)
@@ -232,6 +242,25 @@ class ChatStore:
         """Delete the user with all their conversations and messages (no error if absent)."""
         with self._write() as db:
             db.execute("DELETE FROM users WHERE id = ?", [_name(user, "user")])
+
+    # sign-in sessions (sessions.py makes and checks the tokens)
+
+    def add_session(self, token_hash: str, user: str, expires_at: float) -> None:
+        """Record a sign-in; expired ones are dropped here, so the table holds only live ones."""
+        now = time.time()
+        with self._write() as db:
+            db.execute("DELETE FROM sessions WHERE expires_at <= ?", [now])
+            db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (?, ?)", [_name(user, "user"), now])
+            db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?)", [token_hash, user, now, float(expires_at)])
+
+    def session_user(self, token_hash: str) -> str | None:
+        sql = "SELECT user_id FROM sessions WHERE token_hash = :h AND expires_at > :now"
+        rows = self._rows(sql, dict(h=token_hash, now=time.time()))
+        return rows[0]["user_id"] if rows else None
+
+    def delete_session(self, token_hash: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM sessions WHERE token_hash = ?", [token_hash])
 
     # conversations
 
