@@ -3,7 +3,8 @@
     python app.py [--host 127.0.0.1] [--port 7860] [--data-dir ./data] [--users users.json] ...
 
 Without --users it is a single local user and no login (bind it to loopback only). With --users
-Gradio's login page guards the UI and the API asks for the users' API keys.
+a sign-in page guards the UI (sign-ins are kept in the database: they outlive a restart, see
+sessions.py) and the API asks for the users' API keys.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from typing import Self
 
 from chatengine.app import access_log, auth
 from chatengine.app.datadir import check_data_dir, create_private_file, lock_data_dir, warn_if_shared
+from chatengine.app.export import add_export_route
 from chatengine.app.login_page import LoginPageMiddleware
+from chatengine.app.login_routes import add_login_routes
 from chatengine.app.login_throttle import LoginThrottle, LoginThrottleMiddleware
 from chatengine.app.no_uploads import NoUploadsMiddleware
 from chatengine.app.session_guard import SessionOwnerMiddleware
+from chatengine.app.sessions import COOKIE, LoginSessions, load_or_create_key
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no outbound calls from Gradio
 
@@ -93,6 +97,7 @@ def create_app(
     from chatengine.app.api.cors import check_origins
     from chatengine.app.api.routes import build_api
     from chatengine.app.chat import ChatService
+    from chatengine.app.ui.handlers import LOCAL_USER
     from chatengine.app.ui.layout import CSS, build_ui, page_js, theme
     from chatengine.personas import load_personas
 
@@ -137,13 +142,18 @@ def create_app(
         admins=auth.admins(users),
         default_max_tokens=default_max_tokens or None,
     )
-    login = _login_check(users) if users is not None else None
+    user_of = auth_dependency = None  # who a request's cookies sign in; None throughout without --users
+    if users is not None:
+        sessions = LoginSessions(store, load_or_create_key(data))
+        auth_dependency = add_login_routes(app, sessions, _login_check(users))
+        user_of = lambda cookies: sessions.user_of(cookies.get(COOKIE))  # noqa: E731
+    add_export_route(app, store, auth_dependency or (lambda request: LOCAL_USER))
     app = gr.mount_gradio_app(
         app,
         demo,
         path="/",
-        auth=login,
-        auth_message="Sign in to chatengine" if login else None,
+        auth_dependency=auth_dependency,
+        auth_message="Sign in to chatengine" if users is not None else None,
         theme=theme(),
         css=CSS,
         js=page_js(),
@@ -152,9 +162,8 @@ def create_app(
         show_error=True,
     )
     app.add_middleware(NoUploadsMiddleware)  # no feature takes files
-    if login is not None:  # password guessing: 429 with Retry-After past a few failures
+    if user_of is not None:  # password guessing: 429 with Retry-After past a few failures
         app.add_middleware(LoginThrottleMiddleware, throttle=LoginThrottle())
-        user_of = _gradio_user_of(app)
         chars = engine.max_prompt_chars  # a UI event carries one message: JSON escapes take <= 6 bytes a character
         app.add_middleware(
             SessionOwnerMiddleware,
@@ -210,20 +219,6 @@ def _low_cpu_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SIGN_IN_NICE)
     except (OSError, AttributeError):  # another OS: the thread keeps the process's priority
         pass
-
-
-def _gradio_user_of(app):
-    """cookies -> the user Gradio signed in with them (None: nobody), from the mounted Gradio app."""
-    from gradio.routes import App as GradioApp
-
-    gradio_app = next(r.app for r in app.routes if isinstance(getattr(r, "app", None), GradioApp))
-
-    def user_of(cookies: dict[str, str]) -> str | None:
-        cid = gradio_app.cookie_id
-        token = cookies.get(f"access-token-{cid}") or cookies.get(f"access-token-unsecure-{cid}")
-        return gradio_app.tokens.get(token) if token else None
-
-    return user_of
 
 
 def close_app(app) -> None:
