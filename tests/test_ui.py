@@ -205,7 +205,7 @@ def test_two_users_are_isolated(alice, bob, server):
     # bob's own chat goes to his own conversation, and alice's is untouched
     out_b = send(bob, "bob here")
     b_conv = out_b[3]["value"]
-    assert b_conv != a_conv and [c[1] for c in out_b[3]["choices"]] == [b_conv]
+    assert b_conv != a_conv and [c[1] for c in out_b[3]["choices"]] == ["group:Today", b_conv]
     store = server.app.state.chat.store
     assert [m["content"] for m in store.active_path("alice", a_conv) if m["role"] == "user"] == ["alice's secret plan"]
     # alice still sees hers, and opens it
@@ -314,3 +314,35 @@ def test_the_api_is_rate_limited_per_user_when_users_sign_in(server):
     """One API key cannot flood the server: 120 requests a minute by default (--api-rate-limit)."""
     limiter = server.app.state.api.access.limiter
     assert limiter is not None and limiter.per_minute == 120
+
+
+def test_a_sign_in_outlives_a_restart_and_logout_ends_it(server, tmp_path):
+    """The session cookie works on a new server over the same data dir; after Log out it opens
+    nothing (the app, the export route, Gradio's config) on that server or the next."""
+    import httpx
+
+    engine = server.app.state.chat.engine
+    users_file = tmp_path / "users.json"
+    users_file.write_text(json.dumps(USERS))
+
+    def serve():
+        return ServerThread(create_app(data_dir=tmp_path, users_file=users_file, engine=engine))
+
+    with serve() as first:
+        http = httpx.Client(base_url=first.url, timeout=30)
+        assert http.post("/login", data={"username": "alice", "password": "wrong"}).status_code == 400
+        assert http.post("/login", data={"username": "alice", "password": "pw-alice"}).status_code == 200
+        cookie = http.cookies["chatengine-session"]
+        conv = first.app.state.chat.store.create_conversation("alice", title="kept")
+    close_app(first.app)
+    with serve() as second:
+        jar = {"chatengine-session": cookie}
+        again = httpx.Client(base_url=second.url, timeout=30, cookies=jar)
+        assert 'id="signin"' not in again.get("/").text and again.get("/config").status_code == 200
+        assert again.get(f"/export/{conv}.md").text.startswith("# kept")
+        assert again.get("/logout", follow_redirects=False).status_code == 302
+        stale = httpx.Client(base_url=second.url, timeout=30, cookies=jar)  # the old cookie, kept by an attacker
+        assert 'id="signin"' in stale.get("/").text
+        assert stale.get(f"/export/{conv}.md").status_code == 401
+        assert stale.get("/config").status_code == 401
+    close_app(second.app)

@@ -97,7 +97,8 @@ def test_another_users_conversation_is_not_found(ui):
     conv_id = send(ui, "alice", "Hello")[0][c.cid]
     [out] = drain(ui.open_conv(conv_id, request("bob", "s2")))
     assert out[c.cid] is None and out[c.chatbot] == [] and out[c.rows] == []
-    assert ui.fill_title(conv_id, request("bob", "s2")) == ""
+    menu = ui.chat_menu(conv_id, request("bob", "s2"))  # no title, no links, no menu
+    assert menu[c.menu_btn]["visible"] is False and menu[c.rename_box] == "" and menu[c.export_html] == ""
     [opened] = drain(ui.open_conv(conv_id, request("alice")))
     assert opened[c.cid] == conv_id and len(opened[c.rows]) == 2
     assert opened[c.send_btn]["visible"] is True  # nothing is being written there
@@ -313,3 +314,72 @@ def test_continue_writes_more_into_a_reply_cut_at_max_tokens(ui):
     assert final[c.chatbot][-1]["content"].startswith(last[c.chatbot][-1]["content"].split("\n\n")[0])
     refused = drain(ui.continue_reply(conv_id, last[c.rows][0], *GREEDY, request("alice")))  # a user message
     assert refused == [gr.skip()]
+
+
+def test_a_reload_reopens_the_chat_in_the_url_with_its_settings(ui):
+    """The address bar's ?c=<id> opens that chat when the page loads, and the settings of its last
+    turn come back on the sliders (seed -1 when it was random)."""
+    c = ui.c
+    conv_id = drain(ui.send("Say hi.", None, "assistant", 0.3, 0.8, 6, 42, 2, request("alice")))[0][c.cid]
+    [out] = drain(ui.open_from_url(conv_id, request("alice", "reloaded")))
+    assert out[c.cid] == out[c.url_cid] == conv_id
+    assert [m["role"] for m in out[c.chatbot]] == ["user", "assistant"]
+    got = (out[c.temperature], out[c.top_p], out[c.max_tokens], out[c.seed], out[c.n_alt])
+    assert got == (0.3, 0.8, 6, 42, 2)
+    drain(ui.regenerate(conv_id, None, *GREEDY, request("alice")))  # the latest turn's settings win
+    [out] = drain(ui.open_conv(conv_id, request("alice", "reloaded")))
+    assert (out[c.temperature], out[c.max_tokens], out[c.seed], out[c.n_alt]) == (0, 6, -1, 1)
+
+
+def test_a_url_to_someone_elses_chat_shows_nothing_and_says_not_found(ui):
+    c = ui.c
+    conv_id = send(ui, "alice", "alice's secret")[0][c.cid]
+    with pytest.warns(UserWarning, match="not found"):
+        [out] = drain(ui.open_from_url(conv_id, request("bob", "s2")))
+    assert out[c.cid] is None and out[c.url_cid] == "" and out[c.chatbot] == []
+    assert "secret" not in repr(out) and c.temperature not in out
+    assert drain(ui.open_from_url("", request("bob", "s2"))) == [gr.skip()]  # no ?c=: the page as it was
+
+
+def test_the_menu_pins_renames_and_links_exports_of_the_open_chat(ui):
+    c = ui.c
+    first = send(ui, "alice", "First chat")[0][c.cid]
+    second = send(ui, "alice", "Second chat")[0][c.cid]
+    menu = ui.chat_menu(first, request("alice"))
+    assert menu[c.menu_btn]["visible"] is True and menu[c.rename_box] == "First chat" and menu[c.pin_btn] == "Pin"
+    assert f"export/{first}.md" in menu[c.export_html] and f"export/{first}.json" in menu[c.export_html]
+    out = ui.toggle_pin(first, request("alice"))
+    assert out[c.pin_btn] == "Unpin"
+    labels = [label for label, _ in out[c.conv_list]["choices"]]
+    assert labels == ["\u2060Pinned", "First chat", "\u2060Today", "Second chat"]
+    assert ui.chat_menu(first, request("alice"))[c.pin_btn] == "Unpin"
+    assert ui.toggle_pin(first, request("alice"))[c.pin_btn] == "Pin"
+    listed = ui.rename(second, "  Renamed  ", request("alice"))
+    assert ("Renamed", second) in listed["choices"]
+
+
+def test_pin_rename_and_delete_of_someone_elses_chat_change_nothing(ui):
+    c = ui.c
+    conv_id = send(ui, "alice", "Mine")[0][c.cid]
+    with pytest.warns(UserWarning, match="not found"):
+        out = ui.toggle_pin(conv_id, request("bob", "s2"))
+    assert c.pin_btn not in out and all(v != conv_id for _, v in out[c.conv_list]["choices"])
+    with pytest.warns(UserWarning, match="not found"):
+        ui.rename(conv_id, "stolen", request("bob", "s2"))
+    with pytest.warns(UserWarning, match="not found"):
+        ui.delete(conv_id, "assistant", request("bob", "s2"))
+    conv = ui.service.get_conversation("alice", conv_id)
+    assert (conv["title"], conv["pinned"]) == ("Mine", False)
+
+
+def test_a_bad_title_is_said_in_words_and_kept_out(ui):
+    c = ui.c
+    conv_id = send(ui, "alice", "Keep me")[0][c.cid]
+    for bad in ("   ", "x" * 500):
+        with pytest.warns(UserWarning, match="Not renamed"):
+            ui.rename(conv_id, bad, request("alice"))
+    assert ui.service.get_conversation("alice", conv_id)["title"] == "Keep me"
+
+
+def test_a_heading_of_the_list_opens_nothing(ui):
+    assert drain(ui.open_conv("group:Today", request("alice"))) == [gr.skip()]

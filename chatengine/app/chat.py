@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import threading
 import time
 import uuid
@@ -262,6 +263,14 @@ class ChatService:
 
     def rename_conversation(self, user: str, cid: str, title: str) -> None:
         self.store.rename_conversation(user, cid, title)
+
+    def set_pinned(self, user: str, cid: str, pinned: bool) -> None:
+        self.store.set_pinned(user, cid, pinned)
+
+    def remember_settings(self, user: str, cid: str, settings) -> None:
+        """Keep the settings of the chat's latest turn with the chat: reopening it brings them back
+        (checked as a turn checks them, so a stored setting is always one a turn accepts)."""
+        self.store.update_settings(user, cid, asdict(self._settings(settings)))
 
     def delete_conversation(self, user: str, cid: str) -> None:
         """Delete the conversation and drop its private KV pages from every cache tier (its text is
@@ -732,5 +741,13 @@ class _Reply:
 
 
 def _title_from(text: str) -> str:
-    line = " ".join(text.strip().split())
-    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+    """A title as a person would write it: the first line with text, without markdown's heading,
+    quote or list marks, cut at a word within TITLE_CHARS."""
+    line = next((ln for ln in text.splitlines() if ln.strip()), text)
+    line = " ".join(re.sub(r"^\s*(#{1,6}\s+|>\s*|[-*+]\s+|\d+[.)]\s+)", "", line).split()) or " ".join(text.split())
+    if len(line) <= TITLE_CHARS:
+        return line
+    cut = line[: TITLE_CHARS - 1]
+    if " " in cut[TITLE_CHARS // 2 :]:  # end at a word when one ends in the second half
+        cut = cut[: cut.rindex(" ")]
+    return cut.rstrip(" ,;:-") + "…"

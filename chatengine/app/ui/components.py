@@ -19,20 +19,26 @@ class Components:
     cid: gr.State  # the conversation this tab shows (None: a new chat)
     rows: gr.State  # message id of each transcript row (None: a placeholder row)
     focus: gr.State  # the selected message (its ◀ k/N ▶)
+    menu_open: gr.State  # whether this tab shows the chat's menu
+    url_cid: gr.Textbox  # the open chat as the address bar has it (?c=<id>); hidden, set with cid
     # sidebar
     who_md: gr.Markdown
     logout_btn: gr.Button
     new_btn: gr.Button
     search: gr.Textbox
     conv_list: gr.Radio
+    # chat tab: the open chat's menu
+    chat_tab: gr.Tab
+    menu_btn: gr.Button  # "⋯": opens the menu (shown while a chat is open)
+    menu: gr.Column
     rename_box: gr.Textbox
     rename_btn: gr.Button
+    pin_btn: gr.Button  # "Pin" or "Unpin"
+    export_html: gr.HTML  # the two download links
     delete_btn: gr.Button
     confirm_row: gr.Column
     confirm_btn: gr.Button
     cancel_btn: gr.Button
-    # chat tab
-    chat_tab: gr.Tab
     persona: gr.Dropdown
     header: gr.Markdown
     chatbot: gr.Chatbot
@@ -61,6 +67,19 @@ class Components:
         return [self.temperature, self.top_p, self.max_tokens, self.seed, self.n_alt]
 
     @property
+    def menu_parts(self) -> list:
+        """What opening another chat sets in the menu."""
+        return [
+            self.menu_btn,
+            self.menu,
+            self.menu_open,
+            self.rename_box,
+            self.pin_btn,
+            self.export_html,
+            self.confirm_row,
+        ]
+
+    @property
     def nav(self) -> list:
         return [self.alt_label, self.regen_btn, self.continue_btn]
 
@@ -80,12 +99,12 @@ def build_components(
 ) -> Components:
     """Lay the page out (inside `with gr.Blocks()`); returns its components by name. max_tokens: the
     slider's (default, maximum)."""
-    state: dict[str, Any] = dict(cid=gr.State(None), rows=gr.State([]), focus=gr.State(None))
+    state: dict[str, Any] = dict(cid=gr.State(None), rows=gr.State([]), focus=gr.State(None), menu_open=gr.State(False))
     with gr.Sidebar(width=300, elem_id="sidebar"):
         sidebar = _sidebar(title)
     with gr.Tabs():
         with gr.Tab("Chat", id="chat-tab") as chat_tab:
-            chat = _chat_tab(personas, default_persona, max_n, max_tokens)
+            chat = _chat_menu() | _chat_tab(personas, default_persona, max_n, max_tokens)
         with gr.Tab("Engine", id="engine-tab", visible=show_engine) as engine_tab:
             engine = _engine_tab()
     return Components(**state, **sidebar, chat_tab=chat_tab, **chat, engine_tab=engine_tab, **engine)
@@ -103,17 +122,29 @@ def _sidebar(title: str) -> dict:
         search=gr.Textbox(placeholder="Search chats…", show_label=False, elem_id="search", container=False),
         conv_list=gr.Radio(choices=[], value=None, show_label=False, elem_id="conv-list", container=False),
     )
-    with gr.Accordion("Manage this chat", open=False, elem_id="manage"):
-        c["rename_box"] = gr.Textbox(label="Title", max_lines=1, elem_id="rename-box")
+    return c
+
+
+def _chat_menu() -> dict:
+    """The open chat's menu: rename, pin, export, delete (after a confirm)."""
+    c: dict[str, Any] = dict(
+        menu_btn=gr.Button("⋯ Chat", size="sm", visible=False, elem_id="chat-menu-btn", scale=0, min_width=90)
+    )
+    with gr.Column(visible=False, elem_id="chat-menu") as menu:
+        with gr.Row(elem_id="rename-row"):
+            c["rename_box"] = gr.Textbox(label="Title", max_lines=1, elem_id="rename-box", scale=4)
+            c["rename_btn"] = gr.Button("Rename", size="sm", elem_id="rename", scale=1, min_width=80)
         with gr.Row():
-            c["rename_btn"] = gr.Button("Rename", size="sm", elem_id="rename")
-            c["delete_btn"] = gr.Button("Delete", size="sm", variant="stop", elem_id="delete")
-        with gr.Column(visible=False) as confirm_row:
-            gr.Markdown("**Delete this chat for good?**")
+            c["pin_btn"] = gr.Button("Pin", size="sm", elem_id="pin")
+            c["delete_btn"] = gr.Button("Delete…", size="sm", variant="stop", elem_id="delete")
+        c["export_html"] = gr.HTML("", elem_id="export")
+        with gr.Column(visible=False, elem_id="confirm-row") as confirm_row:
+            gr.Markdown("**Delete this chat for good?** Its messages cannot be brought back.")
             with gr.Row():
                 c["confirm_btn"] = gr.Button("Yes, delete", size="sm", variant="stop", elem_id="confirm-delete")
-                c["cancel_btn"] = gr.Button("Cancel", size="sm")
+                c["cancel_btn"] = gr.Button("Cancel", size="sm", elem_id="cancel-delete")
         c["confirm_row"] = confirm_row
+    c["menu"] = menu
     return c
 
 
@@ -153,6 +184,7 @@ def _chat_tab(personas: dict, default_persona: str | None, max_n: int, max_token
             "Continue ▸", size="sm", interactive=False, elem_id="continue", scale=0, min_width=110
         )
     with gr.Row(elem_classes="hidden-cmd"):  # in the page (a script reaches them) but never shown
+        c["url_cid"] = gr.Textbox("", elem_id="url-cid", show_label=False, container=False)
         c["ver_cmd"] = gr.Textbox(elem_id="ver-cmd", show_label=False, container=False)
         c["ver_go"] = gr.Button("switch version", elem_id="ver-go")
     with gr.Row(elem_id="input-row"):

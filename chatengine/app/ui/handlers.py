@@ -29,6 +29,7 @@ from chatengine.app.ui.monitor import EngineMonitor
 from chatengine.app.ui.render import (
     can_continue,
     default_focus,
+    export_links,
     kv_picture,
     nav_state,
     parse_version_step,
@@ -37,6 +38,7 @@ from chatengine.app.ui.render import (
     to_chat,
     unescape_html,
 )
+from chatengine.app.ui.sidebar import grouped_choices, is_heading
 
 LOCAL_USER = "local"
 THROTTLE_S = 0.08
@@ -104,7 +106,8 @@ class ChatUI:
         return not self.auth_enabled or user in self.admins
 
     def conv_choices(self, user: str, query: str | None = None) -> list[tuple[str, str]]:
-        return [(c["title"], c["id"]) for c in self.service.list_conversations(user, (query or "").strip() or None)]
+        """The sidebar's chats under their headings (Pinned, Today, ...)."""
+        return grouped_choices(self.service.list_conversations(user, (query or "").strip() or None))
 
     def conv_list(self, user: str, value: str | None) -> dict:
         return gr.update(choices=self.conv_choices(user), value=value)
@@ -185,9 +188,9 @@ class ChatUI:
             c.chatbot: gr.update(value=[], placeholder=persona_placeholder(p)),
             c.alt_label: gr.update(value=""),
             c.conv_list: gr.update(value=None),
-            c.rename_box: "",
             c.persona: gr.update(visible=True, value=name, info=p.description if p else None),
             c.header: gr.update(visible=False),
+            c.url_cid: "",
             **self.buttons(False),
         }
 
@@ -195,23 +198,25 @@ class ChatUI:
         """Show a conversation; if its reply is being written (by this tab before a reload, by another
         tab), follow it live from where it is to its end."""
         user = self.who(request)
-        if not conv_id:
+        if not conv_id or is_heading(conv_id):
             yield gr.skip()
             return
         c, session = self.c, _session(request)
         try:
             conv, gen, out = await asyncio.to_thread(self._open, user, conv_id)
-        except NotFound:
-            gr.Warning("That conversation does not exist.")
-            yield {**self.blank(), c.cid: None, c.rename_box: "", c.conv_list: self.conv_list(user, None)}
+        except NotFound:  # someone else's chat looks exactly like one that does not exist
+            gr.Warning("Chat not found: it was deleted, or this link is not to one of your chats.")
+            yield {**self.blank(), c.cid: None, c.url_cid: "", c.conv_list: self.conv_list(user, None)}
             return
         self.show(session, conv_id)
         yield {
             **out,
             c.cid: conv_id,
+            c.url_cid: conv_id,
+            c.conv_list: gr.update(value=conv_id),  # marked in the list when opened by a link too
             c.persona: gr.update(visible=False),
-            c.rename_box: conv["title"],
             c.header: self.header(conv["persona"]),
+            **self.settings_view(conv["settings"]),
             **self.buttons(gen is not None),
         }
         if gen is not None:
@@ -226,14 +231,60 @@ class ChatUI:
             return conv, gen, self.render(user, conv_id) if gen is None else self.waiting_view(user, conv_id)
         return conv, gen, self._progress(self.service.view(user, conv_id), gen.snapshot())
 
-    def fill_title(self, conv_id, request: gr.Request) -> str:
+    async def open_from_url(self, url_cid, request: gr.Request):
+        """The chat named in the address bar (?c=<id>) when the page loads: a reload reopens it."""
+        async for upd in self.open_conv(url_cid, request):
+            yield upd
+
+    def settings_view(self, settings: dict) -> dict:
+        """The generation settings a chat keeps (those of its latest turn) back on the sliders; a chat
+        without any leaves them as they are."""
+        if not settings:
+            return {}
+        c, seed = self.c, settings.get("seed")
+        values = {c.temperature: "temperature", c.top_p: "top_p", c.max_tokens: "max_tokens", c.n_alt: "n"}
+        out = {comp: settings[key] for comp, key in values.items() if key in settings}
+        if c.max_tokens in out:  # a server restarted with a shorter context has a shorter slider
+            out[c.max_tokens] = min(out[c.max_tokens], self.service.engine.max_tokens_limit)
+        return {**out, c.seed: -1 if seed is None else seed}
+
+    def chat_menu(self, conv_id, request: gr.Request) -> dict:
+        """The menu of the chat now open (closed; hidden without one): its title, Pin or Unpin, and
+        links to download it."""
         user = self.who(request)
-        if not conv_id:
-            return ""
+        c = self.c
         try:
-            return self.service.get_conversation(user, conv_id)["title"]
+            conv = self.service.get_conversation(user, conv_id) if conv_id else None
         except NotFound:
-            return ""
+            conv = None
+        if conv is None:
+            hide = gr.update(visible=False)
+            empty = {c.rename_box: "", c.pin_btn: "Pin", c.export_html: ""}
+            return {c.menu_btn: hide, c.menu: hide, c.menu_open: False, c.confirm_row: hide, **empty}
+        return {
+            c.menu_btn: gr.update(visible=True),
+            c.menu: gr.update(visible=False),
+            c.menu_open: False,
+            c.rename_box: conv["title"],
+            c.pin_btn: "Unpin" if conv["pinned"] else "Pin",
+            c.export_html: export_links(conv["id"]),
+            c.confirm_row: gr.update(visible=False),
+        }
+
+    def toggle_pin(self, conv_id, request: gr.Request) -> dict:
+        user = self.who(request)
+        try:
+            if not conv_id:
+                raise NotFound("no chat open")
+            pinned = not self.service.get_conversation(user, conv_id)["pinned"]
+            self.service.set_pinned(user, conv_id, pinned)
+        except NotFound:
+            gr.Warning("Chat not found: open one of your chats first.")
+            return {self.c.conv_list: self.conv_list(user, None)}
+        except StoreWriteError as e:
+            gr.Warning(str(e))
+            return gr.skip()
+        return {self.c.conv_list: self.conv_list(user, conv_id), self.c.pin_btn: "Unpin" if pinned else "Pin"}
 
     def on_search(self, query, current, request: gr.Request):
         user = self.who(request)
@@ -254,9 +305,9 @@ class ChatUI:
         try:
             self.service.rename_conversation(user, conv_id, new_title)
         except NotFound:
-            gr.Warning("That conversation does not exist.")
-        except ValueError as e:
-            gr.Warning(str(e))
+            gr.Warning("Chat not found: it was deleted, or it is not one of your chats.")
+        except (ValueError, StoreWriteError) as e:  # empty or too long a title; a full disk
+            gr.Warning(f"Not renamed: {e}")
         return self.conv_list(user, conv_id)
 
     def delete(self, conv_id, persona_name, request: gr.Request) -> dict:
@@ -265,9 +316,9 @@ class ChatUI:
             try:
                 self.service.delete_conversation(user, conv_id)
             except NotFound:
-                gr.Warning("That conversation does not exist.")
+                gr.Warning("Chat not found: it was deleted, or it is not one of your chats.")
             except (ValueError, StoreWriteError) as e:  # a reply still streams there; a full disk
-                gr.Warning(str(e))
+                gr.Warning(f"Not deleted: {e}")
                 return {self.c.confirm_row: gr.update(visible=False)}
         return {
             **self.new_chat(persona_name, request),
@@ -340,11 +391,21 @@ class ChatUI:
         if is_new:
             conv_id = self.service.new_conversation(user, persona_name or self.default_persona)
         try:
-            return conv_id, self.service.send(user, conv_id, text, settings)
+            gen = self.service.send(user, conv_id, text, settings)
         except ValueError:
             if is_new:
                 self.service.delete_conversation(user, conv_id)
             raise
+        self.remember(user, conv_id, settings)
+        return conv_id, gen
+
+    def remember(self, user: str, conv_id: str, settings: dict) -> None:
+        """Keep the turn's settings with the chat (they come back when it is reopened). The reply is
+        already under way: a failed write is said in words and costs only this."""
+        try:
+            self.service.remember_settings(user, conv_id, settings)
+        except (NotFound, StoreWriteError) as e:
+            gr.Warning(f"These settings were not saved with the chat: {e}")
 
     def _sent_view(self, user: str, conv_id: str) -> dict:
         conv = self.service.get_conversation(user, conv_id)
@@ -353,6 +414,7 @@ class ChatUI:
             **self.waiting_view(user, conv_id),
             c.msg: "",
             c.cid: conv_id,
+            c.url_cid: conv_id,
             c.conv_list: self.conv_list(user, conv_id),
             c.persona: gr.update(visible=False),
             c.header: self.header(conv["persona"]),
@@ -406,6 +468,7 @@ class ChatUI:
         try:
             gen = await asyncio.to_thread(start, user, conv_id, msg_id, settings)
             gen.start()
+            await asyncio.to_thread(self.remember, user, conv_id, settings)
         except NotFound:
             gr.Warning("That message does not exist.")
             yield gr.skip()
@@ -440,6 +503,7 @@ class ChatUI:
             text, settings = unescape_html(str(value or "")), settings_of(temperature, top_p, max_tokens, seed, n)
             gen = await asyncio.to_thread(self.service.edit, user, conv_id, msg_id, text, settings)
             gen.start()
+            await asyncio.to_thread(self.remember, user, conv_id, settings)
         except (NotFound, ValueError, StoreWriteError) as e:
             gr.Warning("That message does not exist." if isinstance(e, NotFound) else str(e))
             yield await asyncio.to_thread(self.render, user, conv_id) if conv_id else gr.skip()

@@ -61,6 +61,20 @@ body.conn-lost #stop {display: none}
 #chat .ver-step {display: inline-block; padding: 0 .45em; border-radius: 4px; opacity: .35}
 #chat .ver-step.ver-on {cursor: pointer; opacity: 1}
 #chat .ver-step.ver-on:hover {background: var(--background-fill-secondary)}
+#conv-list label[data-testid^="\\2060"] {pointer-events: none; background: none !important; border: none !important;
+  box-shadow: none !important; padding: .9em .3em .15em; min-height: 0; font-size: .72em; font-weight: 600;
+  text-transform: uppercase; letter-spacing: .05em; opacity: .6}
+#conv-list label[data-testid^="\\2060"] input {display: none}
+#chat-menu {border: 1px solid var(--border-color-primary); border-radius: 8px; padding: .6em}
+#chat-menu .export-links a {text-decoration: underline; margin: 0 .2em}
+@media (max-width: 768px) {
+  /* Gradio's drawer is 100vw wide on phones: it hid the whole page. A narrower one leaves the
+     chat in sight, and the page script closes it after a chat is picked. */
+  #sidebar {width: min(300px, 85vw) !important; left: calc(-1 * min(300px, 85vw)) !important}
+  #conv-list label span {max-width: 60vw}
+  #input-row button {min-width: 4.5em}
+  #nav-row {flex-wrap: wrap}
+}
 """
 
 # The server gone (stopped, crashed, the network): Gradio shows a toast and leaves the page as it
@@ -144,9 +158,53 @@ JS_VERSIONS = """
 """
 
 
+# On a phone the sidebar is a drawer over the chat: closed when the page opens and after a chat is
+# picked or started (Gradio leaves it open). NARROW matches the width where Gradio's CSS makes it a
+# drawer.
+NARROW = 768
+_CLOSE = f"""
+const closeSidebar = () => {{
+  if (window.innerWidth > {NARROW}) return false;
+  const toggle = document.querySelector("#sidebar.open .toggle-button");
+  if (toggle) toggle.click();
+  return !!toggle;
+}};
+"""
+JS_MOBILE = f"""
+() => {{
+  {_CLOSE}
+  let tries = 0;  // the sidebar mounts after this script runs
+  const timer = setInterval(() => {{
+    if (closeSidebar() || document.querySelector("#sidebar:not(.open)") || ++tries > 50) clearInterval(timer);
+  }}, 100);
+}}
+"""
+# an event's js: closes the drawer, then hands the event's inputs on unchanged
+CLOSE_SIDEBAR = f"(...args) => {{ {_CLOSE} closeSidebar(); return args.length === 1 ? args[0] : args; }}"
+# the address bar keeps the open chat (?c=<id>): a reload or a shared link reopens it
+SET_URL = """
+(cid) => {
+  const url = new URL(window.location.href);
+  if (cid) url.searchParams.set("c", cid); else url.searchParams.delete("c");
+  if (url.href !== window.location.href) window.history.replaceState(window.history.state, "", url);
+}
+"""
+# the chat named at load, taken out of the address bar: opening it puts it back (SET_URL), a chat
+# not found leaves the address without it
+READ_URL = """
+() => {
+  const url = new URL(window.location.href);
+  const cid = url.searchParams.get("c") || "";
+  url.searchParams.delete("c");
+  if (cid) window.history.replaceState(window.history.state, "", url);
+  return cid;
+}
+"""
+
+
 def page_js() -> str:
     """The page's scripts, each run once on load."""
-    return "() => {" + "".join(f"({js.strip()})();" for js in (JS, JS_VERSIONS)) + "}"
+    return "() => {" + "".join(f"({js.strip()})();" for js in (JS, JS_VERSIONS, JS_MOBILE)) + "}"
 
 
 def theme():
@@ -175,7 +233,7 @@ def build_ui(
         ui = ChatUI(service, c, auth_enabled=auth_enabled, local_user=local_user, admins=admins)
         demo.load(
             ui.on_load, None, [c.conv_list, c.who_md, c.logout_btn, c.engine_tab], api_visibility="private", queue=False
-        )
+        ).then(ui.open_from_url, [c.url_cid], _open_outputs(c), js=READ_URL, api_visibility="private", **ENGINE)
         demo.unload(ui.on_unload)
         _wire_sidebar(ui, c)
         _wire_turns(ui, c)
@@ -186,28 +244,49 @@ def build_ui(
 
 
 def _new_chat_outputs(c: Components) -> list:
-    return [c.cid, *c.view, c.conv_list, c.persona, c.rename_box, c.header, c.send_btn, c.stop_btn]
+    # rename_box stays where it was (the menu fills it now): API clients read outputs by position
+    return [c.cid, *c.view, c.conv_list, c.persona, c.rename_box, c.header, c.send_btn, c.stop_btn, c.url_cid]
+
+
+def _open_outputs(c: Components) -> list:
+    return [c.cid, *c.view, c.persona, c.rename_box, c.conv_list, c.header, c.send_btn, c.stop_btn, c.url_cid] + [
+        *c.sampling
+    ]
 
 
 def _wire_sidebar(ui: ChatUI, c: Components) -> None:
-    c.new_btn.click(ui.new_chat, [c.persona], _new_chat_outputs(c), api_name="new_chat", queue=False)
+    c.new_btn.click(ui.new_chat, [c.persona], _new_chat_outputs(c), api_name="new_chat", queue=False, js=CLOSE_SIDEBAR)
     # queued: it follows a reply still being written; "multiple": another chat opens meanwhile
     c.conv_list.input(
         ui.open_conv,
         [c.conv_list],
-        [c.cid, *c.view, c.persona, c.rename_box, c.conv_list, c.header, c.send_btn, c.stop_btn],
+        _open_outputs(c),
         api_name="open",
         trigger_mode="multiple",
         show_progress="hidden",
+        js=CLOSE_SIDEBAR,
         **ENGINE,
     )
-    c.conv_list.change(ui.fill_title, [c.conv_list], [c.rename_box], **QUIET)
+    # the address bar names the open chat, and the chat's menu follows it
+    c.url_cid.change(None, [c.url_cid], None, js=SET_URL, queue=False)
+    c.url_cid.change(ui.chat_menu, [c.url_cid], c.menu_parts, **QUIET)
     c.search.change(
         ui.on_search, [c.search, c.cid], [c.conv_list], api_name="search", queue=False, show_progress="hidden"
     )
     c.persona.input(ui.on_persona, [c.persona], [c.persona, c.chatbot], api_visibility="private", queue=False)
+    _wire_menu(ui, c)
+
+
+def _toggle(shown: bool) -> tuple:
+    """The menu button opens the menu, or closes it when open."""
+    return not shown, gr.update(visible=not shown)
+
+
+def _wire_menu(ui: ChatUI, c: Components) -> None:
+    c.menu_btn.click(_toggle, [c.menu_open], [c.menu_open, c.menu], **QUIET)
     c.rename_btn.click(ui.rename, [c.cid, c.rename_box], [c.conv_list], api_name="rename", queue=False)
     c.rename_box.submit(ui.rename, [c.cid, c.rename_box], [c.conv_list], api_visibility="private", queue=False)
+    c.pin_btn.click(ui.toggle_pin, [c.cid], [c.conv_list, c.pin_btn], api_name="pin", queue=False)
     c.delete_btn.click(
         lambda cid: gr.update(visible=bool(cid)), [c.cid], [c.confirm_row], api_visibility="private", queue=False
     )
@@ -230,7 +309,7 @@ def _generating(ui: ChatUI, c: Components, listen, fn, inputs, outputs, chained:
 
 def _wire_turns(ui: ChatUI, c: Components) -> None:
     send_in = [c.msg, c.cid, c.persona, *c.sampling]
-    send_out = [c.msg, c.cid, *c.view, c.conv_list, c.persona, c.header]
+    send_out = [c.msg, c.cid, *c.view, c.conv_list, c.persona, c.header, c.url_cid]
     _generating(ui, c, c.msg.submit, ui.send, send_in, send_out, api_name="send")
     _generating(ui, c, c.send_btn.click, ui.send, send_in, send_out, api_visibility="private")
     regen_out = [*c.view, c.conv_list]

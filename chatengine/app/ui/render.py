@@ -3,6 +3,7 @@ label, persona blurbs and the Engine tab's picture of the KV pages. Pure functio
 
 import html
 import re
+from urllib.parse import quote
 
 # ---- text ---------------------------------------------------------------------------------------
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -266,3 +267,14 @@ def persona_header(persona) -> str:
     if persona is None:
         return ""
     return f"**{html.escape(persona.title)}** <span style='opacity:.65'>· {html.escape(persona.description)}</span>"
+
+
+def export_links(conv_id: str) -> str:
+    """The menu's download links (GET /export/<id>.md|.json, see app/export.py). The id is quoted for
+    the URL and escaped for HTML: a crafted id in the address bar stays text."""
+    base = html.escape(quote(conv_id, safe=""), quote=True)
+    return (
+        "<div class='export-links'>Export: "
+        f"<a href='export/{base}.md' download id='export-md'>Markdown</a> · "
+        f"<a href='export/{base}.json' download id='export-json'>JSON</a></div>"
+    )
