@@ -457,3 +457,159 @@ def test_log_out_in_place_then_a_wrong_password_then_the_right_one(server, brows
     page.get_by_role("button", name="Login").click()
     expect(page.locator("#who")).to_contain_text("Signed in as bob")
     page.close()
+
+
+# ---- #17: links, settings that stay, sign-ins that outlive a restart, the chat menu, phones ----
+
+
+def url_cid(page) -> str | None:
+    m = re.search(r"[?&]c=([^&#]+)", page.url)
+    return m.group(1) if m else None
+
+
+def settings_shown(page) -> dict:
+    names = ("temperature", "top-p", "max-tokens", "seed", "n")
+    acc = page.locator("#settings")
+    if not page.locator("#seed input[type=number]").is_visible():
+        acc.get_by_text("Generation settings").first.click()
+    return {n: page.locator(f"#{n} input[type=number]").input_value() for n in names}
+
+
+def test_a_chat_link_reopens_it_with_its_settings_and_is_nothing_to_others(server, browser_ctx):
+    browser_ctx.clear_cookies()
+    page = browser_ctx.new_page()
+    login(page, server.url, "alice", "pw-alice")
+    page.locator("#new-chat").click()
+    assert url_cid(page) is None
+    for elem_id, value in (("temperature", 0.35), ("top-p", 0.8), ("max-tokens", 5), ("seed", 123)):
+        set_setting(page, elem_id, value)
+    send(page, "Name a colour, please.")
+    wait_idle(page)
+    page.wait_for_function("() => new URLSearchParams(location.search).get('c')")
+    cid = url_cid(page)
+    link = page.url
+    page.goto(server.url)  # the plain address: defaults, no chat open
+    expect(page.locator('#chat [data-testid="user"]')).to_have_count(0)
+    page.goto(link)  # the link (as a reload would): the chat and its settings
+    expect(page.locator("#chat")).to_contain_text("Name a colour, please.")
+    settings_shown(page)  # opens the settings
+    expect(page.locator("#seed input[type=number]")).to_have_value("123")
+    assert settings_shown(page) == {"temperature": "0.35", "top-p": "0.8", "max-tokens": "5", "seed": "123", "n": "1"}
+    page.reload()
+    expect(page.locator("#chat")).to_contain_text("Name a colour, please.")
+    assert url_cid(page) == cid
+    page.screenshot(path=str(ARTIFACTS / "09-chat-link.png"))
+
+    browser_ctx.clear_cookies()  # bob follows alice's link: nothing of it, and "not found" in words
+    login(page, link, "bob", "pw-bob")
+    expect(page.locator(".toast-body")).to_contain_text("not found")
+    expect(page.locator("#chat")).not_to_contain_text("Name a colour")
+    expect(page.locator("#conv-list")).not_to_contain_text("Name a colour")
+    page.wait_for_function("() => !new URLSearchParams(location.search).get('c')")
+    page.screenshot(path=str(ARTIFACTS / "10-link-not-yours.png"))
+    page.close()
+    browser_ctx.clear_cookies()
+
+
+def test_a_restart_keeps_the_sign_in_and_logout_ends_the_cookie(server, browser_ctx):
+    browser_ctx.clear_cookies()
+    page = browser_ctx.new_page()
+    login(page, server.url, "alice", "pw-alice")
+    expect(page.locator("#who")).to_contain_text("Signed in as alice")
+    [cookie] = [c for c in browser_ctx.cookies() if c["name"] == "chatengine-session"]
+    assert cookie["httpOnly"] and cookie["value"] not in (server.data_dir / "chat.db").read_bytes().decode("latin-1")
+    server.stop()
+    server.start()
+    page.reload()
+    expect(page.locator("#who")).to_contain_text("Signed in as alice")  # no sign-in page
+    expect(page.locator("#conv-list")).to_contain_text("Name a colour")
+
+    def with_old_cookie(path: str) -> tuple[int, str]:
+        req = urllib.request.Request(server.url + path, headers={"Cookie": f"chatengine-session={cookie['value']}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    assert "signin" not in with_old_cookie("")[1]  # the app itself, not the sign-in page
+    page.locator("#logout").click()
+    expect(page.get_by_label("username")).to_be_visible()
+    status, body = with_old_cookie("")
+    assert status == 200 and 'id="signin"' in body  # the old cookie signs in no one now
+    assert with_old_cookie("config")[0] in (401, 403)
+    browser_ctx.add_cookies([{k: cookie[k] for k in ("name", "value", "domain", "path")}])
+    page.goto(server.url)
+    expect(page.get_by_label("username")).to_be_visible()
+    page.close()
+
+
+def test_the_chat_menu_renames_pins_exports_and_deletes_after_a_confirm(server, browser_ctx):
+    browser_ctx.clear_cookies()
+    page = browser_ctx.new_page()
+    login(page, server.url, "alice", "pw-alice")
+    page.locator("#new-chat").click()
+    set_setting(page, "max-tokens", 4)
+    send(page, "Say something short.")
+    wait_idle(page)
+    send(page, "And again.")
+    wait_idle(page)
+    page.locator("#chat-menu-btn").click()
+    expect(page.locator("#rename-box textarea, #rename-box input").first).to_have_value("Say something short.")
+    box = page.locator("#rename-box textarea, #rename-box input").first
+    box.fill("Short sayings")
+    box.press("Enter")
+    expect(page.locator("#conv-list")).to_contain_text("Short sayings")
+    page.locator("#pin").click()
+    expect(page.locator("#pin")).to_have_text("Unpin")
+    labels = page.locator("#conv-list label")
+    expect(labels.nth(0)).to_contain_text("Pinned")
+    expect(labels.nth(1)).to_have_text("Short sayings")
+    page.screenshot(path=str(ARTIFACTS / "11-chat-menu.png"))
+
+    with page.expect_download() as md:
+        page.locator("#export-md").click()
+    text = Path(md.value.path()).read_text()
+    assert md.value.suggested_filename == "Short-sayings.md"
+    assert text.startswith("# Short sayings") and "**You:**\n\nAnd again." in text
+    with page.expect_download() as js:
+        page.locator("#export-json").click()
+    data = json.loads(Path(js.value.path()).read_text())
+    assert data["conversation"]["title"] == "Short sayings" and data["conversation"]["pinned"] is True
+    assert [m["role"] for m in data["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+
+    page.locator("#pin").click()  # unpin: back under its date
+    expect(labels.nth(0)).to_contain_text("Today")
+    page.locator("#delete").click()
+    expect(page.locator("#confirm-delete")).to_be_visible()
+    page.locator("#cancel-delete").click()
+    expect(page.locator("#confirm-delete")).to_be_hidden()
+    expect(page.locator("#conv-list")).to_contain_text("Short sayings")  # Cancel keeps it
+    page.locator("#delete").click()
+    page.locator("#confirm-delete").click()
+    expect(page.locator("#conv-list")).not_to_contain_text("Short sayings")
+    expect(page.locator('#chat [data-testid="user"]')).to_have_count(0)
+    page.wait_for_function("() => !new URLSearchParams(location.search).get('c')")
+    page.close()
+
+
+def test_at_phone_width_the_sidebar_leaves_the_chat_in_sight_and_closes_after_a_pick(server, browser_ctx):
+    browser_ctx.clear_cookies()
+    page = browser_ctx.new_page()
+    page.set_viewport_size({"width": 390, "height": 844})
+    login(page, server.url, "alice", "pw-alice")
+    sidebar = page.locator("#sidebar")
+    expect(sidebar).not_to_have_class(re.compile(r"\bopen\b"))  # closed when the page opens
+    page.locator("#sidebar .toggle-button").click()
+    expect(sidebar).to_have_class(re.compile(r"\bopen\b"))
+    page.wait_for_timeout(500)  # the slide-in
+    box = sidebar.bounding_box()
+    assert box["x"] >= -1 and box["x"] + box["width"] <= 0.9 * 390, box  # the chat stays in sight
+    page.screenshot(path=str(ARTIFACTS / "12-phone-sidebar-open.png"))
+    page.locator("#conv-list label", has_text="Name a colour").first.click()
+    expect(sidebar).not_to_have_class(re.compile(r"\bopen\b"))
+    expect(page.locator("#chat")).to_contain_text("Name a colour, please.")
+    page.wait_for_timeout(500)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the phone
+    page.screenshot(path=str(ARTIFACTS / "13-phone-chat-picked.png"))
+    page.close()
