@@ -383,3 +383,8 @@ def test_a_bad_title_is_said_in_words_and_kept_out(ui):
 
 def test_a_heading_of_the_list_opens_nothing(ui):
     assert drain(ui.open_conv("group:Today", request("alice"))) == [gr.skip()]
+
+
+def test_a_search_too_long_is_said_in_words(ui):
+    with pytest.warns(UserWarning, match="Search:"):
+        assert ui.on_search("q" * 1000, None, request("alice")) == gr.skip()

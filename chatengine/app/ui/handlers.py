@@ -288,7 +288,11 @@ class ChatUI:
 
     def on_search(self, query, current, request: gr.Request):
         user = self.who(request)
-        return gr.update(choices=self.conv_choices(user, query), value=current)
+        try:
+            return gr.update(choices=self.conv_choices(user, query), value=current)
+        except ValueError as e:  # a query longer than any title
+            gr.Warning(f"Search: {e}")
+            return gr.skip()
 
     def on_persona(self, name) -> dict:
         p = self.personas.get(name or "")
@@ -518,7 +522,7 @@ class ChatUI:
             try:
                 await self.service.stop(user, conv_id)
             except NotFound:
-                pass
+                gr.Warning("Chat not found: nothing to stop.")
         return self.buttons(False)
 
     def busy(self) -> dict:
