@@ -62,7 +62,8 @@ body.conn-lost #stop {display: none}
 #chat .ver-step.ver-on {cursor: pointer; opacity: 1}
 #chat .ver-step.ver-on:hover {background: var(--background-fill-secondary)}
 #conv-list label[data-testid^="\\2060"] {pointer-events: none; background: none !important; border: none !important;
-  box-shadow: none !important; padding: .9em .3em .15em; min-height: 0; font-size: .72em; font-weight: 600;
+  box-shadow: none !important; padding: .9em .3em .15em !important; margin: 0 !important; min-height: 0;
+  font-size: .72em; font-weight: 600;
   text-transform: uppercase; letter-spacing: .05em; opacity: .6}
 #conv-list label[data-testid^="\\2060"] input {display: none}
 #chat-menu {border: 1px solid var(--border-color-primary); border-radius: 8px; padding: .6em}
