@@ -460,3 +460,20 @@ def test_deleting_a_conversation_drops_its_cached_pages(svc, async_engine):
     assert cached() > public  # the conversation's own pages hit
     svc.delete_conversation(user, cid)
     assert cached() == public  # (the forget runs on the engine's thread before the next request)
+
+
+@pytest.mark.parametrize(
+    "text, title",
+    [
+        ("What is 2+2?", "What is 2+2?"),
+        ("\n\n  # Trip to Rome\nPlan four days for me.", "Trip to Rome"),
+        ("- buy milk\n- buy eggs", "buy milk"),
+        ("> quoted   words\nmore", "quoted words"),
+        ("Write a very long story about a dragon, at least 1000 words.", "Write a very long story about a dragon, at…"),
+        ("x" * 100, "x" * 47 + "…"),
+    ],
+)
+def test_a_new_chat_is_titled_by_the_first_line_of_its_first_message(text, title):
+    from chatengine.app.chat import TITLE_CHARS, _title_from
+
+    assert _title_from(text) == title and len(title) <= TITLE_CHARS
