@@ -1,11 +1,12 @@
 """The browser chat UI (Gradio 6 Blocks) on top of ChatService: the page and its wiring.
 
-Layout: a sidebar (new chat, search, the user's conversations, rename / delete), a "Chat" tab
-(persona picker for a new chat, the transcript, ◀ k/N ▶ alternatives of the selected message,
+Layout: a sidebar (new chat, search, the user's conversations under date headings: sidebar.py;
+a drawer on phones), a "Chat" tab (the open chat's menu: rename, pin, export, delete; persona picker
+for a new chat, the transcript, ◀ k/N ▶ alternatives of the selected message,
 regenerate, the input with Send / Stop, sampling settings) and an "Engine" tab (KV pages of the
 device, CPU and disk tiers, hit rate and throughput over time; admins only when users sign in).
 Components are in components.py, handlers (one class) in handlers.py, what the page shows as text
-in render.py.
+in render.py. The address bar names the open chat (?c=<id>, see SET_URL / READ_URL).
 
 Generating events have no per-event concurrency limit (the engine batches all users). Message
 text is HTML-escaped outside code (and Gradio sanitizes the rest), so HTML or script in a message
