@@ -502,3 +502,16 @@ def test_a_version_1_database_gains_the_pinned_column(tmp_path):
     finally:
         s.close()
     ChatStore(path).close()  # a second start finds the column there
+
+
+def test_settings_alone_can_change_without_moving_the_chat(store):
+    old, new = store.create_conversation(A, title="old"), store.create_conversation(A, title="new")
+    before = store.get_conversation(A, old)["updated_at"]
+    store.update_settings(A, old, {"temperature": 0.1}, touch=False)
+    assert store.get_conversation(A, old)["settings"] == {"temperature": 0.1}
+    assert store.get_conversation(A, old)["updated_at"] == before
+    assert [c["id"] for c in store.list_conversations(A)] == [new, old]
+    with pytest.raises(NotFound):
+        store.update_settings(B, old, {"temperature": 9}, touch=False)
+    store.update_settings(A, old, {"temperature": 0.2})  # a turn's: the chat moves up
+    assert [c["id"] for c in store.list_conversations(A)] == [old, new]

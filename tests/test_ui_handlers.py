@@ -388,3 +388,18 @@ def test_a_heading_of_the_list_opens_nothing(ui):
 def test_a_search_too_long_is_said_in_words(ui):
     with pytest.warns(UserWarning, match="Search:"):
         assert ui.on_search("q" * 1000, None, request("alice")) == gr.skip()
+
+
+def test_a_setting_changed_by_hand_stays_with_the_chat_and_keeps_its_place(ui):
+    c = ui.c
+    older = send(ui, "alice", "Older")[0][c.cid]
+    newer = send(ui, "alice", "Newer")[0][c.cid]
+    ui.save_settings(older, 1.2, 0.5, 9, 7, 3, request("alice"))
+    [out] = drain(ui.open_conv(older, request("alice")))
+    assert (out[c.temperature], out[c.top_p], out[c.max_tokens], out[c.seed], out[c.n_alt]) == (1.2, 0.5, 9, 7, 3)
+    assert [v for _, v in ui.conv_choices("alice")][1:] == [newer, older]  # the list order stays
+    with pytest.warns(UserWarning, match="not saved"):
+        ui.save_settings(older, 5.0, 0.5, 9, 7, 1, request("alice"))  # out of range: said, not stored
+    with pytest.warns(UserWarning, match="not saved"):
+        ui.save_settings(older, 0.5, 0.5, 9, 7, 1, request("bob", "s2"))  # not bob's
+    assert ui.service.get_conversation("alice", older)["settings"]["temperature"] == 1.2

@@ -267,10 +267,11 @@ class ChatService:
     def set_pinned(self, user: str, cid: str, pinned: bool) -> None:
         self.store.set_pinned(user, cid, pinned)
 
-    def remember_settings(self, user: str, cid: str, settings) -> None:
-        """Keep the settings of the chat's latest turn with the chat: reopening it brings them back
-        (checked as a turn checks them, so a stored setting is always one a turn accepts)."""
-        self.store.update_settings(user, cid, asdict(self._settings(settings)))
+    def remember_settings(self, user: str, cid: str, settings, *, touch: bool = True) -> None:
+        """Keep the settings with the chat (those of its latest turn, or as the user left them):
+        reopening it brings them back. Checked as a turn checks them, so a stored setting is always
+        one a turn accepts. touch=False: the chat keeps its place in the list."""
+        self.store.update_settings(user, cid, asdict(self._settings(settings)), touch=touch)
 
     def delete_conversation(self, user: str, cid: str) -> None:
         """Delete the conversation and drop its private KV pages from every cache tier (its text is

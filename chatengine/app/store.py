@@ -15,7 +15,7 @@ raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is 
     cid = store.create_conversation(user, title="New chat", persona=None, settings=None)
     store.list_conversations(user, query=None) -> list[dict]              # newest update first
     store.get_conversation(user, cid) -> dict
-    store.rename_conversation(user, cid, title); store.update_settings(user, cid, settings)
+    store.rename_conversation(user, cid, title); store.update_settings(user, cid, settings, touch=True)
     store.set_pinned(user, cid, pinned)         # pinned chats list first; not a change of the chat
     store.delete_conversation(user, cid)
     store.messages(user, cid) -> list[dict]     # every message of the tree, creation order (export)
@@ -309,8 +309,15 @@ class ChatStore:
     def rename_conversation(self, user: str, conv_id: str, title: str) -> None:
         self._update_conversation(user, conv_id, title=_title(title))
 
-    def update_settings(self, user: str, conv_id: str, settings: dict) -> None:
-        self._update_conversation(user, conv_id, settings=_json(settings, "settings"))
+    def update_settings(self, user: str, conv_id: str, settings: dict, *, touch: bool = True) -> None:
+        """touch=False: a change of the settings alone, which does not move the chat up the list."""
+        if touch:
+            self._update_conversation(user, conv_id, settings=_json(settings, "settings"))
+            return
+        with self._write() as db:
+            sql = "UPDATE conversations SET settings = ? WHERE id = ? AND user_id = ?"
+            if db.execute(sql, [_json(settings, "settings"), conv_id, user]).rowcount != 1:
+                raise NotFound(f"conversation {conv_id!r} not found")
 
     def set_pinned(self, user: str, conv_id: str, pinned: bool) -> None:
         """Pin or unpin; updated_at stays (the chat did not change, and its date group neither)."""

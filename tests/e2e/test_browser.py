@@ -495,9 +495,14 @@ def test_a_chat_link_reopens_it_with_its_settings_and_is_nothing_to_others(serve
     settings_shown(page)  # opens the settings
     expect(page.locator("#seed input[type=number]")).to_have_value("123")
     assert settings_shown(page) == {"temperature": "0.35", "top-p": "0.8", "max-tokens": "5", "seed": "123", "n": "1"}
+    set_setting(page, "max-tokens", 9)  # changed by hand, nothing sent: kept with the chat too
+    page.wait_for_timeout(1000)  # the save is its own quick event
     page.reload()
     expect(page.locator("#chat")).to_contain_text("Name a colour, please.")
     assert url_cid(page) == cid
+    settings_shown(page)
+    expect(page.locator("#max-tokens input[type=number]")).to_have_value("9")
+    expect(page.locator("#seed input[type=number]")).to_have_value("123")
     page.screenshot(path=str(ARTIFACTS / "09-chat-link.png"))
 
     browser_ctx.clear_cookies()  # bob follows alice's link: nothing of it, and "not found" in words

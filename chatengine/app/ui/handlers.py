@@ -248,6 +248,18 @@ class ChatUI:
             out[c.max_tokens] = min(out[c.max_tokens], self.service.engine.max_tokens_limit)
         return {**out, c.seed: -1 if seed is None else seed}
 
+    def save_settings(self, conv_id, temperature, top_p, max_tokens, seed, n, request: gr.Request) -> None:
+        """A setting changed by hand: kept with the open chat at once (a new chat keeps its settings
+        from its first turn)."""
+        user = self.who(request)
+        if not conv_id:
+            return
+        try:
+            settings = settings_of(temperature, top_p, max_tokens, seed, n)
+            self.service.remember_settings(user, conv_id, settings, touch=False)
+        except (NotFound, ValueError, TypeError, StoreWriteError) as e:  # TypeError: an emptied number box
+            gr.Warning(f"These settings were not saved with the chat: {e}")
+
     def chat_menu(self, conv_id, request: gr.Request) -> dict:
         """The menu of the chat now open (closed; hidden without one): its title, Pin or Unpin, and
         links to download it."""

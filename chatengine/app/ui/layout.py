@@ -335,6 +335,8 @@ def _wire_turns(ui: ChatUI, c: Components) -> None:
         ui, c, c.chatbot.edit, ui.edit, [c.cid, c.rows, *c.sampling], regen_out, chained=False, api_visibility="private"
     )
     c.stop_btn.click(ui.stop, [c.cid], [c.send_btn, c.stop_btn], api_name="stop", **ENGINE)
+    for setting in c.sampling:  # by hand only (.input): opening a chat sets them without a save
+        setting.input(ui.save_settings, [c.cid, *c.sampling], None, **QUIET)
 
 
 def _wire_alternatives(ui: ChatUI, c: Components) -> None:
