@@ -257,7 +257,9 @@ def _wire_turns(ui: ChatUI, c: Components) -> None:
 
 
 def _wire_alternatives(ui: ChatUI, c: Components) -> None:
-    c.ver_go.click(ui.step_version, [c.cid, c.ver_cmd], c.view, api_name="switch_version", **QUIET)
+    c.ver_go.click(
+        ui.step_version, [c.cid, c.ver_cmd], c.view, api_name="switch_version", queue=False, show_progress="hidden"
+    )
     c.chatbot.select(ui.on_select, [c.cid, c.rows], [c.focus, *c.nav], **QUIET)
 
 
