@@ -103,7 +103,13 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(parent_id, conversation_id);
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
 """
-SCHEMA_VERSION = 2  # 1: the tables above without conversations.model; 2: with it (ChatStore._migrate)
+SCHEMA_VERSION = 2  # PRAGMA user_version of a database that has every column of MIGRATIONS
+# Columns added after version 1, as (table, column, definition): ChatStore._migrate adds each one a
+# database lacks (SCHEMA's CREATE TABLE IF NOT EXISTS leaves an existing table as it was). Additive
+# only, so old rows read NULL and an old server still reads the database.
+MIGRATIONS = [
+    ("conversations", "model", "TEXT"),  # 2: the served model's id; NULL: the server's default
+]
 
 # updated_at strictly increases per user, so the sidebar order is the write order even when two
 # writes fall in one clock tick.
@@ -162,11 +168,12 @@ class ChatStore:
         self._migrate()
 
     def _migrate(self) -> None:
-        """Add what a database made by an older version lacks: SCHEMA's CREATE TABLE IF NOT EXISTS
-        leaves an existing table as it was. Old rows get NULL (conversations: the default model)."""
+        """Add every column of MIGRATIONS that a database made by an older version lacks, then mark
+        it SCHEMA_VERSION (never lowered: a newer database stays as it is)."""
         with self._write() as db:
-            if "model" not in {c.name for c in db["conversations"].columns}:  # version 1
-                db.execute("ALTER TABLE conversations ADD COLUMN model TEXT")
+            for table, column, definition in MIGRATIONS:
+                if column not in {c.name for c in db[table].columns}:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
             if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
