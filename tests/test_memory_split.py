@@ -55,7 +55,7 @@ def test_model_repeats_on_the_command_line_and_help_says_so():
 
 def test_a_bad_split_fails_before_any_model_loads(tmp_path):
     with pytest.raises(ValueError, match="2 fractions for 3 models"):
-        server.create_app(data_dir=tmp_path, model=["dummy:tiny", "dummy:tiny", "dummy:tiny"], kv_memory_split="0.5,0.5")
+        server.create_app(data_dir=tmp_path, model=["dummy:tiny"] * 3, kv_memory_split="0.5,0.5")
 
 
 def test_a_model_that_fails_to_load_stops_the_others(tmp_path, monkeypatch):
