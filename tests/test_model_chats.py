@@ -161,3 +161,14 @@ def test_the_engine_tab_shows_each_models_own_pool(ui, models):
         assert f"/{totals[mid]}<" in html or f"/{totals[mid]} " in html, mid
     with pytest.raises(gr.Error, match="No model"):
         asyncio.run(ui.engine_tick(request(), "nope"))
+
+
+def test_the_picker_labels_are_short_unless_two_would_look_alike():
+    from chatengine.app.ui.components import model_choices
+
+    assert model_choices(["/m/tiny-a", "Qwen/Qwen3-8B", "dummy:tiny"]) == [
+        ("tiny-a", "/m/tiny-a"),
+        ("Qwen3-8B", "Qwen/Qwen3-8B"),
+        ("dummy:tiny", "dummy:tiny"),
+    ]
+    assert model_choices(["/a/model", "/b/model/"]) == [("/a/model", "/a/model"), ("/b/model/", "/b/model/")]

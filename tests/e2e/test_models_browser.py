@@ -38,43 +38,44 @@ def stored_models(server) -> dict[str, str]:
         return dict(db.execute("SELECT title, model FROM conversations WHERE user_id = 'alice'").fetchall())
 
 
-def pick(page, elem_id: str, value: str) -> None:
+def pick(page, elem_id: str, label: str) -> None:
     page.locator(f"#{elem_id} input").click()
-    page.get_by_role("option", name=value).click()
-    expect(page.locator(f"#{elem_id} input")).to_have_value(value)
+    page.get_by_role("option", name=label).click()
+    expect(page.locator(f"#{elem_id} input")).to_have_value(label)
 
 
 def test_the_picker_switches_the_model_of_a_new_chat(models_server, two_models, browser_ctx):
     a, b = two_models
+    la, lb = "tiny-a", "tiny-b"  # the picker's labels: the directories' names
     page = browser_ctx.new_page()
     login(page, models_server.url, "alice", "pw-alice")
     picker = page.locator("#model input")
     expect(picker).to_be_visible()
-    expect(picker).to_have_value(a)  # the default: the first --model
+    expect(picker).to_have_value(la)  # the default: the first --model
     set_setting(page, "max-tokens", 6)
     picker.click()
-    expect(page.get_by_role("option", name=b)).to_be_visible()
+    expect(page.get_by_role("option", name=lb)).to_be_visible()
     page.screenshot(path=str(ARTIFACTS / "models-01-picker.png"))
-    page.get_by_role("option", name=b).click()
-    expect(picker).to_have_value(b)
+    page.get_by_role("option", name=lb).click()
+    expect(picker).to_have_value(lb)
 
     send(page, "Hello from the second model")
     wait_idle(page)
     assert stored_models(models_server)["Hello from the second model"] == b
-    expect(picker).to_have_value(b)
+    expect(picker).to_have_value(lb)
     expect(picker).to_be_disabled()  # an open chat keeps its model
     page.screenshot(path=str(ARTIFACTS / "models-02-chat-on-b.png"))
 
     page.locator("#new-chat").click()
     expect(picker).to_be_enabled()
-    pick(page, "model", a)
+    pick(page, "model", la)
     send(page, "Hello from the first model")
     wait_idle(page)
     assert stored_models(models_server)["Hello from the first model"] == a
 
     # reopen the first chat: it shows its own model, and its next reply is that model's
     page.locator("#conv-list").get_by_text("Hello from the second model").click()
-    expect(picker).to_have_value(b)
+    expect(picker).to_have_value(lb)
     expect(picker).to_be_disabled()
     send(page, "And once more")
     wait_idle(page)

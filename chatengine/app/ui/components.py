@@ -122,9 +122,18 @@ def _sidebar(title: str) -> dict:
     return c
 
 
+def model_choices(models) -> list[tuple[str, str]]:
+    """(label, id) of each served model: the id's last part (a path's directory or file name, a repo
+    id's name), or the whole id where two models would show one label."""
+    labels = [m.rstrip("/").rsplit("/", 1)[-1] or m for m in models]
+    if len(set(labels)) < len(labels):
+        labels = list(models)
+    return list(zip(labels, models))
+
+
 def _model_picker(models, label: str, elem_id: str) -> gr.Dropdown:
     return gr.Dropdown(
-        list(models),
+        model_choices(models),
         value=models[0] if models else None,
         label=label,
         elem_id=elem_id,
