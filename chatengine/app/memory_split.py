@@ -25,7 +25,12 @@ from chatengine import EngineConfig
 __all__ = ["parse_split", "split_options"]
 
 SPLIT_TIERS = ("kv_cache_gib", "cpu_offload_gib", "kv_store_gib")  # split by f_k
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# the engine's own defaults: the total a model's share is cut from when a flag is not given
+_DEFAULTS: dict[str, float] = {
+    f.name: float(f.default)
+    for f in dataclasses.fields(EngineConfig)
+    if isinstance(f.default, int | float) and not isinstance(f.default, bool)
+}
 
 
 def parse_split(text: str | None, n: int) -> list[float]:
