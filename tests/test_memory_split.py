@@ -74,3 +74,12 @@ def test_a_model_that_fails_to_load_stops_the_others(tmp_path, monkeypatch):
     assert len(started) == 1 and not started[0].is_running
     with pytest.raises(ValueError, match="does not exist"):  # the data dir's lock was let go
         server.create_app(data_dir=tmp_path, model=str(tmp_path / "no-such-model"))
+
+
+def test_default_names_the_embedded_model_beside_others(tmp_path, monkeypatch):
+    assert server.model_names(None) is None
+    assert server.model_names(["x"]) == "x"
+    assert server.model_names(["default", "/m/tiny"]) == [None, "/m/tiny"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").mkdir()  # a directory of that name is that directory
+    assert server.model_names(["default", "b"]) == ["default", "b"]

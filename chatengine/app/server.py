@@ -336,9 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="a .gguf file, a Hugging Face model directory or repo id (org/name: the local HF cache, else "
-        "downloaded); default: the embedded SmolLM2-135M-Instruct. Repeat it to serve several models at once, "
-        "each with its own engine and KV cache: the first is the default, the API's 'model' field and the UI's "
-        "model picker choose one (by the id /v1/models lists: the name as given here)",
+        "downloaded); default: the embedded SmolLM2-135M-Instruct ('default' names it). Repeat it to serve "
+        "several models at once, each with its own engine and KV cache: the first is the default, the API's "
+        "'model' field and the UI's model picker choose one (by the id /v1/models lists: the name as given here)",
     )
     p.add_argument(
         "--kv-memory-split",
@@ -420,6 +420,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+EMBEDDED = "default"  # --model default: the embedded model, to serve it beside others
+
+
+def model_names(flags: list[str] | None) -> str | list[str | None] | None:
+    """create_app's ``model`` from the --model flags: None (the embedded default), one name, or a
+    list of several; "default" names the embedded model unless a file or directory has that name."""
+    names = [None if f == EMBEDDED and not Path(f).exists() else f for f in flags or [None]]
+    return names if len(names) > 1 else names[0]
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -432,7 +442,7 @@ def main(argv=None) -> None:
         app = create_app(
             data_dir=args.data_dir,
             users_file=args.users,
-            model=args.model if args.model and len(args.model) > 1 else (args.model or [None])[0],
+            model=model_names(args.model),
             kv_memory_split=args.kv_memory_split,
             title=args.title,
             max_n=args.max_alternatives,
