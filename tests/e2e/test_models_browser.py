@@ -3,6 +3,7 @@ model of a new chat, the chat's replies come from the picked model (as the store
 says), and a reopened chat shows the model it keeps. Screenshot of the picker in $E2E_ARTIFACTS.
 Fixtures and helpers are test_browser.py's (skips as it does without chromium or playwright)."""
 
+import re
 import shutil
 import sqlite3
 import tempfile
@@ -25,7 +26,7 @@ def two_models(tmp_path_factory):
 def models_server(two_models):
     data = Path(tempfile.mkdtemp(prefix="chatengine-e2e-models-"))
     a, b = two_models
-    srv = Server(data, ("--model", a, "--model", b, "--kv-memory-split", "0.5,0.5")).start()
+    srv = Server(data, ("--model", a, "--model", b, "--kv-memory-split", "0.7,0.3")).start()
     yield srv
     srv.stop()
     shutil.copy(srv.log.name, ARTIFACTS / "server-models.log") if ARTIFACTS.is_dir() else None
@@ -80,4 +81,20 @@ def test_the_picker_switches_the_model_of_a_new_chat(models_server, two_models, 
     send(page, "And once more")
     wait_idle(page)
     assert stored_models(models_server)["Hello from the second model"] == b
+
+    # the Engine tab shows each model's own pool, split 0.7 / 0.3 of --kv-cache-gib
+    page.get_by_role("tab", name="Engine").click()
+    view = page.locator("#kv-view")
+    expect(view).to_contain_text(f"{a} on cpu")
+    total_a = device_pages(view)
+    pick(page, "engine-model", lb)
+    expect(view).to_contain_text(f"{b} on cpu")
+    total_b = device_pages(view)
+    assert abs(total_a / total_b - 0.7 / 0.3) < 0.01, (total_a, total_b)
+    page.screenshot(path=str(ARTIFACTS / "models-03-engine-tab.png"), full_page=True)
     page.close()
+
+
+def device_pages(view) -> int:
+    """The device pool's size in the Engine tab's picture ("Device pages  used/total")."""
+    return int(re.search(r"Device pages\s*\d+/(\d+)", view.inner_text()).group(1))
