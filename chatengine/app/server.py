@@ -426,7 +426,9 @@ EMBEDDED = "default"  # --model default: the embedded model, to serve it beside 
 def model_names(flags: list[str] | None) -> str | list[str | None] | None:
     """create_app's ``model`` from the --model flags: None (the embedded default), one name, or a
     list of several; "default" names the embedded model unless a file or directory has that name."""
-    names = [None if f == EMBEDDED and not Path(f).exists() else f for f in flags or [None]]
+    if not flags:
+        return None
+    names: list[str | None] = [None if f == EMBEDDED and not Path(f).exists() else f for f in flags]
     return names if len(names) > 1 else names[0]
 
 
