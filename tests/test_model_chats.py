@@ -159,7 +159,7 @@ def test_the_engine_tab_shows_each_models_own_pool(ui, models):
     for mid in (default, tiny):
         html = asyncio.run(ui.engine_tick(request(), mid))[ui.c.kv_html]
         assert f"/{totals[mid]}<" in html or f"/{totals[mid]} " in html, mid
-    with pytest.raises(gr.Error, match="No model"):
+    with pytest.raises(gr.Error, match="not served here"):
         asyncio.run(ui.engine_tick(request(), "nope"))
 
 

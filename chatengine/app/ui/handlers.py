@@ -74,7 +74,6 @@ class ChatUI:
         self.admins = admins  # who may see server-wide figures (the one local user always may)
         self.personas, self.default_persona = service.personas, service.default_persona
         self.monitors = {mid: EngineMonitor(svc.engine) for mid, svc in self.service.models.items()}
-        self.monitor = self.monitors[self.service.default_id]
         self.viewing: dict[str, str | None] = {}  # session -> the conversation its tab shows
         self.following: dict[str, Generation] = {}  # session -> the reply its tab follows
         self.owners = SessionOwners()  # session -> its user: a tab's state serves no one else
@@ -528,7 +527,7 @@ class ChatUI:
             raise gr.Error("The Engine view is for admins.")
         monitor = self.monitors.get(model_id or self.service.default_id)
         if monitor is None:
-            raise gr.Error(f"No model {model_id!r} is served here.")
+            raise gr.Error("That model is not served here: pick one in the list.")
         monitor.ensure_running()
         hit_df, thr_df = monitor.frames()
         return {self.c.kv_html: kv_picture(monitor.stats()), self.c.hit_plot: hit_df, self.c.thr_plot: thr_df}
