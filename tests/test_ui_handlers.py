@@ -399,7 +399,7 @@ def test_a_setting_changed_by_hand_stays_with_the_chat_and_keeps_its_place(ui):
     assert (out[c.temperature], out[c.top_p], out[c.max_tokens], out[c.seed], out[c.n_alt]) == (1.2, 0.5, 9, 7, 3)
     assert [v for _, v in ui.conv_choices("alice")][1:] == [newer, older]  # the list order stays
     with pytest.warns(UserWarning, match="not saved"):
-        ui.save_settings(older, 5.0, 0.5, 9, 7, 1, request("alice"))  # out of range: said, not stored
+        ui.save_settings(older, 0.5, 2.0, 9, 7, 1, request("alice"))  # top-p out of range: said, not stored
     with pytest.warns(UserWarning, match="not saved"):
         ui.save_settings(older, 0.5, 0.5, 9, 7, 1, request("bob", "s2"))  # not bob's
     assert ui.service.get_conversation("alice", older)["settings"]["temperature"] == 1.2

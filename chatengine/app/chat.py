@@ -223,6 +223,8 @@ class ChatService:
         self, engine, store: ChatStore, personas: dict | None = None, *, default_persona: str | None = "assistant"
     ):
         self.engine = engine
+        # the conversations this service creates talk to this model (several served: model_chats.py)
+        self.model_id = str(engine.model_id)
         self.store = store
         self.personas = dict(personas or {})
         if default_persona not in self.personas:
@@ -248,7 +250,7 @@ class ChatService:
         persona = persona or self.default_persona
         if persona is not None and persona not in self.personas:
             raise ValueError(f"unknown persona {persona!r}; choose one of {', '.join(self.personas)}")
-        cid = self.store.create_conversation(user, title=title, persona=persona, settings=settings)
+        cid = self.store.create_conversation(user, title=title, persona=persona, settings=settings, model=self.model_id)
         if persona is not None:
             prompt = self.personas[persona].system_prompt
             ids = self.template.system_ids(prompt) if self.template.incremental else None

@@ -22,6 +22,7 @@ import gradio as gr
 
 from chatengine.app.chat import ChatService, NotFound
 from chatengine.app.generation import Generation
+from chatengine.app.model_chats import ModelChats
 from chatengine.app.session_guard import SessionOwners
 from chatengine.app.store import StoreWriteError
 from chatengine.app.ui.components import Components
@@ -63,18 +64,18 @@ def settings_of(temperature, top_p, max_tokens, seed, n) -> dict:
 class ChatUI:
     def __init__(
         self,
-        service: ChatService,
+        service: ChatService | ModelChats,
         c: Components,
         *,
         auth_enabled: bool = False,
         local_user: str = LOCAL_USER,
         admins: frozenset[str] = frozenset(),
     ):
-        self.service, self.c = service, c
+        self.service, self.c = ModelChats.of(service), c  # one ChatService per served model
         self.auth_enabled, self.local_user = auth_enabled, local_user
         self.admins = admins  # who may see server-wide figures (the one local user always may)
         self.personas, self.default_persona = service.personas, service.default_persona
-        self.monitor = EngineMonitor(service.engine)
+        self.monitors = {mid: EngineMonitor(svc.engine) for mid, svc in self.service.models.items()}
         self.viewing: dict[str, str | None] = {}  # session -> the conversation its tab shows
         self.following: dict[str, Generation] = {}  # session -> the reply its tab follows
         self.owners = SessionOwners()  # session -> its user: a tab's state serves no one else
@@ -162,7 +163,8 @@ class ChatUI:
     # ---- page load / sidebar --------------------------------------------------------------------
     async def on_load(self, request: gr.Request) -> dict:  # async: runs on the server loop (the sampler task)
         user = self.who(request)
-        self.monitor.ensure_running()
+        for monitor in self.monitors.values():
+            monitor.ensure_running()
         name = f"Signed in as **{html.escape(user)}**" if self.auth_enabled else ""
         c = self.c
         return {
@@ -189,10 +191,20 @@ class ChatUI:
             c.alt_label: gr.update(value=""),
             c.conv_list: gr.update(value=None),
             c.persona: gr.update(visible=True, value=name, info=p.description if p else None),
+            c.model: self.model_picker(None),
             c.header: gr.update(visible=False),
             c.url_cid: "",
             **self.buttons(False),
         }
+
+    def model_picker(self, model_id: str | None) -> dict:
+        """The model picker: a new chat's choice (model_id None: the last pick stays), or the model an
+        open chat keeps (fixed). Shown only when several models are served."""
+        shown = len(self.service.ids) > 1
+        if model_id is None:
+            return gr.update(visible=shown, interactive=True, label="Model for this new chat")
+        value = model_id if model_id in self.service.models else None  # not served now: sends are refused
+        return gr.update(visible=shown, interactive=False, value=value, label="Model of this chat")
 
     async def open_conv(self, conv_id, request: gr.Request):
         """Show a conversation; if its reply is being written (by this tab before a reload, by another
@@ -215,6 +227,7 @@ class ChatUI:
             c.url_cid: conv_id,
             c.conv_list: gr.update(value=conv_id),  # marked in the list when opened by a link too
             c.persona: gr.update(visible=False),
+            c.model: self.model_picker(conv["model"] or self.service.default_id),
             c.header: self.header(conv["persona"]),
             **self.settings_view(conv["settings"]),
             **self.buttons(gen is not None),
@@ -401,11 +414,12 @@ class ChatUI:
             **self.buttons(self.service.is_generating(user, conv_id)),
         }
 
-    def _start_send(self, user: str, text: str, conv_id, persona_name, settings: dict):
-        """(conversation id, reply generator) of a new turn; a new chat that fails leaves nothing behind."""
+    def _start_send(self, user: str, text: str, conv_id, persona_name, settings: dict, model=None):
+        """(conversation id, reply generator) of a new turn; a new chat that fails leaves nothing behind.
+        A new chat talks to ``model`` (the picker's, a served id); an existing one keeps its own."""
         is_new = conv_id is None
         if is_new:
-            conv_id = self.service.new_conversation(user, persona_name or self.default_persona)
+            conv_id = self.service.new_conversation(user, persona_name or self.default_persona, model=model or None)
         try:
             gen = self.service.send(user, conv_id, text, settings)
         except ValueError:
@@ -420,7 +434,7 @@ class ChatUI:
         already under way: a failed write is said in words and costs only this."""
         try:
             self.service.remember_settings(user, conv_id, settings)
-        except (NotFound, StoreWriteError) as e:
+        except (NotFound, ValueError, StoreWriteError) as e:
             gr.Warning(f"These settings were not saved with the chat: {e}")
 
     def _sent_view(self, user: str, conv_id: str) -> dict:
@@ -433,10 +447,14 @@ class ChatUI:
             c.url_cid: conv_id,
             c.conv_list: self.conv_list(user, conv_id),
             c.persona: gr.update(visible=False),
+            c.model: self.model_picker(conv["model"] or self.service.default_id),
             c.header: self.header(conv["persona"]),
         }
 
-    async def send(self, text, conv_id, persona_name, temperature, top_p, max_tokens, seed, n, request: gr.Request):
+    # the model picker comes last, after the request: its place does not move the form's inputs
+    async def send(
+        self, text, conv_id, persona_name, temperature, top_p, max_tokens, seed, n, request: gr.Request, model=None
+    ):
         user = self.who(request)
         if not isinstance(text, str) or not text.strip():
             yield gr.skip()
@@ -449,6 +467,7 @@ class ChatUI:
                 conv_id,
                 persona_name,
                 settings_of(temperature, top_p, max_tokens, seed, n),
+                model,
             )
         except NotFound:
             gr.Warning("That conversation does not exist; start a new chat.")
@@ -581,9 +600,14 @@ class ChatUI:
         return {self.c.focus: row_ids[idx], **self.nav(view, row_ids[idx])}
 
     # ---- engine tab -----------------------------------------------------------------------------
-    async def engine_tick(self, request: gr.Request) -> dict:
+    async def engine_tick(self, request: gr.Request, model_id=None) -> dict:
+        """The Engine tab's picture of one model's engine (its own KV pool): the tab's picker's, else
+        the default."""
         if not self.is_admin(self.who(request)):  # the tab is hidden; this refuses a direct call too
             raise gr.Error("The Engine view is for admins.")
-        self.monitor.ensure_running()
-        hit_df, thr_df = self.monitor.frames()
-        return {self.c.kv_html: kv_picture(self.monitor.stats()), self.c.hit_plot: hit_df, self.c.thr_plot: thr_df}
+        monitor = self.monitors.get(model_id or self.service.default_id)
+        if monitor is None:
+            raise gr.Error("That model is not served here: pick one in the list.")
+        monitor.ensure_running()
+        hit_df, thr_df = monitor.frames()
+        return {self.c.kv_html: kv_picture(monitor.stats()), self.c.hit_plot: hit_df, self.c.thr_plot: thr_df}
