@@ -99,8 +99,37 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(parent_id, conversation_id);
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id          TEXT PRIMARY KEY,           -- shown to admins to tell keys apart (not the secret)
+    user_id     TEXT NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+    key_hash    TEXT NOT NULL UNIQUE,       -- sha256 hex of the key; the key itself is never stored
+    created_at  REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS api_keys_by_user ON api_keys(user_id);
+CREATE TABLE IF NOT EXISTS personas (
+    key            TEXT PRIMARY KEY,        -- a file persona's name, or a random id
+    owner          TEXT REFERENCES users(id) ON DELETE CASCADE,   -- who made it (NULL: a file)
+    title          TEXT NOT NULL,
+    description    TEXT NOT NULL,
+    system_prompt  TEXT NOT NULL,
+    public         INTEGER NOT NULL,        -- 1: every user may pick it (its prefix is shared)
+    from_file      INTEGER NOT NULL,        -- 1: still the text of prompts/<key>.md (refreshed at start)
+    deleted        INTEGER NOT NULL DEFAULT 0,   -- a deleted file persona (so the seed does not bring it back)
+    created_at     REAL NOT NULL,
+    updated_at     REAL NOT NULL
+);
 PRAGMA user_version = 1;
 """
+
+# Columns added to existing tables after their first release: (table, column, definition), applied
+# at open when missing (SQLite has no ADD COLUMN IF NOT EXISTS), so an older database file upgrades
+# in place and keeps its rows.
+MIGRATIONS: list[tuple[str, str, str]] = [
+    ("users", "password_hash", "TEXT"),  # auth.hash_password's format; NULL: cannot sign in
+    ("users", "admin", "INTEGER NOT NULL DEFAULT 0"),
+    ("users", "disabled", "INTEGER NOT NULL DEFAULT 0"),
+    ("users", "imported_at", "REAL"),  # when the --users file entry was imported (never twice)
+]
 
 # updated_at strictly increases per user, so the sidebar order is the write order even when two
 # writes fall in one clock tick.
@@ -156,6 +185,15 @@ class ChatStore:
         self.db.enable_wal()
         with self._write() as db:
             db.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Add the MIGRATIONS columns that this database file does not have yet."""
+        with self._write() as db:
+            for table, column, definition in MIGRATIONS:
+                have = {row[1] for row in db.execute(f"PRAGMA table_info({table})").fetchall()}
+                if column not in have:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
     @property
     def db(self) -> sqlite_utils.Database:
