@@ -184,7 +184,9 @@ class LLMEngine:
             raise ValueError("a persona needs a non-empty name")
         if not isinstance(system_prompt, str) or not system_prompt.strip():
             raise ValueError(f"persona {name!r} needs a non-empty system prompt")
-        self.personas[name] = self.persona_prefix_ids(system_prompt)
+        # a new dict, not an insert: the app registers from its threads while the engine thread
+        # iterates the personas (public_prefix_len)
+        self.personas = {**self.personas, name: self.persona_prefix_ids(system_prompt)}
 
     def public_prefix_len(self, prompt_ids: list[int]) -> int:
         """Length of the registered persona prefix this prompt starts with (0: none, all private)."""
