@@ -93,6 +93,8 @@ def create_app(
     from chatengine.app.api.cors import check_origins
     from chatengine.app.api.routes import build_api
     from chatengine.app.chat import ChatService
+    from chatengine.app.persona_catalog import PersonaCatalog
+    from chatengine.app.users import AdminSet, UserDirectory
     from chatengine.app.ui.layout import CSS, build_ui, page_js, theme
     from chatengine.personas import load_personas
 
@@ -111,6 +113,14 @@ def create_app(
     except BaseException:
         lock.close()
         raise
+    accounts = UserDirectory(store)
+    if users is not None:  # the file is an import: the database holds the accounts from now on
+        try:
+            accounts.import_users(users)
+        except BaseException:
+            store.close()
+            lock.close()
+            raise
     own_engine = engine is None
     if own_engine:
         try:
@@ -119,11 +129,12 @@ def create_app(
             store.close()
             lock.close()
             raise
-    service = ChatService(engine, store, load_personas())
+    catalog = PersonaCatalog(store, engine, load_personas())  # prompts/ seed it
+    service = ChatService(engine, store, catalog=catalog)
     limit = api_rate_limit if users is not None and api_rate_limit else None
     app = build_api(
         engine,
-        users,
+        accounts if users is not None else None,
         model_name=str(engine.model_id),
         rate_limit_per_minute=limit,
         cors_origins=cors_origins,
@@ -134,10 +145,12 @@ def create_app(
         auth_enabled=users is not None,
         title=title,
         max_n=max_n,
-        admins=auth.admins(users),
+        admins=AdminSet(accounts),
         default_max_tokens=default_max_tokens or None,
+        accounts=accounts,
+        catalog=catalog,
     )
-    login = _login_check(users) if users is not None else None
+    login = _login_check(accounts) if users is not None else None
     app = gr.mount_gradio_app(
         app,
         demo,
@@ -154,7 +167,8 @@ def create_app(
     app.add_middleware(NoUploadsMiddleware)  # no feature takes files
     if login is not None:  # password guessing: 429 with Retry-After past a few failures
         app.add_middleware(LoginThrottleMiddleware, throttle=LoginThrottle())
-        user_of = _gradio_user_of(app)
+        user_of = _gradio_user_of(app, accounts)
+        accounts.on_disable.append(_end_sessions_of(app))
         chars = engine.max_prompt_chars  # a UI event carries one message: JSON escapes take <= 6 bytes a character
         app.add_middleware(
             SessionOwnerMiddleware,
@@ -187,7 +201,7 @@ def _open_store(path: Path):
     return store
 
 
-def _login_check(users: dict):
+def _login_check(accounts):
     # a hashed password costs ~0.3 s of PBKDF2: off the event loop that streams replies, one at a
     # time, on a thread of low CPU priority, so guesses take little from the engine on a busy CPU
     # (nice 10 weighs a tenth of the engine's threads: a sign-in on a saturated core takes ~3 s;
@@ -196,7 +210,7 @@ def _login_check(users: dict):
 
     async def check_login(username: str, password: str) -> bool:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(hashing, auth.verify_password, users, username, password)
+        return await loop.run_in_executor(hashing, accounts.verify_password, username, password)
 
     return check_login
 
@@ -212,18 +226,35 @@ def _low_cpu_priority() -> None:
         pass
 
 
-def _gradio_user_of(app):
-    """cookies -> the user Gradio signed in with them (None: nobody), from the mounted Gradio app."""
+def _gradio_app(app):
     from gradio.routes import App as GradioApp
 
-    gradio_app = next(r.app for r in app.routes if isinstance(getattr(r, "app", None), GradioApp))
+    return next(r.app for r in app.routes if isinstance(getattr(r, "app", None), GradioApp))
+
+
+def _gradio_user_of(app, accounts):
+    """cookies -> the user Gradio signed in with them (None: nobody, or a user disabled since)."""
+    gradio_app = _gradio_app(app)
 
     def user_of(cookies: dict[str, str]) -> str | None:
         cid = gradio_app.cookie_id
         token = cookies.get(f"access-token-{cid}") or cookies.get(f"access-token-unsecure-{cid}")
-        return gradio_app.tokens.get(token) if token else None
+        user = gradio_app.tokens.get(token) if token else None
+        return user if user is not None and accounts.is_active(user) else None
 
     return user_of
+
+
+def _end_sessions_of(app):
+    """A callback that signs a (disabled) user out of every browser: Gradio forgets their tokens."""
+    gradio_app = _gradio_app(app)
+
+    def end(user: str) -> None:
+        for token, name in list(gradio_app.tokens.items()):
+            if name == user:
+                gradio_app.tokens.pop(token, None)
+
+    return end
 
 
 def close_app(app) -> None:

@@ -3,7 +3,8 @@
 Layout: a sidebar (new chat, search, the user's conversations, rename / delete), a "Chat" tab
 (persona picker for a new chat, the transcript, ◀ k/N ▶ alternatives of the selected message,
 regenerate, the input with Send / Stop, sampling settings) and an "Engine" tab (KV pages of the
-device, CPU and disk tiers, hit rate and throughput over time; admins only when users sign in).
+device, CPU and disk tiers, hit rate and throughput over time; admins only when users sign in) and an
+"Admin" tab (users and personas; admins only: admin.py).
 Components are in components.py, handlers (one class) in handlers.py, what the page shows as text
 in render.py.
 
@@ -19,8 +20,11 @@ from typing import Any
 import gradio as gr
 
 from chatengine.app.chat import ChatService
+from chatengine.app.persona_catalog import PersonaCatalog
+from chatengine.app.ui.admin import build_admin
 from chatengine.app.ui.components import Components, build_components
 from chatengine.app.ui.handlers import LOCAL_USER, ChatUI
+from chatengine.app.users import UserDirectory
 
 ENGINE: dict[str, Any] = dict(concurrency_limit=None, concurrency_id="engine")
 QUIET: dict[str, Any] = dict(queue=False, api_visibility="private", show_progress="hidden")
@@ -162,6 +166,8 @@ def build_ui(
     max_n: int = 4,
     admins: frozenset[str] = frozenset(),
     default_max_tokens: int | None = 2048,
+    accounts: UserDirectory | None = None,
+    catalog: PersonaCatalog | None = None,
 ) -> gr.Blocks:
     """With auth on, only `admins` see the Engine tab (it shows every user's load on the server).
     default_max_tokens: the Max tokens setting a page starts with (as the API's --default-max-tokens;
@@ -181,6 +187,8 @@ def build_ui(
         _wire_turns(ui, c)
         _wire_alternatives(ui, c)
         _wire_engine_tab(ui, c)
+        if accounts is not None and catalog is not None:  # the Admin tab and the New persona form
+            build_admin(ui, c, accounts, catalog, demo)
     demo.queue(default_concurrency_limit=None, max_size=512)
     return demo
 
