@@ -84,7 +84,7 @@ def test_every_admin_action_is_refused_to_a_non_admin(admin_ui):
         asyncio.run(h.save_persona(NEW, "Evil", "", "Leak everything.", True, request("bob")))
     # nothing changed
     assert not h.accounts.exists("mallory2") and h.accounts.verify_password("root", "root password")
-    assert h.accounts.list()[1]["keys"] == [] and "assistant" in h.catalog.visible("bob")
+    assert h.accounts.all_users()[1]["keys"] == [] and "assistant" in h.catalog.visible("bob")
     assert [p.title for p in h.catalog.visible("bob").values()] == ["Assistant"]
 
 
@@ -114,7 +114,7 @@ def test_an_admin_adds_a_user_who_can_sign_in_and_gets_a_key(admin_ui):
     h.enable("carol", root)
     assert h.reset_password("carol", "brand new pw", root) == ""
     assert h.accounts.verify_password("carol", "brand new pw")
-    (key_id,) = h.accounts.list()[1]["keys"]
+    (key_id,) = h.accounts.all_users()[1]["keys"]
     h.revoke_key("carol", key_id, root)
     assert h.accounts.user_for_api_key(key) is None
 

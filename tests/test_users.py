@@ -65,7 +65,7 @@ def test_api_keys_are_stored_hashed_and_shown_once(accounts, store):
     assert key not in db_text(store) and key_digest(key) in db_text(store)
     assert accounts.user_for_api_key(key) == "carol"
     assert accounts.user_for_api_key(key + "x") is None and accounts.user_for_api_key("") is None
-    (key_id,) = accounts.list()[0]["keys"]
+    (key_id,) = accounts.all_users()[0]["keys"]
     accounts.revoke_key("carol", key_id)
     assert accounts.user_for_api_key(key) is None
     with pytest.raises(NotFound):
@@ -115,7 +115,7 @@ def test_the_users_file_is_imported_once_and_hashed(accounts, store):
     assert not accounts.verify_password("api-only", "")
     # the admin page's changes survive the next start's import
     accounts.set_password("alice", "changed on the page")
-    accounts.revoke_key("alice", accounts.list()[0]["keys"][0])
+    accounts.revoke_key("alice", accounts.all_users()[0]["keys"][0])
     accounts.set_disabled("bob", True)
     assert accounts.import_users(users) == 0
     assert accounts.verify_password("alice", "changed on the page")
@@ -133,7 +133,7 @@ def test_an_old_database_gains_the_new_columns(tmp_path):
     con.close()
     store = ChatStore(path)
     accounts = UserDirectory(store, iterations=FAST)
-    assert accounts.list()[0]["name"] == "old" and accounts.is_active("old")
+    assert accounts.all_users()[0]["name"] == "old" and accounts.is_active("old")
     accounts.set_password("old", "long enough")
     assert accounts.verify_password("old", "long enough")
     store.close()

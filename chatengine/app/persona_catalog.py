@@ -110,8 +110,9 @@ class PersonaCatalog:
         """A new persona owned by `user`; only an admin may make it public. Returns its key."""
         if public and not admin:
             raise PermissionError("only admins make public personas")
+        key = uuid.uuid4().hex
         p = dict(
-            key=uuid.uuid4().hex,
+            key=key,
             owner=user,
             title=_line(title, "title", MAX_TITLE_CHARS, True),
             description=_line(description, "description", MAX_DESCRIPTION_CHARS, False),
@@ -128,8 +129,8 @@ class PersonaCatalog:
                 p,
             )
         if public:
-            self._register(self.get(p["key"]))
-        return p["key"]
+            self._register(self.get(key))
+        return key
 
     def update(
         self, user: str, key: str, title: object, description: object, prompt: object, *, public: bool, admin: bool

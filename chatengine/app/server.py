@@ -85,7 +85,8 @@ def create_app(
     local user without login. ``cors_origins``: origins whose pages may call the API (None: no CORS).
     ``default_max_tokens``: an API reply's cap when the request names no max_tokens (None or 0: the
     context's room, or the model's own max_new_tokens).
-    ``app.state.chat`` holds the engine and the store.
+    ``app.state.chat`` holds the engine, the store, the accounts (users.py) and the personas
+    (persona_catalog.py).
     """
     import gradio as gr
 
@@ -94,8 +95,8 @@ def create_app(
     from chatengine.app.api.routes import build_api
     from chatengine.app.chat import ChatService
     from chatengine.app.persona_catalog import PersonaCatalog
-    from chatengine.app.users import AdminSet, UserDirectory
     from chatengine.app.ui.layout import CSS, build_ui, page_js, theme
+    from chatengine.app.users import AdminSet, UserDirectory
     from chatengine.personas import load_personas
 
     # checks that can fail run before the model loads: a bad directory or database costs one line at once
@@ -178,7 +179,9 @@ def create_app(
         )
         app.add_middleware(LoginPageMiddleware, user_of=user_of, title=title, message="Sign in to chatengine")
     access_log.install()
-    app.state.chat = SimpleNamespace(engine=engine, store=store, own_engine=own_engine, lock=lock)
+    app.state.chat = SimpleNamespace(
+        engine=engine, store=store, own_engine=own_engine, lock=lock, accounts=accounts, catalog=catalog
+    )
     return app
 
 

@@ -77,7 +77,7 @@ class UserDirectory:
         row = self._row(name)
         return row is not None and bool(row["admin"]) and not row["disabled"]
 
-    def list(self) -> list[dict]:
+    def all_users(self) -> list[dict]:
         """Every user: name, admin, disabled, can_sign_in, keys (their ids), created_at; by name."""
         rows = self.store.db.query(
             "SELECT u.*, (SELECT group_concat(k.id, ' ') FROM api_keys k WHERE k.user_id = u.id) AS key_ids"
@@ -199,9 +199,7 @@ class UserDirectory:
             )
             key = entry.get("api_key")
             if key is not None:
-                owner = db.execute(
-                    "SELECT user_id FROM api_keys WHERE key_hash = ?", [key_digest(key)]
-                ).fetchone()
+                owner = db.execute("SELECT user_id FROM api_keys WHERE key_hash = ?", [key_digest(key)]).fetchone()
                 if owner is not None and owner[0] != name:
                     raise ValueError(f"the users file gives {name!r} an API key that user {owner[0]!r} already has")
                 if owner is None:

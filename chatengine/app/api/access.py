@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from chatengine.app.api.protocol import APIError
 from chatengine.app.auth import user_for_api_key
+from chatengine.app.users import UserDirectory
 
 
 class RateLimiter:
@@ -44,8 +45,8 @@ class RateLimiter:
 class Access:
     """The API keys of `users` (None: local mode, no keys) and an optional per-user rate limit."""
 
-    def __init__(self, users: dict | None, rate_limit_per_minute: int | None = None):
-        if users is not None and not isinstance(users, dict) and not hasattr(users, "user_for_api_key"):
+    def __init__(self, users: dict | UserDirectory | None, rate_limit_per_minute: int | None = None):
+        if users is not None and not isinstance(users, (dict, UserDirectory)):
             raise ValueError("users must be a dict (see chatengine.app.auth.load_users), a UserDirectory or None")
         self.users = users
         self.limiter = RateLimiter(rate_limit_per_minute) if rate_limit_per_minute is not None else None
@@ -65,8 +66,10 @@ class Access:
         except UnicodeError:
             pass
         # a UserDirectory (the server: hashed keys in the database) or a users dict (tests, embedders)
-        lookup = getattr(self.users, "user_for_api_key", None)
-        user = lookup(token) if lookup is not None else user_for_api_key(self.users, token)
+        if isinstance(self.users, dict):
+            user = user_for_api_key(self.users, token)
+        else:
+            user = self.users.user_for_api_key(token)
         if user is None:
             # with a rate limit, wrong keys also spend a per-address budget: no free key guessing
             host = request.client.host if request.client else "?"

@@ -65,6 +65,7 @@ from chatengine.app.api.stream import (
 )
 from chatengine.app.api.tools import plan as plan_tools
 from chatengine.app.api.tools import template_args
+from chatengine.app.users import UserDirectory
 
 log = logging.getLogger("chatengine.api")
 
@@ -285,7 +286,7 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 # ---- the app ------------------------------------------------------------------------------------
 def build_api(
     engine: AsyncLLM,
-    users: dict | None,
+    users: dict | UserDirectory | None,
     *,
     model_name: str,
     max_body_bytes: int = 1_000_000,
@@ -295,7 +296,8 @@ def build_api(
 ) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible routes for `engine`.
 
-    users: the dict of `chatengine.app.auth.load_users`, or None for local single-user mode (any key).
+    users: a UserDirectory (hashed keys in the database), the dict of `chatengine.app.auth.load_users`,
+    or None for local single-user mode (any key).
     model_name: the id listed by /v1/models and named in every response.
     max_body_bytes: larger request bodies get 413.
     rate_limit_per_minute: completion requests per user per minute (token bucket), None = unlimited.

@@ -180,12 +180,12 @@ class AdminUI:
 
     # ---- users --------------------------------------------------------------------------------
     def users_view(self, picked: str | None) -> dict:
-        a, users = self.a, self.accounts.list()
+        a, users = self.a, self.accounts.all_users()
         rows = [
             [u["name"], _yes(u["admin"]), _yes(u["disabled"]), _yes(u["can_sign_in"]), " ".join(u["keys"])]
             for u in users
         ]
-        keys = next((u["keys"] for u in users if u["name"] == picked), [])
+        keys: list[str] = next((u["keys"] for u in users if u["name"] == picked), [])
         return {
             a.users_table: gr.update(value=rows),
             a.pick_user: gr.update(choices=[u["name"] for u in users], value=picked),

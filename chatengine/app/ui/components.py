@@ -5,6 +5,7 @@ a handler changes is named, and whatever it leaves out keeps its value.
 """
 
 import html
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +72,7 @@ class Components:
 
 
 def build_components(
-    personas: dict,
+    personas: Mapping,
     default_persona: str | None,
     title: str,
     max_n: int,
@@ -117,7 +118,7 @@ def _sidebar(title: str) -> dict:
     return c
 
 
-def _chat_tab(personas: dict, default_persona: str | None, max_n: int, max_tokens: tuple[int, int]) -> dict:
+def _chat_tab(personas: Mapping, default_persona: str | None, max_n: int, max_tokens: tuple[int, int]) -> dict:
     first = personas.get(default_persona or "")
     c: dict[str, Any] = dict(
         persona=gr.Dropdown(

@@ -15,6 +15,7 @@ shows as text and never runs.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 import gradio as gr
@@ -164,7 +165,7 @@ def build_ui(
     local_user: str = LOCAL_USER,
     title: str = "chatengine",
     max_n: int = 4,
-    admins: frozenset[str] = frozenset(),
+    admins: Container[str] = frozenset(),
     default_max_tokens: int | None = 2048,
     accounts: UserDirectory | None = None,
     catalog: PersonaCatalog | None = None,
