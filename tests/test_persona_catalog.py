@@ -149,3 +149,14 @@ def test_a_private_persona_is_salted_per_user_and_a_public_one_is_shared_and_war
     assert reply_stats(service, "carol", pub)["cached_tokens"] >= 32
     assert reply_stats(service, "dave", pub)["cached_tokens"] >= 32
     store.close()
+
+
+def test_a_user_owns_at_most_max_per_user_personas(catalog, monkeypatch):
+    import chatengine.app.persona_catalog as pc
+
+    monkeypatch.setattr(pc, "MAX_PER_USER", 2)
+    for i in range(2):
+        catalog.create("alice", f"P{i}", "", "prompt", admin=False)
+    with pytest.raises(ValueError, match="delete one first"):
+        catalog.create("alice", "P2", "", "prompt", admin=False)
+    catalog.create("bob", "P0", "", "prompt", admin=False)  # a cap per user, not for everyone

@@ -28,6 +28,7 @@ from chatengine.sampling_params import SamplingParams
 MAX_TITLE_CHARS = 60
 MAX_DESCRIPTION_CHARS = 200
 MAX_PROMPT_CHARS = 8000
+MAX_PER_USER = 100  # personas one user may own: the form is open to everyone, the table is not a dump
 # the title and description are shown in Markdown (the chat header): no links, images or HTML there
 UNSAFE_CHARS = set("<>[]`\\")
 
@@ -110,6 +111,8 @@ class PersonaCatalog:
         """A new persona owned by `user`; only an admin may make it public. Returns its key."""
         if public and not admin:
             raise PermissionError("only admins make public personas")
+        if len(self._query("owner = ?", [user])) >= MAX_PER_USER:
+            raise ValueError(f"you have {MAX_PER_USER} personas already: delete one first")
         key = uuid.uuid4().hex
         p = dict(
             key=key,

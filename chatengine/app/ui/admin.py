@@ -196,7 +196,7 @@ class AdminUI:
         self.admin(request)
         if not self._do(self.accounts.add, name, password, admin=bool(admin)):
             return {self.a.new_password: gr.skip()}
-        gr.Info(f"User {name} added.")
+        gr.Info(f"User {html.escape(name)} added.")
         return {**self.users_view(name), self.a.new_password: ""}
 
     def pick_user(self, name, request: gr.Request) -> dict:
@@ -209,7 +209,7 @@ class AdminUI:
             gr.Warning("You cannot disable yourself.")
             return self.users_view(name)
         if self._do(self.accounts.set_disabled, self._picked(name), True):
-            gr.Info(f"{name} is disabled and signed out.")
+            gr.Info(f"{html.escape(name)} is disabled and signed out.")
         return self.users_view(name)
 
     def enable(self, name, request: gr.Request) -> dict:
@@ -221,7 +221,7 @@ class AdminUI:
         self.admin(request)
         if not self._do(self.accounts.set_password, self._picked(name), password):
             return gr.skip()
-        gr.Info(f"The password of {name} is changed.")
+        gr.Info(f"The password of {html.escape(name)} is changed.")
         return ""
 
     def create_key(self, name, request: gr.Request) -> dict:
@@ -236,7 +236,7 @@ class AdminUI:
     def revoke_key(self, name, key_id, request: gr.Request) -> dict:
         self.admin(request)
         if self._do(self.accounts.revoke_key, self._picked(name), key_id or ""):
-            gr.Info(f"Key {key_id} revoked.")
+            gr.Info(f"Key {html.escape(key_id)} revoked.")
         return self.users_view(name)
 
     @staticmethod
