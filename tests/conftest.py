@@ -70,3 +70,44 @@ def serve():
     yield start
     for server in reversed(servers):
         server.stop()
+
+
+# a chat template unlike the default's ChatML ("<role> says"): a reply whose prompt holds it was
+# templated with this model's own files
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} says\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant says\n{% endif %}"
+)
+
+
+def save_tiny_chat_model(path, seed: int = 0):
+    """A 2-layer random Llama with the default model's tokenizer under its own chat template, saved
+    with save_pretrained into ``path``: a second chat model, loaded in a second (~1 s)."""
+    import transformers
+
+    from chatengine.engine.loader import _convert_gguf, _gguf_digest, default_gguf_path
+
+    gguf = default_gguf_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(_convert_gguf(gguf, _gguf_digest(gguf)))
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """The directory of a tiny random chat model (see save_tiny_chat_model)."""
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))

@@ -23,6 +23,7 @@ class FakeEngine:
     """Enough engine for ChatService's constructor and the catalog (no generation here)."""
 
     max_model_len, max_prompt_chars, max_tokens_limit, max_n, eos_token_ids = 2048, 16384, 2048, 4, {0}
+    model_id = "fake"
 
     def __init__(self):
         self.registered = {}

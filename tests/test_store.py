@@ -454,3 +454,36 @@ def test_store_imports_no_engine_code():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_conversation_keeps_its_model(store):
+    a = store.create_conversation(A, model="tiny-b")
+    b = store.create_conversation(A)
+    assert store.get_conversation(A, a)["model"] == "tiny-b"
+    assert store.get_conversation(A, b)["model"] is None  # the server's default
+    assert {c["id"]: c["model"] for c in store.list_conversations(A)} == {a: "tiny-b", b: None}
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="model"):
+            store.create_conversation(A, model=bad)
+
+
+def test_a_version_1_database_gains_the_model_column(tmp_path):
+    """A database of the one-model days opens as it was, its conversations on the default model."""
+    import sqlite3
+
+    path = tmp_path / "v1.db"
+    v1 = "\n".join(line for line in store_module.SCHEMA.splitlines() if not line.strip().startswith("model "))
+    with sqlite3.connect(path) as db:
+        db.executescript(v1 + "PRAGMA user_version = 1;")
+        db.execute("INSERT INTO users VALUES ('alice', 0)")
+        db.execute(
+            "INSERT INTO conversations (id, user_id, title, settings, created_at, updated_at)"
+            " VALUES ('c1', 'alice', 'old chat', '{}', 0, 0)"
+        )
+    db.close()
+    for _ in range(2):  # and a second open changes nothing
+        s = ChatStore(path)
+        assert s.db.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION
+        assert s.get_conversation(A, "c1")["model"] is None
+        assert s.get_conversation(A, s.create_conversation(A, model="m"))["model"] == "m"
+        s.close()

@@ -137,9 +137,10 @@ def test_regenerate_adds_an_alternative(alice, server):
     store = server.app.state.chat.store
     leaf = store.active_path("alice", conv_id)[-1]
     assert len(store.siblings("alice", leaf["id"])) == 2
-    # ◀ shows the first alternative again
-    out = alice.predict(api_name="/previous_alternative")
-    assert "1 / 2" in out[1]["value"]
+    # the reply's inline ‹ shows the first alternative again
+    alice.predict(f"{leaf['id']}:-1:1", api_name="/switch_version")
+    first = store.siblings("alice", leaf["id"])[0]["id"]
+    assert store.active_path("alice", conv_id)[-1]["id"] == first
 
 
 def test_n_alternatives(alice, server):
@@ -168,7 +169,7 @@ def test_stop_keeps_partial_reply(alice, server):
 
 
 def test_versions_do_not_switch_under_a_streaming_reply(alice, server):
-    """While a reply streams, the stream owns the view: ◀ is refused (it would move the branch on
+    """While a reply streams, the stream owns the view: ‹ is refused (it would move the branch on
     screen out from under the reply being painted)."""
     out = send(alice, LONG_PROMPT)  # 8 tokens
     conv_id = out[3]["value"]
@@ -178,12 +179,12 @@ def test_versions_do_not_switch_under_a_streaming_reply(alice, server):
     store = server.app.state.chat.store
     leaf = store.active_path("alice", conv_id)[-1]
     assert [s["id"] for s in store.siblings("alice", leaf["id"])].index(leaf["id"]) == 1
-    alice.predict(api_name="/previous_alternative")
+    alice.predict(f"{leaf['id']}:-1:1", api_name="/switch_version")
     assert store.active_path("alice", conv_id)[-1]["id"] == leaf["id"]
     alice.predict(api_name="/stop")
     job.result(timeout=30)
-    out = alice.predict(api_name="/previous_alternative")  # and once it is over, it does
-    assert "1 / 2" in out[1]["value"]
+    alice.predict(f"{leaf['id']}:-1:2", api_name="/switch_version")  # and once it is over, it does
+    assert store.active_path("alice", conv_id)[-1]["id"] != leaf["id"]
     wait_for(lambda: not engine.requests, timeout=5)
 
 

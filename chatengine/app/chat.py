@@ -231,6 +231,8 @@ class ChatService:
         """catalog: a PersonaCatalog (persona_catalog.py): personas that change at run time, some
         private to one user; then `personas` is its live lookup and `personas_for` says who sees what."""
         self.engine = engine
+        # the conversations this service creates talk to this model (several served: model_chats.py)
+        self.model_id = str(engine.model_id)
         self.store = store
         self.catalog = catalog
         self.personas: Mapping = catalog.lookup if catalog is not None else dict(personas or {})
@@ -258,7 +260,7 @@ class ChatService:
         visible = self.personas_for(user)
         if persona is not None and persona not in visible:
             raise ValueError("that persona does not exist (any more): pick another one")
-        cid = self.store.create_conversation(user, title=title, persona=persona, settings=settings)
+        cid = self.store.create_conversation(user, title=title, persona=persona, settings=settings, model=self.model_id)
         if persona is not None:
             prompt = visible[persona].system_prompt
             ids = self.template.system_ids(prompt) if self.template.incremental else None

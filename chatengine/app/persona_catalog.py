@@ -67,9 +67,12 @@ def _persona(row: dict) -> Persona:
 
 
 class PersonaCatalog:
-    def __init__(self, store: ChatStore, engine, seeds: Mapping[str, Persona]):
-        """engine: AsyncLLM (register_persona, apply_chat_template, generate). seeds: prompts/."""
-        self.store, self.engine = store, engine
+    def __init__(self, store: ChatStore, engines, seeds: Mapping[str, Persona]):
+        """engines: an AsyncLLM (register_persona, apply_chat_template, generate), or a list of them
+        (every served model's: a public persona is shared and warmed in each). seeds: prompts/."""
+        self.store = store
+        self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+        self.engine = self.engines[0]
         self._seed(seeds)
         for row in self._query("public = 1"):
             self._register(_persona(row))
@@ -176,29 +179,35 @@ class PersonaCatalog:
     def _register(self, persona: Persona | None) -> None:
         """Share the persona's prefix across users (public personas only: the caller checked)."""
         if persona is not None:
-            self.engine.register_persona(persona.name, persona.system_prompt)
+            for engine in self.engines:
+                engine.register_persona(persona.name, persona.system_prompt)
 
-    def prefix_ids(self, system_prompt: str) -> list[int]:
+    @staticmethod
+    def prefix_ids(engine, system_prompt: str) -> list[int]:
         """The token ids every conversation opening with this system prompt starts with (what the
         engine registers): where two renderings with different user turns part."""
         system = [{"role": "system", "content": system_prompt}]
-        a = self.engine.apply_chat_template(system + [{"role": "user", "content": "a"}])
-        b = self.engine.apply_chat_template(system + [{"role": "user", "content": "Zz 9"}])
+        a = engine.apply_chat_template(system + [{"role": "user", "content": "a"}])
+        b = engine.apply_chat_template(system + [{"role": "user", "content": "Zz 9"}])
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return a[:n]
 
     async def warm(self, key: str) -> int:
-        """Compute a public persona's prefix into the KV cache now; returns its length in tokens.
-        The request has no user: its pages are unsalted, the same pages every user's prefix hits."""
+        """Compute a public persona's prefix into every engine's KV cache now; returns its length in
+        tokens (the default model's). The requests have no user: their pages are unsalted, the same
+        pages every user's prefix hits."""
         persona = self.get(key)
         rows = self._query("key = ? AND public = 1", [key])
         if persona is None or not rows:
             raise NotFound(f"public persona {key!r} not found")
-        ids = self.prefix_ids(persona.system_prompt)
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        async for _ in self.engine.generate(ids, params, request_id=f"warm-{uuid.uuid4().hex}", user=None):
-            pass
-        return len(ids)
+        lengths = []
+        for engine in self.engines:
+            ids = self.prefix_ids(engine, persona.system_prompt)
+            async for _ in engine.generate(ids, params, request_id=f"warm-{uuid.uuid4().hex}", user=None):
+                pass
+            lengths.append(len(ids))
+        return lengths[0]
 
     def _seed(self, seeds: Mapping[str, Persona]) -> None:
         """prompts/ into the table: new files become public rows; unedited rows follow their file."""

@@ -68,8 +68,9 @@ def create_app(
     data_dir: str | os.PathLike = "data",
     users_file: str | os.PathLike | None = None,
     engine=None,
-    model: str | None = None,
+    model: str | list[str | None] | None = None,
     engine_options: dict | None = None,
+    kv_memory_split: str | None = None,
     title: str = "chatengine",
     max_n: int = 4,
     disk_kv: bool = True,
@@ -79,21 +80,24 @@ def create_app(
 ):
     """Build the ASGI app (FastAPI with the API routes and the Gradio UI mounted at "/").
 
-    ``engine``: an AsyncLLM to use (tests share one; it stays up at close_app); otherwise one is built
-    from ``model`` and ``engine_options``. ``api_rate_limit``: API requests per user per minute
+    ``engine``: an AsyncLLM to use, or several (ServedModels or a list; tests share them; they stay up
+    at close_app); otherwise one engine per ``model`` (a name or a list of them: several models, the
+    first the default) is built from ``engine_options``, the memory split by ``kv_memory_split``
+    ("0.6,0.4"; see memory_split.py). ``api_rate_limit``: API requests per user per minute
     with ``users_file`` (None or 0: unlimited). ``users_file``: see ``auth.load_users``; None = a single
     local user without login. ``cors_origins``: origins whose pages may call the API (None: no CORS).
     ``default_max_tokens``: an API reply's cap when the request names no max_tokens (None or 0: the
     context's room, or the model's own max_new_tokens).
-    ``app.state.chat`` holds the engine, the store, the accounts (users.py) and the personas
-    (persona_catalog.py).
+    ``app.state.chat`` holds the engines (``models``; ``engine``: the default's), the store, the
+    accounts (users.py) and the personas (persona_catalog.py).
     """
     import gradio as gr
 
-    from chatengine import AsyncLLM
     from chatengine.app.api.cors import check_origins
     from chatengine.app.api.routes import build_api
-    from chatengine.app.chat import ChatService
+    from chatengine.app.memory_split import parse_split
+    from chatengine.app.model_chats import ModelChats
+    from chatengine.app.models import ServedModels
     from chatengine.app.persona_catalog import PersonaCatalog
     from chatengine.app.ui.layout import CSS, build_ui, page_js, theme
     from chatengine.app.users import AdminSet, UserDirectory
@@ -107,6 +111,8 @@ def create_app(
         check_origins(cors_origins)
     if default_max_tokens is not None and (isinstance(default_max_tokens, bool) or default_max_tokens < 0):
         raise ValueError(f"--default-max-tokens must be 0 (no cap) or a positive number, got {default_max_tokens}")
+    names = model if isinstance(model, list) else [model]
+    fractions = parse_split(kv_memory_split, len(names))  # before the models load
     data = check_data_dir(data_dir)  # private: conversations are there in plain text
     lock = lock_data_dir(data)  # one server per data dir, and none while users are deleted offline
     try:
@@ -123,20 +129,23 @@ def create_app(
             lock.close()
             raise
     own_engine = engine is None
-    if own_engine:
-        try:
-            engine = AsyncLLM(model, **engine_kwargs(data, disk_kv=disk_kv, **(engine_options or {})))
-        except BaseException:
-            store.close()
-            lock.close()
-            raise
-    catalog = PersonaCatalog(store, engine, load_personas())  # prompts/ seed it
-    service = ChatService(engine, store, catalog=catalog)
+    try:
+        models = (
+            _load_models(names, fractions, data, disk_kv, engine_options) if own_engine else ServedModels.of(engine)
+        )
+    except BaseException:
+        store.close()
+        lock.close()
+        raise
+    engine = models.default
+    # prompts/ seed the personas; public ones are registered with every model's engine
+    catalog = PersonaCatalog(store, [e for _, e in models.items()], load_personas())
+    service = ModelChats.build(models, store, catalog=catalog)
     limit = api_rate_limit if users is not None and api_rate_limit else None
     app = build_api(
-        engine,
+        models,
         accounts if users is not None else None,
-        model_name=str(engine.model_id),
+        model_name=models.default_id,
         rate_limit_per_minute=limit,
         cors_origins=cors_origins,
         default_max_tokens=default_max_tokens or None,
@@ -170,7 +179,8 @@ def create_app(
         app.add_middleware(LoginThrottleMiddleware, throttle=LoginThrottle())
         user_of = _gradio_user_of(app, accounts)
         accounts.on_disable.append(_end_sessions_of(app))
-        chars = engine.max_prompt_chars  # a UI event carries one message: JSON escapes take <= 6 bytes a character
+        # a UI event carries one message (of the model that reads most): JSON escapes take <= 6 bytes a character
+        chars = max(e.max_prompt_chars for _, e in models.items())
         app.add_middleware(
             SessionOwnerMiddleware,
             user_of=user_of,
@@ -180,9 +190,27 @@ def create_app(
         app.add_middleware(LoginPageMiddleware, user_of=user_of, title=title, message="Sign in to chatengine")
     access_log.install()
     app.state.chat = SimpleNamespace(
-        engine=engine, store=store, own_engine=own_engine, lock=lock, accounts=accounts, catalog=catalog
+        engine=engine, models=models, store=store, own_engine=own_engine, lock=lock, accounts=accounts, catalog=catalog
     )
     return app
+
+
+def _load_models(names: list, fractions: list[float], data: Path, disk_kv: bool, engine_options: dict | None):
+    """ServedModels of one engine per model name, each with its share of the memory; the engines
+    already started stop again if a later one fails (its error names the model)."""
+    from chatengine import AsyncLLM
+    from chatengine.app.memory_split import split_options
+    from chatengine.app.models import ServedModels
+
+    engines: list = []
+    try:
+        for name, options in zip(names, split_options(engine_options or {}, fractions)):
+            engines.append(AsyncLLM(name, **engine_kwargs(data, disk_kv=disk_kv, **options)))
+        return ServedModels.of(engines)
+    except BaseException:
+        for e in engines:
+            e.shutdown()
+        raise
 
 
 def _open_store(path: Path):
@@ -264,7 +292,7 @@ def close_app(app) -> None:
     """Shut the engine down (flushing its KV store) unless it was given to create_app; close the database."""
     chat = app.state.chat
     if chat.own_engine:
-        chat.engine.shutdown()
+        chat.models.shutdown()
     chat.store.close()
     chat.lock.close()
 
@@ -340,9 +368,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
+        action="append",
         default=None,
         help="a .gguf file, a Hugging Face model directory or repo id (org/name: the local HF cache, else "
-        "downloaded); default: the embedded SmolLM2-135M-Instruct",
+        "downloaded); default: the embedded SmolLM2-135M-Instruct ('default' names it). Repeat it to serve "
+        "several models at once, each with its own engine and KV cache: the first is the default, the API's "
+        "'model' field and the UI's model picker choose one (by the id /v1/models lists: the name as given here)",
+    )
+    p.add_argument(
+        "--kv-memory-split",
+        metavar="F1,F2,...",
+        default=None,
+        help="with several --model: each model's share of the memory flags below, in --model order, adding up to 1 "
+        "(e.g. 0.6,0.4): on CPU of --kv-cache-gib and of the host and disk tiers; on CUDA of "
+        "--gpu-memory-utilization (weights, activations and KV pages of each). Default: equal shares",
     )
     p.add_argument("--device", default=None, help='"cuda" or "cpu"; default: cuda when available')
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; default: bf16 on CUDA, fp32 on CPU")
@@ -416,6 +455,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+EMBEDDED = "default"  # --model default: the embedded model, to serve it beside others
+
+
+def model_names(flags: list[str] | None) -> str | list[str | None] | None:
+    """create_app's ``model`` from the --model flags: None (the embedded default), one name, or a
+    list of several; "default" names the embedded model unless a file or directory has that name."""
+    if not flags:
+        return None
+    names: list[str | None] = [None if f == EMBEDDED and not Path(f).exists() else f for f in flags]
+    return names if len(names) > 1 else names[0]
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -428,7 +479,8 @@ def main(argv=None) -> None:
         app = create_app(
             data_dir=args.data_dir,
             users_file=args.users,
-            model=args.model,
+            model=model_names(args.model),
+            kv_memory_split=args.kv_memory_split,
             title=args.title,
             max_n=args.max_alternatives,
             disk_kv=not args.no_disk_kv,

@@ -12,7 +12,7 @@ raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is 
 
     store = ChatStore(path)                     # WAL, synchronous=FULL, foreign keys, busy timeout
     store.ensure_user(user); store.delete_user(user)                      # delete cascades
-    cid = store.create_conversation(user, title="New chat", persona=None, settings=None)
+    cid = store.create_conversation(user, title="New chat", persona=None, settings=None, model=None)
     store.list_conversations(user, query=None) -> list[dict]              # newest update first
     store.get_conversation(user, cid) -> dict
     store.rename_conversation(user, cid, title); store.update_settings(user, cid, settings)
@@ -29,7 +29,8 @@ raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is 
     store.close()
 
 A conversation dict has id, user_id, title, persona, settings, active_leaf_id, created_at,
-updated_at; a message dict has id, conversation_id, parent_id, role, content, token_ids
+updated_at and model (the id of the model it talks to; None: the server's default, as conversations
+from before several models were served); a message dict has id, conversation_id, parent_id, role, content, token_ids
 (list[int] | None), stats, settings, status, created_at, updated_at. Times are Unix seconds.
 
 Threads: sqlite3 connections belong to the thread that made them, and Gradio runs handlers in a
@@ -58,6 +59,7 @@ ROLES = ("system", "user", "assistant")
 STATUSES = ("streaming", "done", "aborted", "error", "interrupted")
 MAX_ID_CHARS = 256  # user ids, persona names
 MAX_TITLE_CHARS = 200
+MAX_MODEL_CHARS = 4096  # a model id may be a path
 MAX_CONTENT_CHARS = 1_000_000
 BUSY_TIMEOUT_S = 30.0
 
@@ -79,6 +81,7 @@ CREATE TABLE IF NOT EXISTS conversations (
     active_leaf_id  TEXT,
     created_at      REAL NOT NULL,
     updated_at      REAL NOT NULL,
+    model           TEXT,                   -- the served model's id; NULL: the server's default
     FOREIGN KEY (active_leaf_id, id) REFERENCES messages(id, conversation_id)
 );
 CREATE INDEX IF NOT EXISTS conversations_by_user ON conversations(user_id, updated_at);
@@ -118,17 +121,17 @@ CREATE TABLE IF NOT EXISTS personas (
     created_at     REAL NOT NULL,
     updated_at     REAL NOT NULL
 );
-PRAGMA user_version = 1;
 """
-
-# Columns added to existing tables after their first release: (table, column, definition), applied
-# at open when missing (SQLite has no ADD COLUMN IF NOT EXISTS), so an older database file upgrades
-# in place and keeps its rows.
-MIGRATIONS: list[tuple[str, str, str]] = [
-    ("users", "password_hash", "TEXT"),  # auth.hash_password's format; NULL: cannot sign in
-    ("users", "admin", "INTEGER NOT NULL DEFAULT 0"),
-    ("users", "disabled", "INTEGER NOT NULL DEFAULT 0"),
-    ("users", "imported_at", "REAL"),  # when the --users file entry was imported (never twice)
+SCHEMA_VERSION = 3  # PRAGMA user_version of a database that has every column of MIGRATIONS
+# Columns added after version 1, as (table, column, definition): ChatStore._migrate adds each one a
+# database lacks (SCHEMA's CREATE TABLE IF NOT EXISTS leaves an existing table as it was). Additive
+# only, so old rows read NULL and an old server still reads the database.
+MIGRATIONS = [
+    ("conversations", "model", "TEXT"),  # 2: the served model's id; NULL: the server's default
+    ("users", "password_hash", "TEXT"),  # 3: auth.hash_password's format; NULL: cannot sign in
+    ("users", "admin", "INTEGER NOT NULL DEFAULT 0"),  # 3
+    ("users", "disabled", "INTEGER NOT NULL DEFAULT 0"),  # 3
+    ("users", "imported_at", "REAL"),  # 3: when the --users file entry was imported (never twice)
 ]
 
 # updated_at strictly increases per user, so the sidebar order is the write order even when two
@@ -188,12 +191,14 @@ class ChatStore:
         self._migrate()
 
     def _migrate(self) -> None:
-        """Add the MIGRATIONS columns that this database file does not have yet."""
+        """Add every column of MIGRATIONS that a database made by an older version lacks, then mark
+        it SCHEMA_VERSION (never lowered: a newer database stays as it is)."""
         with self._write() as db:
             for table, column, definition in MIGRATIONS:
-                have = {row[1] for row in db.execute(f"PRAGMA table_info({table})").fetchall()}
-                if column not in have:
+                if column not in {c.name for c in db[table].columns}:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+            if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @property
     def db(self) -> sqlite_utils.Database:
@@ -260,7 +265,12 @@ class ChatStore:
     # conversations
 
     def create_conversation(
-        self, user: str, title: str = "New chat", persona: str | None = None, settings: dict | None = None
+        self,
+        user: str,
+        title: str = "New chat",
+        persona: str | None = None,
+        settings: dict | None = None,
+        model: str | None = None,
     ) -> str:
         p: dict = dict(
             id=str(uuid.uuid4()),
@@ -268,13 +278,14 @@ class ChatStore:
             title=_title(title),
             persona=None if persona is None else _name(persona, "persona"),
             settings=_json(settings, "settings"),
+            model=None if model is None else _text(model, "model", MAX_MODEL_CHARS, required=True),
             now=time.time(),
         )
         with self._write() as db:
             db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (:user, :now)", p)
             db.execute(
-                "INSERT INTO conversations (id, user_id, title, persona, settings, created_at,"
-                f" updated_at) VALUES (:id, :user, :title, :persona, :settings, :now, {_BUMP})",
+                "INSERT INTO conversations (id, user_id, title, persona, settings, model, created_at,"
+                f" updated_at) VALUES (:id, :user, :title, :persona, :settings, :model, :now, {_BUMP})",
                 p,
             )
         return p["id"]

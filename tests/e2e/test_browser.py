@@ -64,8 +64,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, data_dir: Path):
-        self.data_dir, self.port = data_dir, free_port()
+    def __init__(self, data_dir: Path, args: tuple[str, ...] = ()):
+        self.data_dir, self.port, self.args = data_dir, free_port(), args  # args: more flags of app.py
         self.url = f"http://127.0.0.1:{self.port}/"
         self.proc = None
 
@@ -90,6 +90,7 @@ class Server:
                 "512",
                 "--log-level",
                 "warning",
+                *self.args,
             ],
             cwd=ROOT,
             env=env,

@@ -6,8 +6,11 @@ and `GET /health` (no auth). `server.py` mounts the Gradio UI on the app that `b
 Choices (documented, deliberate):
 - **Auth.** API keys per user (`access.py`). The request body's `user` field is accepted and
   ignored: it never chooses the cache namespace.
-- **Model name.** Any `model` string is accepted (clients insist on sending one; this server serves
-  exactly one model) and responses name the model actually served, `model_name`.
+- **Model name.** Several models may be served, each by its own engine (`ServedModels`): a request's
+  `model` picks one by the exact id `/v1/models` lists, and a name that is none of them is a 404
+  naming the served ids (it is only looked up, never loaded). No `model` (or "") is the default, the
+  first. A server of one model takes any `model` string for it (clients insist on sending one).
+  Responses name the model actually served.
 - **Strict where silence would lie.** Knobs we cannot honour (suffix, best_of != n, vLLM's
   structural tags) are rejected with 400 and a message naming them; fields we do not know are
   ignored (like vLLM). Served: logprobs / top_logprobs (chat), logprobs and echo (completions),
@@ -65,6 +68,7 @@ from chatengine.app.api.stream import (
 )
 from chatengine.app.api.tools import plan as plan_tools
 from chatengine.app.api.tools import template_args
+from chatengine.app.models import ServedModels, UnknownModel
 from chatengine.app.users import UserDirectory
 
 log = logging.getLogger("chatengine.api")
@@ -74,7 +78,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class OpenAIService:
-    """What the routes share: the engine, who may call, the model's name and limits."""
+    """The routes' view of one served model: its engine, name and limits, and who may call (shared)."""
 
     def __init__(
         self, engine: AsyncLLM, access: Access, *, model_name: str, max_body_bytes: int, default_max_tokens: int | None
@@ -178,11 +182,8 @@ class OpenAIService:
                 raise APIError(400, str(e), param="prompt") from None
         return list(prompt or ())
 
-    async def complete(self, kind: Kind, request: Request) -> Response:
-        """One chat or text completion, whole or streamed."""
-        user = self.access.authenticate(request)
-        self.access.rate_limit(user)
-        body = await read_json_body(request, self.max_body_bytes)
+    async def complete(self, kind: Kind, request: Request, user: str | None, body: dict) -> Response:
+        """One chat or text completion on this model, whole or streamed (the caller is authenticated)."""
         req, jobs = await run_in_threadpool(self.prepare, kind, body, user)
         self.check_running()
         headers = jobs[0].tools.headers if jobs[0].tools is not None else {}  # X-Chatengine-Tools: ignored
@@ -201,45 +202,74 @@ router = APIRouter()
 
 
 def _service(request: Request) -> OpenAIService:
+    """The default model's service (its access is every model's)."""
     return request.app.state.api
+
+
+def _services(request: Request) -> ServedModels:
+    return request.app.state.apis
+
+
+def _model_service(request: Request, model_id) -> OpenAIService:
+    """The service of a request's ``model``: exactly a served id (404 naming them otherwise); none: the
+    default; with one model served, any name is it."""
+    services = _services(request)
+    if model_id is not None and not isinstance(model_id, str):
+        raise APIError(400, f"'model' must be a string, got {type(model_id).__name__}", param="model")
+    if len(services) == 1:
+        return services.default
+    try:
+        return services.engine(model_id)
+    except UnknownModel as e:
+        raise APIError(404, str(e), param="model", code="model_not_found") from None
 
 
 @router.get("/health")
 async def health(request: Request):
-    if not _service(request).engine.is_running:
-        return JSONResponse({"status": "error", "message": "the engine has stopped"}, status_code=503)
+    stopped = [mid for mid, s in _services(request).items() if not s.engine.is_running]
+    if stopped:
+        message = "the engine has stopped" if len(_services(request)) == 1 else f"the engine of {stopped[0]} stopped"
+        return JSONResponse({"status": "error", "message": message}, status_code=503)
     return {"status": "ok"}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    service = _service(request)
-    service.access.authenticate(request)
-    return {"object": "list", "data": [service.model_card()]}
+    _service(request).access.authenticate(request)
+    return {"object": "list", "data": [s.model_card() for _, s in _services(request).items()]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
-    service = _service(request)
-    service.access.authenticate(request)
-    if model_id != service.model_name:
+    _service(request).access.authenticate(request)
+    services = _services(request)
+    if model_id not in services:
         raise APIError(
             404,
-            f"the model {model_id!r} does not exist; this server serves {service.model_name!r}",
+            f"the model {model_id!r} does not exist; this server serves {', '.join(map(repr, services.ids))}",
             param="model",
             code="model_not_found",
         )
-    return service.model_card()
+    return services[model_id].model_card()
+
+
+async def _complete(kind: Kind, request: Request) -> Response:
+    """Authenticate, rate-limit and read the body once, then hand it to the model it names."""
+    access = _service(request).access
+    user = access.authenticate(request)
+    access.rate_limit(user)
+    body = await read_json_body(request, _service(request).max_body_bytes)
+    return await _model_service(request, body.get("model")).complete(kind, request, user, body)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    return await _service(request).complete("chat", request)
+    return await _complete("chat", request)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    return await _service(request).complete("completion", request)
+    return await _complete("completion", request)
 
 
 # Last: unknown /v1 paths get OpenAI-style errors even when the UI is mounted at "/" (the mount
@@ -285,7 +315,7 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 
 # ---- the app ------------------------------------------------------------------------------------
 def build_api(
-    engine: AsyncLLM,
+    engine: AsyncLLM | ServedModels,
     users: dict | UserDirectory | None,
     *,
     model_name: str,
@@ -294,11 +324,13 @@ def build_api(
     default_max_tokens: int | None = None,
     cors_origins: list[str] | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving the OpenAI-compatible routes for `engine`.
+    """The FastAPI app serving the OpenAI-compatible routes for `engine`, or for each engine of a
+    ServedModels (each under its own id, the first the default).
 
     users: a UserDirectory (hashed keys in the database), the dict of `chatengine.app.auth.load_users`,
     or None for local single-user mode (any key).
-    model_name: the id listed by /v1/models and named in every response.
+    model_name: the id of a single engine, listed by /v1/models and named in its responses (a
+    ServedModels names its own).
     max_body_bytes: larger request bodies get 413.
     rate_limit_per_minute: completion requests per user per minute (token bucket), None = unlimited.
     default_max_tokens: cap on the completion length when the request names none (None: fill the context).
@@ -314,9 +346,16 @@ def build_api(
         openapi_url=None,
         exception_handlers={APIError: _api_error, StarletteHTTPException: _http_error, Exception: _internal_error},
     )
-    app.state.api = OpenAIService(
-        engine, access, model_name=model_name, max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens
+    models = engine if isinstance(engine, ServedModels) else ServedModels({model_name: engine})
+    app.state.apis = ServedModels(
+        {
+            mid: OpenAIService(
+                e, access, model_name=mid, max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens
+            )
+            for mid, e in models.items()
+        }
     )
+    app.state.api = app.state.apis.default
     app.include_router(router)
     if cors_origins:
         app.add_middleware(APICORSMiddleware, origins=check_origins(cors_origins))

@@ -56,6 +56,9 @@ class Components:
     hit_plot: gr.LinePlot
     thr_plot: gr.LinePlot
     timer: gr.Timer
+    # several models served (hidden with one)
+    model: gr.Dropdown  # the model of a new chat; an open chat's own, fixed
+    engine_model: gr.Dropdown  # whose engine the Engine tab shows
 
     @property
     def sampling(self) -> list:
@@ -78,17 +81,19 @@ def build_components(
     max_n: int,
     show_engine: bool = True,
     max_tokens: tuple[int, int] = (256, 2048),
+    models: list[str] | tuple[str, ...] = (),
 ) -> Components:
     """Lay the page out (inside `with gr.Blocks()`); returns its components by name. max_tokens: the
-    slider's (default, maximum)."""
+    slider's (default, maximum); models: the served model ids, the default first (pickers shown when
+    there are several)."""
     state: dict[str, Any] = dict(cid=gr.State(None), rows=gr.State([]), focus=gr.State(None))
     with gr.Sidebar(width=300, elem_id="sidebar"):
         sidebar = _sidebar(title)
     with gr.Tabs():
         with gr.Tab("Chat", id="chat-tab") as chat_tab:
-            chat = _chat_tab(personas, default_persona, max_n, max_tokens)
+            chat = _chat_tab(personas, default_persona, max_n, max_tokens, models)
         with gr.Tab("Engine", id="engine-tab", visible=show_engine) as engine_tab:
-            engine = _engine_tab()
+            engine = _engine_tab(models)
     return Components(**state, **sidebar, chat_tab=chat_tab, **chat, engine_tab=engine_tab, **engine)
 
 
@@ -118,17 +123,41 @@ def _sidebar(title: str) -> dict:
     return c
 
 
-def _chat_tab(personas: Mapping, default_persona: str | None, max_n: int, max_tokens: tuple[int, int]) -> dict:
+def model_choices(models) -> list[tuple[str, str]]:
+    """(label, id) of each served model: the id's last part (a path's directory or file name, a repo
+    id's name), or the whole id where two models would show one label."""
+    labels = [m.rstrip("/").rsplit("/", 1)[-1] or m for m in models]
+    if len(set(labels)) < len(labels):
+        labels = list(models)
+    return list(zip(labels, models))
+
+
+def _model_picker(models, label: str, elem_id: str) -> gr.Dropdown:
+    return gr.Dropdown(
+        model_choices(models),
+        value=models[0] if models else None,
+        label=label,
+        elem_id=elem_id,
+        interactive=True,
+        visible=len(models) > 1,
+    )
+
+
+def _chat_tab(personas: Mapping, default_persona: str | None, max_n: int, max_tokens: tuple[int, int], models) -> dict:
     first = personas.get(default_persona or "")
-    c: dict[str, Any] = dict(
-        persona=gr.Dropdown(
-            [(p.title, name) for name, p in personas.items()],
-            value=default_persona,
-            label="Persona for this new chat",
-            info=first.description if first else None,
-            elem_id="persona",
-            interactive=True,
-        ),
+    with gr.Row(elem_id="new-chat-row"):
+        c: dict[str, Any] = dict(
+            persona=gr.Dropdown(
+                [(p.title, name) for name, p in personas.items()],
+                value=default_persona,
+                label="Persona for this new chat",
+                info=first.description if first else None,
+                elem_id="persona",
+                interactive=True,
+            ),
+            model=_model_picker(models, "Model for this new chat", "model"),
+        )
+    c.update(
         header=gr.Markdown("", elem_id="conv-header", visible=False),
         chatbot=gr.Chatbot(
             elem_id="chat",
@@ -199,13 +228,15 @@ def _settings(max_n: int, max_tokens: tuple[int, int]) -> dict:
     return c
 
 
-def _engine_tab() -> dict:
+def _engine_tab(models) -> dict:
     gr.Markdown(
         "Live view of the engine's KV cache: pages on the device (in use by running requests, shared "
         "between sequences, cached for reuse, free), and pages moved to the CPU and disk tiers. "
         "Updated every second."
     )
-    c: dict[str, Any] = dict(kv_html=gr.HTML(elem_id="kv-view"))
+    # each served model has its own engine and KV pool: the tab shows the one picked here
+    c: dict[str, Any] = dict(engine_model=_model_picker(models, "Engine of the model", "engine-model"))
+    c["kv_html"] = gr.HTML(elem_id="kv-view")
     with gr.Row():
         c["hit_plot"] = gr.LinePlot(
             x="t",

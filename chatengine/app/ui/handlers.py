@@ -23,6 +23,7 @@ import gradio as gr
 
 from chatengine.app.chat import ChatService, NotFound
 from chatengine.app.generation import Generation
+from chatengine.app.model_chats import ModelChats
 from chatengine.app.session_guard import SessionOwners
 from chatengine.app.store import StoreWriteError
 from chatengine.app.ui.components import Components
@@ -62,18 +63,18 @@ def settings_of(temperature, top_p, max_tokens, seed, n) -> dict:
 class ChatUI:
     def __init__(
         self,
-        service: ChatService,
+        service: ChatService | ModelChats,
         c: Components,
         *,
         auth_enabled: bool = False,
         local_user: str = LOCAL_USER,
         admins: Container[str] = frozenset(),
     ):
-        self.service, self.c = service, c
+        self.service, self.c = ModelChats.of(service), c  # one ChatService per served model
         self.auth_enabled, self.local_user = auth_enabled, local_user
         self.admins = admins  # who may see server-wide figures (the one local user always may)
         self.personas, self.default_persona = service.personas, service.default_persona
-        self.monitor = EngineMonitor(service.engine)
+        self.monitors = {mid: EngineMonitor(svc.engine) for mid, svc in self.service.models.items()}
         self.viewing: dict[str, str | None] = {}  # session -> the conversation its tab shows
         self.following: dict[str, Generation] = {}  # session -> the reply its tab follows
         self.owners = SessionOwners()  # session -> its user: a tab's state serves no one else
@@ -160,7 +161,8 @@ class ChatUI:
     # ---- page load / sidebar --------------------------------------------------------------------
     async def on_load(self, request: gr.Request) -> dict:  # async: runs on the server loop (the sampler task)
         user = self.who(request)
-        self.monitor.ensure_running()
+        for monitor in self.monitors.values():
+            monitor.ensure_running()
         name = f"Signed in as **{html.escape(user)}**" if self.auth_enabled else ""
         c = self.c
         return {
@@ -188,9 +190,19 @@ class ChatUI:
             c.conv_list: gr.update(value=None),
             c.rename_box: "",
             c.persona: gr.update(visible=True, value=name, info=p.description if p else None),
+            c.model: self.model_picker(None),
             c.header: gr.update(visible=False),
             **self.buttons(False),
         }
+
+    def model_picker(self, model_id: str | None) -> dict:
+        """The model picker: a new chat's choice (model_id None: the last pick stays), or the model an
+        open chat keeps (fixed). Shown only when several models are served."""
+        shown = len(self.service.ids) > 1
+        if model_id is None:
+            return gr.update(visible=shown, interactive=True, label="Model for this new chat")
+        value = model_id if model_id in self.service.models else None  # not served now: sends are refused
+        return gr.update(visible=shown, interactive=False, value=value, label="Model of this chat")
 
     async def open_conv(self, conv_id, request: gr.Request):
         """Show a conversation; if its reply is being written (by this tab before a reload, by another
@@ -211,6 +223,7 @@ class ChatUI:
             **out,
             c.cid: conv_id,
             c.persona: gr.update(visible=False),
+            c.model: self.model_picker(conv["model"] or self.service.default_id),
             c.rename_box: conv["title"],
             c.header: self.header(conv["persona"]),
             **self.buttons(gen is not None),
@@ -335,11 +348,12 @@ class ChatUI:
             **self.buttons(self.service.is_generating(user, conv_id)),
         }
 
-    def _start_send(self, user: str, text: str, conv_id, persona_name, settings: dict):
-        """(conversation id, reply generator) of a new turn; a new chat that fails leaves nothing behind."""
+    def _start_send(self, user: str, text: str, conv_id, persona_name, settings: dict, model=None):
+        """(conversation id, reply generator) of a new turn; a new chat that fails leaves nothing behind.
+        A new chat talks to ``model`` (the picker's, a served id); an existing one keeps its own."""
         is_new = conv_id is None
         if is_new:
-            conv_id = self.service.new_conversation(user, persona_name or self.default_persona)
+            conv_id = self.service.new_conversation(user, persona_name or self.default_persona, model=model or None)
         try:
             return conv_id, self.service.send(user, conv_id, text, settings)
         except ValueError:
@@ -356,10 +370,14 @@ class ChatUI:
             c.cid: conv_id,
             c.conv_list: self.conv_list(user, conv_id),
             c.persona: gr.update(visible=False),
+            c.model: self.model_picker(conv["model"] or self.service.default_id),
             c.header: self.header(conv["persona"]),
         }
 
-    async def send(self, text, conv_id, persona_name, temperature, top_p, max_tokens, seed, n, request: gr.Request):
+    # the model picker comes last, after the request: its place does not move the form's inputs
+    async def send(
+        self, text, conv_id, persona_name, temperature, top_p, max_tokens, seed, n, request: gr.Request, model=None
+    ):
         user = self.who(request)
         if not isinstance(text, str) or not text.strip():
             yield gr.skip()
@@ -372,6 +390,7 @@ class ChatUI:
                 conv_id,
                 persona_name,
                 settings_of(temperature, top_p, max_tokens, seed, n),
+                model,
             )
         except NotFound:
             gr.Warning("That conversation does not exist; start a new chat.")
@@ -502,9 +521,14 @@ class ChatUI:
         return {self.c.focus: row_ids[idx], **self.nav(view, row_ids[idx])}
 
     # ---- engine tab -----------------------------------------------------------------------------
-    async def engine_tick(self, request: gr.Request) -> dict:
+    async def engine_tick(self, request: gr.Request, model_id=None) -> dict:
+        """The Engine tab's picture of one model's engine (its own KV pool): the tab's picker's, else
+        the default."""
         if not self.is_admin(self.who(request)):  # the tab is hidden; this refuses a direct call too
             raise gr.Error("The Engine view is for admins.")
-        self.monitor.ensure_running()
-        hit_df, thr_df = self.monitor.frames()
-        return {self.c.kv_html: kv_picture(self.monitor.stats()), self.c.hit_plot: hit_df, self.c.thr_plot: thr_df}
+        monitor = self.monitors.get(model_id or self.service.default_id)
+        if monitor is None:
+            raise gr.Error("That model is not served here: pick one in the list.")
+        monitor.ensure_running()
+        hit_df, thr_df = monitor.frames()
+        return {self.c.kv_html: kv_picture(monitor.stats()), self.c.hit_plot: hit_df, self.c.thr_plot: thr_df}

@@ -21,6 +21,7 @@ from typing import Any
 import gradio as gr
 
 from chatengine.app.chat import ChatService
+from chatengine.app.model_chats import ModelChats
 from chatengine.app.persona_catalog import PersonaCatalog
 from chatengine.app.ui.admin import build_admin
 from chatengine.app.ui.components import Components, build_components
@@ -159,7 +160,7 @@ def theme():
 
 
 def build_ui(
-    service: ChatService,
+    service: ChatService | ModelChats,
     *,
     auth_enabled: bool = False,
     local_user: str = LOCAL_USER,
@@ -172,12 +173,20 @@ def build_ui(
 ) -> gr.Blocks:
     """With auth on, only `admins` see the Engine tab (it shows every user's load on the server).
     default_max_tokens: the Max tokens setting a page starts with (as the API's --default-max-tokens;
-    None: up to the context), held within the model's context, which is also the slider's end."""
-    limit = service.engine.max_tokens_limit
+    None: up to the context), held within the model's context, which is also the slider's end.
+    With several models, a model picker per chat; the slider ends at the largest model's limit."""
+    service = ModelChats.of(service)
+    limit = max(service.for_model(m).engine.max_tokens_limit for m in service.ids)
     max_tokens = (min(default_max_tokens or limit, limit), limit)
     with gr.Blocks(title=title, analytics_enabled=False, fill_width=True) as demo:
         c = build_components(
-            service.personas, service.default_persona, title, max_n, show_engine=not auth_enabled, max_tokens=max_tokens
+            service.personas,
+            service.default_persona,
+            title,
+            max_n,
+            show_engine=not auth_enabled,
+            max_tokens=max_tokens,
+            models=service.ids,
         )
         ui = ChatUI(service, c, auth_enabled=auth_enabled, local_user=local_user, admins=admins)
         demo.load(
@@ -195,7 +204,7 @@ def build_ui(
 
 
 def _new_chat_outputs(c: Components) -> list:
-    return [c.cid, *c.view, c.conv_list, c.persona, c.rename_box, c.header, c.send_btn, c.stop_btn]
+    return [c.cid, *c.view, c.conv_list, c.persona, c.model, c.rename_box, c.header, c.send_btn, c.stop_btn]
 
 
 def _wire_sidebar(ui: ChatUI, c: Components) -> None:
@@ -204,7 +213,7 @@ def _wire_sidebar(ui: ChatUI, c: Components) -> None:
     c.conv_list.input(
         ui.open_conv,
         [c.conv_list],
-        [c.cid, *c.view, c.persona, c.rename_box, c.conv_list, c.header, c.send_btn, c.stop_btn],
+        [c.cid, *c.view, c.persona, c.model, c.rename_box, c.conv_list, c.header, c.send_btn, c.stop_btn],
         api_name="open",
         trigger_mode="multiple",
         show_progress="hidden",
@@ -238,8 +247,8 @@ def _generating(ui: ChatUI, c: Components, listen, fn, inputs, outputs, chained:
 
 
 def _wire_turns(ui: ChatUI, c: Components) -> None:
-    send_in = [c.msg, c.cid, c.persona, *c.sampling]
-    send_out = [c.msg, c.cid, *c.view, c.conv_list, c.persona, c.header]
+    send_in = [c.msg, c.cid, c.persona, *c.sampling, c.model]
+    send_out = [c.msg, c.cid, *c.view, c.conv_list, c.persona, c.model, c.header]
     _generating(ui, c, c.msg.submit, ui.send, send_in, send_out, api_name="send")
     _generating(ui, c, c.send_btn.click, ui.send, send_in, send_out, api_visibility="private")
     regen_out = [*c.view, c.conv_list]
@@ -266,14 +275,17 @@ def _wire_turns(ui: ChatUI, c: Components) -> None:
 
 
 def _wire_alternatives(ui: ChatUI, c: Components) -> None:
-    c.ver_go.click(ui.step_version, [c.cid, c.ver_cmd], c.view, api_name="switch_version", **QUIET)
+    c.ver_go.click(
+        ui.step_version, [c.cid, c.ver_cmd], c.view, api_name="switch_version", queue=False, show_progress="hidden"
+    )
     c.chatbot.select(ui.on_select, [c.cid, c.rows], [c.focus, *c.nav], **QUIET)
 
 
 def _wire_engine_tab(ui: ChatUI, c: Components) -> None:
     picture = [c.kv_html, c.hit_plot, c.thr_plot]
-    c.timer.tick(ui.engine_tick, None, picture, **QUIET)
+    c.timer.tick(ui.engine_tick, [c.engine_model], picture, **QUIET)
     c.engine_tab.select(lambda: gr.Timer(active=True), None, [c.timer], api_visibility="private", queue=False).then(
-        ui.engine_tick, None, picture, api_visibility="private", queue=False
+        ui.engine_tick, [c.engine_model], picture, api_visibility="private", queue=False
     )
+    c.engine_model.input(ui.engine_tick, [c.engine_model], picture, **QUIET)
     c.chat_tab.select(lambda: gr.Timer(active=False), None, [c.timer], api_visibility="private", queue=False)
