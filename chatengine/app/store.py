@@ -28,6 +28,10 @@ raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is 
     store.recover_interrupted() -> int          # at server start: 'streaming' -> 'interrupted'
     store.close()
 
+The accounts (the users table's password_hash, admin, disabled and imported_at columns, and the
+api_keys table) belong to users.py; the personas table to persona_catalog.py. They share this file
+and its connections (``_write`` for their transactions).
+
 A conversation dict has id, user_id, title, persona, settings, active_leaf_id, created_at,
 updated_at and model (the id of the model it talks to; None: the server's default, as conversations
 from before several models were served); a message dict has id, conversation_id, parent_id, role, content, token_ids
