@@ -143,9 +143,6 @@ class UserDirectory:
             for callback in self.on_disable:
                 callback(name)
 
-    def set_admin(self, name: str, admin: bool) -> None:
-        self._update(name, "admin = ?", [int(bool(admin))])
-
     def _update(self, name: str, sets: str, params: list) -> None:
         with self.store._write() as db:
             if db.execute(f"UPDATE users SET {sets} WHERE id = ?", [*params, name]).rowcount != 1:
