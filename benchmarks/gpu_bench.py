@@ -211,8 +211,12 @@ class StepTimer:
         }
 
 
-def run_ours(llm, prompts, outs, temperature=0.6):
-    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=o) for o in outs]
+def run_ours(llm, prompts, outs, temperature=0.6, seeded=False):
+    """One pass of the workload; `seeded`: each request with its own seed (SamplingParams.seed)."""
+    params = [
+        SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=o, seed=i if seeded else None)
+        for i, o in enumerate(outs)
+    ]
     timer = StepTimer(llm)
     t = time.perf_counter()
     results = llm.generate(prompts, params)
@@ -249,6 +253,11 @@ def part_throughput(args, res):
                 shape, prompts, outs, bwd["copy_bytes_per_s"], bwd["bf16_matmul_flops_per_s"]
             )
             row["fraction_of_ceiling"] = row["tok_s"] / row["roofline"]["ceiling_tok_s"]
+        if args.seeded:  # every request seeded, then unseeded again: seeded / the two unseeded runs' mean
+            row["seeded"] = run_ours(llm, prompts, outs, seeded=True)
+            row["unseeded_again"] = run_ours(llm, prompts, outs)
+            row["seeded_ratio"] = row["seeded"]["tok_s"] / ((row["tok_s"] + row["unseeded_again"]["tok_s"]) / 2)
+            log(f"[throughput] {shape}{suffix} seeded: {row['seeded']['tok_s']:.0f} tok/s, x{row['seeded_ratio']:.3f}")
         if "peer" in args.part:  # the same subset the peer runs, for a like-for-like ratio
             k = args.peer_requests
             row["subset"] = run_ours(llm, prompts[:k], outs[:k]) | {"requests": k}
@@ -739,6 +748,20 @@ def markdown(meta, res) -> str:
                 + " |"
             )
         L.append("")
+        seeded = {k: r for k, r in res["throughput"].items() if "seeded" in r}
+        if seeded:
+            L += [
+                "Every request seeded (`SamplingParams.seed`), same engine, between two unseeded runs:",
+                "",
+                "| model | unseeded tok/s (two runs) | seeded tok/s | seeded / unseeded mean |",
+                "|---|---:|---:|---:|",
+            ]
+            for shape, r in seeded.items():
+                L.append(
+                    f"| {shape} | {r['tok_s']:.0f}, {r['unseeded_again']['tok_s']:.0f} | "
+                    f"{r['seeded']['tok_s']:.0f} | {r['seeded_ratio']:.3f} |"
+                )
+            L.append("")
     if res.get("decode"):
         L += [
             "## Decode step, 1k context (ms)",
@@ -797,6 +820,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="smaller sizes and subsets: a smoke run in ~3 min")
     ap.add_argument("--models", nargs="+", default=MODELS, choices=SHAPES)
     ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--seeded", action="store_true", help="throughput: also every request seeded (and the ratio)")
     ap.add_argument("--peer-requests", type=int, default=None, help="HF CB subset (default 64, quick 16)")
     ap.add_argument("--peer-timeout", type=float, default=150.0, help="seconds before the peer is cut off")
     ap.add_argument("--peer-graphs", action="store_true", help="HF CB with use_cuda_graph and async batching")

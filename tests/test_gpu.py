@@ -216,6 +216,28 @@ def test_cuda_async_scheduling_equals_sync(model):
 
 
 @needs_cuda
+def test_cuda_seeded_samples_are_their_own_whatever_the_batch():
+    """A seeded request on the fused sampler (its Philox key: seed, sample index, position) gives
+    the same tokens alone, beside unseeded and top-p neighbours, and in another order; its n samples
+    differ from one another; another seed differs."""
+    llm = cuda_llm("dummy:qwen2.5-0.5b", dtype="float32")
+    prompts = prompts_for(llm)
+    seeded = SamplingParams(n=2, temperature=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = [c.token_ids for c in llm.generate([prompts[0]], seeded)[0].outputs]
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12),
+    ]
+    crowd = llm.generate([prompts[1], prompts[0], prompts[2], prompts[3]], [others[0], seeded, others[1], others[2]])
+    assert [c.token_ids for c in crowd[1].outputs] == alone
+    assert alone[0] != alone[1]
+    other_seed = llm.generate([prompts[0]], SamplingParams(temperature=0.9, seed=1235, max_tokens=24))
+    assert other_seed[0].outputs[0].token_ids != alone[0]
+    llm.shutdown()
+
+
+@needs_cuda
 def test_cuda_async_write_behind_pages_equal_device(tmp_path):
     """With a disk store and async scheduling, a page published while the next step is in flight (which
     writes its last slot) is copied behind that step on the device, without a host wait: every page

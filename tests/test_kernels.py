@@ -23,6 +23,8 @@ if not torch.cuda.is_available():
 from chatengine.kernels import cache_ops, fp8_ops, fused_ops, sampling  # noqa: E402
 from chatengine.kernels import paged_attention as pa
 
+tl, triton = pa.tl, pa.triton  # (None without triton)
+
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = pa.interpreting()
 DEVICES = [
@@ -574,6 +576,64 @@ def test_sample_distribution(device):
         assert ((freq - p).abs() <= 4 * sigma + 1e-3).all(), (freq, p)
     a, b = sampling.sample_triton(logits[:64], temps[:64], 11), sampling.sample_triton(logits[:64], temps[:64], 12)
     assert torch.equal(a, sampling.sample_triton(logits[:64], temps[:64], 11)) and not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_philox_reference_is_tl_rand_bit_for_bit(device):
+    """philox_uniform_ref is Triton's tl.rand (Philox4x32-10, its float conversion) in plain torch."""
+    if triton is None:
+        pytest.skip("triton is not installed")
+
+    @triton.jit
+    def draw(Out, key, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Out + offs, tl.rand(key, offs * 7919 + 3))
+
+    offsets = torch.arange(256, device=device) * 7919 + 3
+    for key in (1, 123456789, 2**32 + 17, 2**40 + 5, 2**63 - 1):
+        out = torch.empty(256, device=device)
+        draw[(1,)](out, key, N=256)
+        ref = sampling.philox_uniform_ref(key, offsets)
+        assert torch.equal(out, ref), key
+        assert (ref >= 0).all() and (ref < 1).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_of_the_fused_sampler_are_their_own(device):
+    """A row with a key draws from that key alone: the kernel equals the torch reference on it, and
+    moving it to another row, beside other rows or another step seed, gives the same token."""
+    g = torch.Generator().manual_seed(5)
+    V = 3001
+    logits = torch.randn(6, V, generator=g).to(device)
+    temps = torch.tensor([0.7, 0.0, 1.0, 0.5, 1.3, 0.9], device=device)
+    keys = torch.tensor([5, 0, 2**62 + 3, 77, 0, 9], dtype=torch.int64, device=device)
+    got = sampling.sample_triton(logits, temps, seed=3, keys=keys)
+    ref = sampling.sample_ref(logits, temps, keys=keys)
+    own = keys.cpu() != 0
+    own[1] = True  # the greedy row too
+    assert torch.equal(got.cpu()[own], ref.cpu()[own])
+    order = torch.tensor([3, 0, 5, 2], device=device)  # the keyed rows alone, shuffled, another seed
+    alone = sampling.sample_triton(logits[order], temps[order], seed=99, keys=keys[order])
+    assert alone.tolist() == got[order].tolist()
+    # different keys, different draws (a flat row: each key picks its own token)
+    flat = torch.zeros(64, V, device=device)
+    ids = sampling.sample_triton(flat, torch.ones(64, device=device), 0, keys=torch.arange(1, 65, device=device))
+    assert len(set(ids.tolist())) > 50
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_draws_follow_the_distribution(device):
+    """Keys from position_key over many positions: frequencies within 4 sigma of softmax(x / T)."""
+    from chatengine.engine.sampler import position_key, seed_key
+
+    V, N, T = 12, (4000 if device == "cuda" else 120), 0.7
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(1)).repeat(N, 1).to(device)
+    base = seed_key(1234, 0)
+    keys = torch.tensor([position_key(base, pos) for pos in range(N)], dtype=torch.int64, device=device)
+    ids = sampling.sample_triton(logits, torch.full((N,), T, device=device), 0, keys=keys)
+    p = torch.softmax(logits[0].cpu().double() / T, -1)
+    freq = torch.bincount(ids.cpu(), minlength=V).double() / N
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / N).sqrt() + 1e-3).all(), (freq, p)
 
 
 # ---------------------------------------------------------------------------- fused layer ops

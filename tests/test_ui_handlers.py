@@ -170,9 +170,28 @@ def test_regenerate_then_switch_versions(ui):
     conv_id, reply = ui.viewing["s1"], last[c.focus]
     regen = drain(ui.regenerate(conv_id, reply, 1.0, 1, 6, 3, 1, request("alice")))[-1]
     assert "**2 / 2**" in regen[c.alt_label]["value"]
-    back = ui.previous(conv_id, regen[c.focus], request("alice"))
+    shown = regen[c.chatbot][-1]["content"]  # the reply carries its own ‹ 2/2 ›: back is live, next is not
+    assert f"<span class='ver-nav vm-{regen[c.focus]}'>" in shown and "<span class='ver-count'>2/2</span>" in shown
+    assert shown.count("ver-on") == 1 and "ver-prev ver-on" in shown
+    back = ui.step_version(conv_id, f"{regen[c.focus]}:-1:1700000000", request("alice"))
     assert "**1 / 2**" in back[c.alt_label]["value"] and back[c.rows][-1] == reply
-    assert back[c.next_btn]["interactive"] is True and back[c.prev_btn]["interactive"] is False
+    assert "<span class='ver-count'>1/2</span>" in back[c.chatbot][-1]["content"]
+    assert ui.step_version(conv_id, f"{reply}:-1", request("alice"))[c.rows][-1] == reply  # clamped at 1
+    for bad in ("", "x", f"{reply}:2", f"{reply}:-1'><img", "../etc:1"):
+        assert isinstance(ui.step_version(conv_id, bad, request("alice")), type(gr.skip()))
+    with pytest.warns(UserWarning, match="does not exist"):  # bob cannot step alice's messages
+        assert isinstance(ui.step_version(conv_id, f"{reply}:1", request("bob", "s2")), type(gr.skip()))
+
+
+def test_n_alternatives_stream_side_by_side(ui):
+    c = ui.c
+    ups = drain(ui.send("Name a fruit.", None, "assistant", 1.0, 1, 40, 5, 3, request("alice")))
+    live = [u for u in ups if u.get(c.alt_label) == "Generating 3 alternatives…"]
+    assert live, "no streaming update"
+    bubbles = live[-1][c.chatbot][1:]
+    assert len(bubbles) == 3 and [f"{k}/3" in b["content"] for k, b in enumerate(bubbles, 1)] == [True] * 3
+    final = ups[-1]
+    assert len(final[c.chatbot]) == 2 and "<span class='ver-count'>1/3</span>" in final[c.chatbot][-1]["content"]
 
 
 def test_rename_and_delete(ui):

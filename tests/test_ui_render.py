@@ -14,3 +14,27 @@ def test_the_engine_legend_and_card_count_the_same_pages():
     assert "13 in use (3 shared) · 5 cached · 22 free" in page
     cells = re.findall(r"kv-cell (kv-\w+)'></div>", page)
     assert cells.count("kv-used") + cells.count("kv-shared") == 13 and len(cells) == 40
+
+
+def test_version_nav_carries_the_id_and_the_possible_steps_in_class_names():
+    from chatengine.app.ui.render import parse_version_step, version_nav
+
+    assert version_nav({"id": "m1", "k": 1, "n": 1}) == ""
+    first = version_nav({"id": "m-1", "k": 1, "n": 3})
+    assert "ver-nav vm-m-1" in first and "ver-prev ver-on" not in first and "ver-next ver-on" in first
+    last = version_nav({"id": "m-1", "k": 3, "n": 3})
+    assert "ver-prev ver-on" in last and "ver-next ver-on" not in last and ">3/3<" in last
+    assert version_nav({"id": "x' onclick='y", "k": 1, "n": 2}) == ""  # an id is never markup
+    assert parse_version_step("m-1:-1:1712") == ("m-1", -1)
+    assert parse_version_step("m-1:1") == ("m-1", 1)
+    for bad in (None, "", "m1", "m1:2", "m 1:1", "a" * 65 + ":1", "<b>:1"):
+        assert parse_version_step(bad) is None
+
+
+def test_an_edited_message_loses_its_inline_versions_when_edited_again():
+    from chatengine.app.ui.render import to_chat, unescape_html
+
+    view = [{"id": "u1", "role": "user", "content": "a < b", "k": 2, "n": 2}]
+    shown = to_chat(view)[0]["content"]
+    assert "2/2" in shown
+    assert unescape_html(shown) == "a < b"

@@ -93,7 +93,7 @@ def create_app(
     from chatengine.app.api.cors import check_origins
     from chatengine.app.api.routes import build_api
     from chatengine.app.chat import ChatService
-    from chatengine.app.ui.layout import CSS, JS, build_ui, theme
+    from chatengine.app.ui.layout import CSS, build_ui, page_js, theme
     from chatengine.personas import load_personas
 
     # checks that can fail run before the model loads: a bad directory or database costs one line at once
@@ -146,7 +146,7 @@ def create_app(
         auth_message="Sign in to chatengine" if login else None,
         theme=theme(),
         css=CSS,
-        js=JS,
+        js=page_js(),
         ssr_mode=False,
         footer_links=["settings"],
         show_error=True,

@@ -33,6 +33,7 @@ from chatengine.engine.model_runner import ModelRunner, context_len, resolve_dev
 from chatengine.engine.models.parallel_layers import check_split
 from chatengine.engine.parallel.ranks import WorkerRanks
 from chatengine.engine.request import Request
+from chatengine.engine.sampler import seed_key
 from chatengine.engine.scheduler import Scheduler
 from chatengine.engine.sequence import Sequence
 from chatengine.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode
@@ -271,6 +272,7 @@ class LLMEngine:
             seq.public_prefix_len = self.public_prefix_len(req.prompt_token_ids)
         if req.params.seed is not None:
             seq.generator = self.runner.make_generator(req.params.seed, i)
+            seq.seed_key = seed_key(req.params.seed, i)
         if req.grammar is not None:
             seq.grammar = self.grammars().matcher(req.grammar)
         req.seqs.append(seq)

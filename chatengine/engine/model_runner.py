@@ -43,7 +43,7 @@ from chatengine.engine.models.llama import AttentionMetadata, LlamaModel
 from chatengine.engine.models.parallel_layers import kv_heads_per_rank, split
 from chatengine.engine.parallel.group import TPGroup
 from chatengine.engine.parallel.plan import Op, PlanSender
-from chatengine.engine.sampler import Sampler
+from chatengine.engine.sampler import Sampler, position_key
 from chatengine.engine.sequence import Sequence
 from chatengine.kernels import cache_ops, paged_attention
 from chatengine.kernels import sampling as sampling_ops
@@ -648,16 +648,33 @@ class ModelRunner:
         self._run(mode, key, lay.views, max_q, max_k)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
-        """Sampled ids (len(seqs),) int64 on the device, without a host sync. logits: processed."""
+        """Sampled ids (len(seqs),) int64 on the device, without a host sync. logits: processed.
+        On CUDA the rows without top-k / top-p take the fused sampler (seeded ones too), the others
+        the torch sampler; each row's draw depends only on its own request, never on its neighbours."""
         params = [s.params for s in seqs]
-        if self.fused_sampling and all(
-            s.generator is None and p.top_k == 0 and p.top_p >= 1 for s, p in zip(seqs, params)
-        ):
-            if all(p.temperature == 0 for p in params):
-                return sampling_ops.greedy_triton(logits)
-            temps = temps.view(torch.float32)[: len(seqs)]  # staged with the step's inputs
-            return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31))
-        return self.sampler(logits.float(), params, [s.generator for s in seqs])
+        if not self.fused_sampling:
+            return self.sampler(logits.float(), params, [s.generator for s in seqs])
+        temps = temps.view(torch.float32)[: len(seqs)]  # staged with the step's inputs
+        fused = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1]
+        if len(fused) == len(seqs):
+            return self._sample_fused(logits, seqs, temps)
+        if not fused:
+            return self.sampler(logits.float(), params, [s.generator for s in seqs])
+        rest = [i for i, p in enumerate(params) if not (p.top_k == 0 and p.top_p >= 1)]
+        out = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        idx = on_device(rest, torch.long, logits.device)
+        out[idx] = self.sampler(logits[idx].float(), [params[i] for i in rest], [seqs[i].generator for i in rest])
+        idx = on_device(fused, torch.long, logits.device)
+        out[idx] = self._sample_fused(logits[idx], [seqs[i] for i in fused], temps[idx])
+        return out
+
+    def _sample_fused(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
+        if all(s.params.temperature == 0 for s in seqs):
+            return sampling_ops.greedy_triton(logits)
+        # a seeded row's key: its position is the index of the token sampled now
+        keys = [position_key(s.seed_key, len(s.token_ids)) if s.seed_key else 0 for s in seqs]
+        key_t = on_device(keys, torch.int64, logits.device) if any(keys) else None
+        return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31), keys=key_t)
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Logits after the requests' processing (a copy in fp32 when any row is processed)."""

@@ -4,7 +4,9 @@ A row is sampled by inverse CDF: one uniform u per row, the first token whose cu
 (float64) passes u * total. That is one random number per row instead of one per vocabulary entry
 (an exponential race over a 49k vocabulary spent ~3 ms a row on CPU in `exponential_`), and no host
 sync (searchsorted on the device). Seeded sequences draw u from their own generator, so the same seed
-gives the same tokens whatever else shares the batch.
+gives the same tokens whatever else shares the batch. (On CUDA the engine samples rows without
+top-k / top-p in kernels/sampling.py, seeded ones from a Philox key of (seed, index, position):
+`position_key`.)
 
 Top-k / top-p keep the tokens a full descending sort would keep (rank < top_k; then those whose
 higher-ranked tokens' probability, renormalised over the kept ones, is still below top_p). On CPU the
@@ -18,6 +20,26 @@ import torch
 from chatengine.engine.host_to_device import on_device
 
 CANDIDATES = 256  # CPU: top-p candidates per row before falling back to a full sort
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """A 64-bit finalizer (splitmix64's): nearby inputs give unrelated outputs."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+    return x ^ (x >> 31)
+
+
+def seed_key(seed: int, index: int) -> int:
+    """The stream of sample `index` of a request seeded with `seed` (any int64)."""
+    return _mix64((seed & _M64) ^ _mix64(index + 0x9E3779B97F4A7C15))
+
+
+def position_key(key: int, position: int) -> int:
+    """The fused sampler's Philox key for the token at `position` of a seeded sequence: a function
+    of (seed, sample index, position) only, so neither the batch, the step, nor a restart moves it.
+    Never 0 (the kernel's "unseeded"); below 2**63 (an int64 on the device)."""
+    return _mix64(key ^ _mix64(position)) >> 1 or 1
 
 
 class Sampler:

@@ -44,6 +44,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.generator: Any = None  # per-sequence RNG for seeded sampling (owned by the runner)
+        self.seed_key = 0  # seeded: sampler.seed_key(seed, index), the fused sampler's stream
         self.grammar: Any = None  # structured-output state: the engine advances it, the runner masks by it
         self.history: Any = None  # penalties' numpy copy of the known token ids (the logits processor's)
         self.logprobs: list[dict[int, float]] = []  # per output token, when params.logprobs is set

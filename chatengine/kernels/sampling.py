@@ -6,11 +6,15 @@ argmax. One program reads one row once and keeps a running (max, index) per lane
 costs one read of the (N, V) logits instead of the ~10 passes of temperature, softmax, noise and
 argmax done separately in torch. Ties go to the lowest index, as in `torch.argmax`.
 
-The uniforms come from Triton's Philox (`tl.rand(seed, row * V + column)`): a step's `seed` and the
-row fix the draw. The torch reference takes its uniforms from a torch.Generator, so the two agree
-exactly on greedy rows and in distribution on sampled rows (tests/test_kernels.py checks both).
-Top-k / top-p and per-request seeded generators stay in chatengine/sampler.py. `greedy_triton` is
-the all-greedy step's argmax, split over chunks of the vocabulary.
+The uniforms come from Triton's Philox: an unseeded row draws `tl.rand(seed, row * V + column)`
+(the step's `seed` and the row fix the draw); a seeded row draws `tl.rand(key, column)` with its own
+64-bit key (sampler.position_key: the request's seed, its sample index and the token's position),
+so its token depends on nothing else in the batch, and a seeded batch costs what an unseeded one
+does. `philox_uniform_ref` is Philox4x32-10 in plain torch, bit for bit Triton's `tl.rand`, so the
+seeded rows of the kernel and of `sample_ref` agree exactly; unseeded rows of the reference take
+their uniforms from a torch.Generator (the two agree in distribution; tests/test_kernels.py checks
+both). Top-k / top-p stay in engine/sampler.py. `greedy_triton` is the all-greedy step's argmax,
+split over chunks of the vocabulary.
 """
 
 import torch
@@ -22,10 +26,16 @@ _jit = triton.jit(do_not_specialize=["seed"]) if triton is not None else jit
 
 
 @_jit
-def _sample_kernel(Logits, Temps, Out, stride_l, vocab_size, seed, BLOCK_V: tl.constexpr):
+def _sample_kernel(Logits, Temps, Keys, Out, stride_l, vocab_size, seed, SEEDED: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     temp = tl.load(Temps + row)
     inv_temp = 1.0 / tl.where(temp > 0, temp, 1.0)
+    key = seed.to(tl.int64)
+    first = row * vocab_size  # the row's first Philox counter
+    if SEEDED:  # Keys[row] != 0: the row's own stream, counters from 0
+        own = tl.load(Keys + row)
+        key = tl.where(own != 0, own, key)
+        first = tl.where(own != 0, 0, first)
     offs = tl.arange(0, BLOCK_V)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK_V], tl.int32)
@@ -35,7 +45,7 @@ def _sample_kernel(Logits, Temps, Out, stride_l, vocab_size, seed, BLOCK_V: tl.c
         ok = cols < vocab_size
         x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
         if temp > 0:
-            u = tl.rand(seed, row * vocab_size + cols)  # [0, 1)
+            u = tl.rand(key, first + cols)  # [0, 1)
             u = tl.maximum(u, 1.0e-20)  # log(0) guard
             x = x * inv_temp - tl.log(-tl.log(u))
         x = tl.where(ok, x, float("-inf"))
@@ -48,20 +58,37 @@ def _sample_kernel(Logits, Temps, Out, stride_l, vocab_size, seed, BLOCK_V: tl.c
 
 
 def sample_triton(
-    logits: torch.Tensor, temperatures: torch.Tensor, seed: int, out: torch.Tensor | None = None
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seed: int,
+    out: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token ids (N,) int64 drawn from softmax(logits / T) per row; rows with T == 0 are greedy.
 
     logits (N, V) of any float dtype, rows contiguous; temperatures (N,) fp32 on the same device;
-    seed an int in [0, 2**31) (the same seed and logits give the same ids)."""
+    seed an int in [0, 2**31) (the same seed and logits give the same ids); keys (N,) int64 or None:
+    a row with a nonzero key draws from that key's stream alone (whatever the seed and its row)."""
     check_device(logits)
     N, V = logits.shape
     assert logits.stride(1) == 1 and temperatures.shape == (N,) and temperatures.dtype == torch.float32
+    assert keys is None or (keys.shape == (N,) and keys.dtype == torch.int64)
     if out is None:
         out = torch.empty(N, dtype=torch.int64, device=logits.device)
     if N == 0:
         return out
-    _sample_kernel[(N,)](logits, temperatures, out, logits.stride(0), V, seed, BLOCK_V=2048, num_warps=8)
+    _sample_kernel[(N,)](
+        logits,
+        temperatures,
+        temperatures if keys is None else keys,  # not read unless SEEDED
+        out,
+        logits.stride(0),
+        V,
+        seed,
+        SEEDED=keys is not None,
+        BLOCK_V=2048,
+        num_warps=8,
+    )
     return out
 
 
@@ -109,10 +136,49 @@ def greedy_triton(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
 
 
 def sample_ref(
-    logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    generator: torch.Generator | None = None,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same function in plain torch, its uniforms from `generator`."""
+    """The same function in plain torch: rows with a nonzero key take Philox uniforms exactly as the
+    kernel does; the other rows take theirs from `generator`."""
     x = logits.float()
-    u = torch.rand(x.shape, generator=generator, device=x.device).clamp_(min=1e-20)
-    sampled = (x / temperatures.clamp(min=1e-30)[:, None] - torch.log(-torch.log(u))).argmax(-1)
+    u = torch.rand(x.shape, generator=generator, device=x.device)
+    for row, key in enumerate([] if keys is None else keys.tolist()):
+        if key:
+            u[row] = philox_uniform_ref(key, torch.arange(x.shape[1], device=x.device))
+    inv = 1.0 / torch.where(temperatures > 0, temperatures, 1.0)  # as the kernel: x * (1 / T)
+    sampled = (x * inv[:, None] - torch.log(-torch.log(u.clamp_(min=1e-20)))).argmax(-1)
     return torch.where(temperatures > 0, sampled, x.argmax(-1))
+
+
+# Philox4x32-10 (the counter-based generator behind tl.rand), in int64 torch arithmetic: every value
+# is an unsigned 32-bit word held in an int64; products are split in 16-bit halves to stay in range.
+_M32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a * b for a 32-bit constant a and 32-bit words b."""
+    lo_part = a * (b & 0xFFFF)  # < 2**48
+    t = a * (b >> 16) + (lo_part >> 16)  # a * b == t * 2**16 + lo_part % 2**16
+    return t >> 16, ((t & 0xFFFF) << 16) | (lo_part & 0xFFFF)
+
+
+def philox_uniform_ref(key: int, offsets: torch.Tensor) -> torch.Tensor:
+    """tl.rand(key, offsets) in plain torch: float32 uniforms in [0, 1). key a 64-bit int (its low
+    and high words are Philox's key), offsets non-negative ints below 2**31 (the first counter word)."""
+    c0 = offsets.to(torch.int64) & _M32
+    c1 = torch.zeros_like(c0)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = key & _M32, (key >> 32) & _M32
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo(_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+    signed = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # the word as int32, as Triton reads it
+    return torch.where(signed < 0, -signed - 1, signed).to(torch.int32).float() * 4.6566127342e-10

@@ -212,23 +212,30 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     expect(page.locator("#conv-list")).to_contain_text("Tell me about the moon.")
     page.screenshot(path=str(ARTIFACTS / "01-reply.png"))
 
-    # regenerate -> alternative 2/2; ◀ back to 1/2; ▶ to 2/2
+    # regenerate -> alternative 2/2, stepped in place by the reply's own ‹ 2/2 ›
     first_reply = last_bot(page).inner_text()
     page.locator("#regenerate").click()
     expect(page.locator("#alt-label")).to_contain_text("2 / 2")
     wait_idle(page)
-    page.locator("#alt-prev").click()
-    expect(page.locator("#alt-label")).to_contain_text("1 / 2")
+    expect(last_bot(page).locator(".ver-count")).to_have_text("2/2")
+    expect(last_bot(page).locator(".ver-next.ver-on")).to_have_count(0)  # no › past the last
+    last_bot(page).locator(".ver-prev.ver-on").click()
+    expect(last_bot(page).locator(".ver-count")).to_have_text("1/2")
     expect(last_bot(page)).to_contain_text(first_reply.split("\n")[0][:20])
-    page.locator("#alt-next").click()
-    expect(page.locator("#alt-label")).to_contain_text("2 / 2")
+    last_bot(page).locator(".ver-next.ver-on").click()
+    expect(last_bot(page).locator(".ver-count")).to_have_text("2/2")
     page.screenshot(path=str(ARTIFACTS / "02-alternatives.png"))
 
-    # n = 2 alternatives in one request
-    set_setting(page, "n", 2)
+    # n = 3 alternatives in one request: all three stream side by side, then one shows with ‹ 1/3 ›
+    set_setting(page, "n", 3)
+    set_setting(page, "max-tokens", 160)  # long enough to see the three streams
     send(page, "Name a planet.")
-    expect(page.locator("#alt-label")).to_contain_text("1 / 2", timeout=T)
+    expect(page.locator("#chat")).to_contain_text("3/3 · generating…", timeout=T)
     wait_idle(page)
+    set_setting(page, "max-tokens", 24)
+    expect(last_bot(page).locator(".ver-count")).to_have_text("1/3")
+    last_bot(page).locator(".ver-next.ver-on").click()
+    expect(last_bot(page).locator(".ver-count")).to_have_text("2/3")
     set_setting(page, "n", 1)
 
     # edit the first user message -> a fork with its own reply; the old branch survives
@@ -239,10 +246,13 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     expect(page.locator("#chat")).to_contain_text("Tell me about the sun.")
     wait_idle(page)
     expect(page.locator("#chat")).not_to_contain_text("Name a planet.")
-    page.locator('#chat [data-testid="user"]').first.click()
-    expect(page.locator("#alt-label")).to_contain_text("version 2 / 2")
-    page.locator("#alt-prev").click()
+    # the edited message carries its own ‹ 2/2 ›; ‹ brings back the old branch
+    first_user = page.locator('#chat [data-testid="user"]').first
+    expect(first_user.locator(".ver-count")).to_have_text("2/2")
+    first_user.locator(".ver-prev.ver-on").click()
     expect(page.locator("#chat")).to_contain_text("Name a planet.")
+    expect(page.locator('#chat [data-testid="user"]').first.locator(".ver-count")).to_have_text("1/2")
+    page.screenshot(path=str(ARTIFACTS / "02b-versions-inline.png"))
 
     # stop: the partial reply stays, marked stopped (a new chat; greedy, this prompt runs to
     # max tokens)

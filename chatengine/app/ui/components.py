@@ -36,8 +36,8 @@ class Components:
     persona: gr.Dropdown
     header: gr.Markdown
     chatbot: gr.Chatbot
-    prev_btn: gr.Button
-    next_btn: gr.Button
+    ver_cmd: gr.Textbox  # "message id:step" from a click on an inline ‹ k/N › (hidden)
+    ver_go: gr.Button  # pressed by the page script after it sets ver_cmd (hidden)
     alt_label: gr.Markdown
     regen_btn: gr.Button
     continue_btn: gr.Button
@@ -62,7 +62,7 @@ class Components:
 
     @property
     def nav(self) -> list:
-        return [self.alt_label, self.prev_btn, self.next_btn, self.regen_btn, self.continue_btn]
+        return [self.alt_label, self.regen_btn, self.continue_btn]
 
     @property
     def view(self) -> list:
@@ -145,8 +145,6 @@ def _chat_tab(personas: dict, default_persona: str | None, max_n: int, max_token
         ),
     )
     with gr.Row(elem_id="nav-row"):
-        c["prev_btn"] = gr.Button("◀", size="sm", interactive=False, elem_id="alt-prev", scale=0, min_width=44)
-        c["next_btn"] = gr.Button("▶", size="sm", interactive=False, elem_id="alt-next", scale=0, min_width=44)
         c["alt_label"] = gr.Markdown("", elem_id="alt-label")
         c["regen_btn"] = gr.Button(
             "↻ Regenerate", size="sm", interactive=False, elem_id="regenerate", scale=0, min_width=130
@@ -154,6 +152,9 @@ def _chat_tab(personas: dict, default_persona: str | None, max_n: int, max_token
         c["continue_btn"] = gr.Button(
             "Continue ▸", size="sm", interactive=False, elem_id="continue", scale=0, min_width=110
         )
+    with gr.Row(elem_classes="hidden-cmd"):  # in the page (a script reaches them) but never shown
+        c["ver_cmd"] = gr.Textbox(elem_id="ver-cmd", show_label=False, container=False)
+        c["ver_go"] = gr.Button("switch version", elem_id="ver-go")
     with gr.Row(elem_id="input-row"):
         c["msg"] = gr.Textbox(
             placeholder="Message… (Enter to send, Shift+Enter for a new line)",

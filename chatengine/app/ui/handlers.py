@@ -31,6 +31,7 @@ from chatengine.app.ui.render import (
     default_focus,
     kv_picture,
     nav_state,
+    parse_version_step,
     persona_header,
     persona_placeholder,
     to_chat,
@@ -113,12 +114,10 @@ class ChatUI:
         return gr.update(value=text, visible=bool(text))
 
     def nav(self, view: list[dict], focus: str | None) -> dict:
-        label, can_prev, can_next = nav_state(view, focus)
+        label = nav_state(view, focus)
         c = self.c
         return {
             c.alt_label: gr.update(value=label),
-            c.prev_btn: gr.update(interactive=can_prev),
-            c.next_btn: gr.update(interactive=can_next),
             c.regen_btn: gr.update(interactive=focus is not None),
             c.continue_btn: gr.update(interactive=can_continue(view, focus)),
         }
@@ -139,8 +138,6 @@ class ChatUI:
             c.rows: [],
             c.focus: None,
             c.alt_label: "",
-            c.prev_btn: off,
-            c.next_btn: off,
             c.regen_btn: off,
             c.continue_btn: off,
         }
@@ -155,8 +152,6 @@ class ChatUI:
             c.rows: [m["id"] for m in view] + [None],
             c.focus: None,
             c.alt_label: "Waiting for the engine…",
-            c.prev_btn: off,
-            c.next_btn: off,
             c.regen_btn: off,
             c.continue_btn: off,
         }
@@ -282,22 +277,25 @@ class ChatUI:
 
     # ---- streaming turns ------------------------------------------------------------------------
     def _progress(self, view: list[dict], up) -> dict:
-        """The transcript while a reply streams: the first alternative's text so far."""
-        shown = up.message_ids[0]
-        for m in view:
-            if m["id"] == shown:
-                m["content"] = up.texts[0]
-                m["stats"] = up.stats[0] if up.stats else {}
+        """The transcript while a reply streams: every alternative's text so far, one bubble each
+        (k/N, in order) where the reply's place is."""
+        shown, n = up.message_ids[0], len(up.message_ids)
+        streaming = [
+            dict(id=mid, role="assistant", content=up.texts[i], k=i + 1, n=n, stats=(up.stats or [{}] * n)[i])
+            for i, mid in enumerate(up.message_ids)
+        ]
+        at = next((i for i, m in enumerate(view) if m["id"] == shown), len(view))
+        view = view[:at] + streaming + view[at + 1 :]
+        live = set(up.message_ids)
+        rows = [row for m in view for row in to_chat([m], streaming_id=m["id"] if m["id"] in live else None)]
         c = self.c
         off = gr.update(interactive=False)
-        label = f"Generating {len(up.message_ids)} alternatives…" if len(up.message_ids) > 1 else "Generating…"
+        label = f"Generating {n} alternatives…" if n > 1 else "Generating…"
         return {
-            c.chatbot: to_chat(view, streaming_id=shown),
+            c.chatbot: rows,
             c.rows: [m["id"] for m in view],
             c.focus: shown,
             c.alt_label: label,
-            c.prev_btn: off,
-            c.next_btn: off,
             c.regen_btn: off,
             c.continue_btn: off,
         }
@@ -482,11 +480,12 @@ class ChatUI:
             gr.Warning("That message does not exist.")
             return gr.skip()
 
-    def previous(self, conv_id, focus_id, request: gr.Request) -> dict:
-        return self.switch(conv_id, focus_id, -1, request)
-
-    def next(self, conv_id, focus_id, request: gr.Request) -> dict:
-        return self.switch(conv_id, focus_id, +1, request)
+    def step_version(self, conv_id, cmd, request: gr.Request) -> dict:
+        """A click on a message's inline ‹ or ›: show its previous or next version."""
+        parsed = parse_version_step(cmd)
+        if parsed is None:
+            return gr.skip()
+        return self.switch(conv_id, parsed[0], parsed[1], request)
 
     def on_select(self, conv_id, row_ids, data: gr.SelectData, request: gr.Request) -> dict:
         user = self.who(request)

@@ -56,6 +56,11 @@ CSS = """
 #conn-banner button {margin-left: .4em; padding: .2em .9em; border-radius: 6px; border: 1px solid #b45309;
                      background: #fff; cursor: pointer}
 body.conn-lost #stop {display: none}
+.hidden-cmd {display: none !important}
+#chat .ver-nav {font-weight: 600; opacity: 1; white-space: nowrap; user-select: none}
+#chat .ver-step {display: inline-block; padding: 0 .45em; border-radius: 4px; opacity: .35}
+#chat .ver-step.ver-on {cursor: pointer; opacity: 1}
+#chat .ver-step.ver-on:hover {background: var(--background-fill-secondary)}
 """
 
 # The server gone (stopped, crashed, the network): Gradio shows a toast and leaves the page as it
@@ -112,6 +117,36 @@ JS = """
   }).observe(document.body, {childList: true, subtree: true});
 }
 """
+
+
+# An inline ‹ or › (render.version_nav) is a span in a message: Gradio gives the chatbot no click
+# events inside a message, so this catches the click first (capture phase, before the message's
+# own select), writes "message id:step:nonce" into the hidden ver-cmd box and presses ver-go. The
+# id is the nav's "vm-<id>" class (the sanitizer drops data attributes).
+JS_VERSIONS = """
+() => {
+  document.addEventListener("click", (ev) => {
+    const step = ev.target.closest && ev.target.closest("#chat .ver-step.ver-on");
+    if (!step) return;
+    ev.preventDefault();
+    ev.stopPropagation();
+    const nav = step.closest(".ver-nav");
+    const cls = nav && [...nav.classList].find((c) => c.startsWith("vm-"));
+    const box = document.querySelector("#ver-cmd textarea, #ver-cmd input");
+    const go = document.querySelector("#ver-go");
+    if (!cls || !box || !go) return;
+    const dir = step.classList.contains("ver-prev") ? "-1" : "1";
+    box.value = cls.slice(3) + ":" + dir + ":" + Date.now();
+    box.dispatchEvent(new Event("input", {bubbles: true}));
+    setTimeout(() => go.click(), 0);
+  }, true);
+}
+"""
+
+
+def page_js() -> str:
+    """The page's scripts, each run once on load."""
+    return "() => {" + "".join(f"({js.strip()})();" for js in (JS, JS_VERSIONS)) + "}"
 
 
 def theme():
@@ -222,12 +257,7 @@ def _wire_turns(ui: ChatUI, c: Components) -> None:
 
 
 def _wire_alternatives(ui: ChatUI, c: Components) -> None:
-    c.prev_btn.click(
-        ui.previous, [c.cid, c.focus], c.view, api_name="previous_alternative", queue=False, show_progress="hidden"
-    )
-    c.next_btn.click(
-        ui.next, [c.cid, c.focus], c.view, api_name="next_alternative", queue=False, show_progress="hidden"
-    )
+    c.ver_go.click(ui.step_version, [c.cid, c.ver_cmd], c.view, api_name="switch_version", **QUIET)
     c.chatbot.select(ui.on_select, [c.cid, c.rows], [c.focus, *c.nav], **QUIET)
 
 

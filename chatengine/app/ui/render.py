@@ -54,6 +54,7 @@ def escape_html(text: str) -> str:
 
 def unescape_html(text: str) -> str:
     """The inverse of escape_html (for the text of an edited message)."""
+    text = _USER_NAV_TAIL.sub("", text)  # Gradio's editor starts from the shown text, ‹ k/N › included
     return "".join(c if code else c.replace("&lt;", "<").replace("&amp;", "&") for code, c in _segments(text))
 
 
@@ -61,11 +62,12 @@ def _fmt_ms(ms) -> str:
     return f"{ms / 1000:.2f} s" if ms >= 1000 else f"{ms:.0f} ms"
 
 
-def footer(m: dict, streaming: bool = False) -> str:
-    """The stats line under a reply (HTML with fixed classes; every value is escaped)."""
+def footer(m: dict, streaming: bool = False, nav: str = "") -> str:
+    """The stats line under a reply (HTML with fixed classes; every value is escaped), after the
+    message's ‹ k/N › when it has one (else a plain k/N marks an alternative)."""
     st = m.get("stats") or {}
-    parts = []
-    if m.get("n", 1) > 1:
+    parts = [nav] if nav else []
+    if m.get("n", 1) > 1 and not nav:
         parts.append(f"<span class='alt'>{m['k']}/{m['n']}</span>")
     if st.get("tokens") is not None:
         parts.append(f"{st['tokens']} tokens")
@@ -86,27 +88,57 @@ def footer(m: dict, streaming: bool = False) -> str:
     elif st.get("finish_reason") == "length":
         parts.append("cut at max tokens")
     if streaming:
-        parts = parts[:1] + ["generating…"] if m.get("n", 1) > 1 else ["generating…"]
+        parts = parts[:1] + ["generating…"] if m.get("n", 1) > 1 and not nav else ["generating…"]
     text = " · ".join(parts)
     if warn:
         text += (" · " if text else "") + f"<span class='msg-warn'>⚠ {html.escape(warn)}</span>"
     return f"<span class='msg-stats'>{text}</span>" if text else ""
 
 
-def to_chat(view: list[dict], streaming_id: str | None = None) -> list[dict]:
+USER_NAV = "\n\n<span class='msg-stats'>{}</span>"
+_USER_NAV_TAIL = re.compile(
+    r"\n*<span class='msg-stats'><span class='ver-nav vm-[\w-]+'>.*?</span></span></span>\s*\Z", re.S
+)
+_ID = re.compile(r"[\w-]{1,64}")
+
+
+def version_nav(m: dict) -> str:
+    """The inline ‹ k/N › of a message with versions (edits) or alternatives (regenerations, n
+    samples): spans a page script turns into clicks (see layout.JS_VERSIONS); '' for a single one.
+    Gradio's sanitizer keeps classes but drops data attributes, so the message id and the step
+    ride in class names ("vm-<id>", "ver-prev"/"ver-next", "ver-on" where a step is possible)."""
+    if m.get("n", 1) <= 1 or not _ID.fullmatch(str(m["id"])):
+        return ""
+    prev = " ver-on" if m["k"] > 1 else ""
+    nxt = " ver-on" if m["k"] < m["n"] else ""
+    return (
+        f"<span class='ver-nav vm-{m['id']}'>"
+        f"<span class='ver-step ver-prev{prev}' role='button' title='previous version'>‹</span>"
+        f"<span class='ver-count'>{m['k']}/{m['n']}</span>"
+        f"<span class='ver-step ver-next{nxt}' role='button' title='next version'>›</span></span>"
+    )
+
+
+def _reply(m: dict, streaming: bool, nav: str) -> dict:
+    body = escape_html(m["content"])
+    if streaming:
+        body += " ▍"
+    elif not body.strip():
+        body = "*(no text)*" if m.get("status") != "aborted" else "*(stopped before the first token)*"
+    foot = footer(m, streaming, nav)
+    return {"role": "assistant", "content": body + ("\n\n" + foot if foot else "")}
+
+
+def to_chat(view: list[dict], streaming_id: str | None = None, inline_nav: bool = True) -> list[dict]:
+    """Chatbot rows of a transcript; with ``inline_nav`` every message with versions carries its ‹ k/N ›."""
     rows = []
     for m in view:
+        nav = version_nav(m) if inline_nav and m["id"] != streaming_id else ""
         if m["role"] == "user":
-            rows.append({"role": "user", "content": escape_html(m["content"])})
+            text = escape_html(m["content"])
+            rows.append({"role": "user", "content": text + (USER_NAV.format(nav) if nav else "")})
             continue
-        streaming = m["id"] == streaming_id
-        body = escape_html(m["content"])
-        if streaming:
-            body += " ▍"
-        elif not body.strip():
-            body = "*(no text)*" if m.get("status") != "aborted" else "*(stopped before the first token)*"
-        foot = footer(m, streaming)
-        rows.append({"role": "assistant", "content": body + ("\n\n" + foot if foot else "")})
+        rows.append(_reply(m, m["id"] == streaming_id, nav))
     return rows
 
 
@@ -132,11 +164,11 @@ def can_continue(view: list[dict], focus: str | None) -> bool:
     )
 
 
-def nav_state(view: list[dict], focus: str | None):
-    """(label markdown, prev interactive, next interactive) for the selected message."""
+def nav_state(view: list[dict], focus: str | None) -> str:
+    """The label (markdown) naming the selected message, which Regenerate and Continue act on."""
     m = next((m for m in view if m["id"] == focus), None)
     if m is None:
-        return "", False, False
+        return ""
     pos = [x["id"] for x in view if x["role"] == m["role"]].index(m["id"]) + 1
     last = m["id"] == view[-1]["id"] or (
         m["role"] == "assistant" and m["id"] == next(x["id"] for x in reversed(view) if x["role"] == "assistant")
@@ -150,7 +182,15 @@ def nav_state(view: list[dict], focus: str | None):
     label = f"{what} · {kind} **{m['k']} / {m['n']}**" if m["n"] > 1 else f"{what} · {kind} 1 / 1"
     if len(view) > 2:
         label += " <span style='opacity:.55'>· click a message to select it</span>"
-    return label, m["k"] > 1, m["k"] < m["n"]
+    return label
+
+
+def parse_version_step(cmd) -> tuple[str, int] | None:
+    """("message id", ±1) from the page script's "id:step[:nonce]"; None for anything else."""
+    parts = str(cmd or "").split(":")
+    if len(parts) < 2 or not _ID.fullmatch(parts[0]) or parts[1] not in ("-1", "1"):
+        return None
+    return parts[0], int(parts[1])
 
 
 # ---- engine view --------------------------------------------------------------------------------
