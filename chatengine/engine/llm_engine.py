@@ -70,7 +70,8 @@ class LLMEngine:
         self.weights_digest, self.hf_dir = loaded.weights_digest, loaded.hf_dir
         del loaded
         # the root of every block-hash chain: other weights, dtype or layout can never hit these blocks
-        numerics = str(dtype) + (f"+{config.quantization}" if config.quantization else "")
+        quantization = self.runner.quantization
+        numerics = str(dtype) + (f"+{quantization}" if quantization != "none" else "")
         root = model_fingerprint(self.model_id, self.weights_digest, numerics, KV_LAYOUT, config.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, root)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
