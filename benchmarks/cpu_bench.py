@@ -12,7 +12,7 @@ of `--streams` concurrent greedy streams (ours: one engine batch; llama.cpp: one
 step over n_seq_max sequences through its low-level API; transformers: one padded generate batch),
 and the process's peak RSS. llama.cpp's Q4_0 file is its own re-quantization of the Q4_1 file
 (llama_model_quantize, allow_requantize); ours-q4_0 re-quantizes the de-quantized weights at load.
-Agreement: the greedy tokens of our default (quantized) path against our fp32 path
+Agreement: the greedy tokens of our quantized path (--quantization gguf) against our fp32 path
 (quantization="none") on the benchmark prompts: the share of the first `--agree-tokens` positions
 before the first difference, over all prompts.
 """
@@ -250,7 +250,7 @@ def worker(args):
 
     e = args.worker
     if e == "ours":
-        r = work_ours(args, None)
+        r = work_ours(args, "gguf")  # the file's own blocks (q4_1 for the default model)
     elif e.startswith("ours-"):
         r = work_ours(args, e.removeprefix("ours-"))
     elif e == "llamacpp":
@@ -266,7 +266,8 @@ def worker(args):
 
 
 def agreement(args):
-    """Greedy tokens of our default path against quantization='none', first args.agree_tokens."""
+    """Greedy tokens of our quantized path (the file's own blocks: quantization='gguf') against
+    quantization='none', first args.agree_tokens."""
     import torch
 
     from chatengine import LLM, SamplingParams
@@ -274,15 +275,15 @@ def agreement(args):
     torch.set_num_threads(args.threads)
     sp = SamplingParams(temperature=0, max_tokens=args.agree_tokens, ignore_eos=True)
     toks = {}
-    for q in (None, "none"):
+    for q in ("gguf", "none"):
         llm = LLM(quantization=q, register_personas=False)
         prompts = [chat_ids(llm.get_tokenizer(), x) for x in QUESTIONS]
         toks[q] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        fmt = llm.engine.runner.quantization if q is None else q
-        toks["fmt" if q is None else "x"] = fmt
+        fmt = llm.engine.runner.quantization if q == "gguf" else q
+        toks["fmt" if q == "gguf" else "x"] = fmt
         llm.shutdown()
     prefix = []
-    for a, b in zip(toks[None], toks["none"]):
+    for a, b in zip(toks["gguf"], toks["none"]):
         k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         prefix.append(k)
     return {
