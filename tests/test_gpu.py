@@ -82,7 +82,8 @@ class DenseBackend:
         self.v = v
         return q
 
-    def attention(self, q, k_cache, v_cache, meta, scale):  # q (T, H, D)
+    def attention(self, q, k_cache, v_cache, meta, scale, window=0):  # q (T, H, D); the models here: no window
+        assert window == 0
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             self.k.transpose(0, 1)[None],
