@@ -202,7 +202,7 @@ def part_sweep_decode(args, res, out):
                         32,
                         o.stride(0),
                         o.stride(1),
-                        NUM_SPLITS=64,
+                        64,
                         BLOCK_S=64,
                         HEAD_DIM=64,
                         BLOCK_D=64,

@@ -2,6 +2,11 @@
 
 from dataclasses import dataclass, fields
 
+# weight formats of the linear layers: "none" (the model's dtype), "fp8" (CUDA, compute capability
+# 8.9+), or on the CPU GGML's blocks of 32 weights: "q8_0", "q4_0", "q4_1" (kernels/cpu_quant.py)
+QUANTIZATIONS = ("none", "fp8", "q8_0", "q4_0", "q4_1", "gguf")
+CPU_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -28,7 +33,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step N+1 before step N's tokens are back; None: on CUDA
     tensor_parallel_size: int = 1  # ranks (GPUs) the weights and KV heads are split over; one process each
-    quantization: str | None = None  # "fp8": e4m3 weights of the linear layers, per-channel scales (models/fp8.py)
+    # one of QUANTIZATIONS; None: "none". "gguf": on the CPU a GGUF's own block format when its layers
+    # share one of CPU_QUANTIZATIONS (lossless: the de-quantized weights re-quantize to the file's
+    # blocks). Opt-in: measured so far, the quantized CPU path decodes and prefills slower than fp32.
+    quantization: str | None = None
     seed: int = 0  # seed of dummy weights and of unseeded sampling
     debug_checks: bool = False  # check block-manager invariants after every step
 
@@ -52,12 +60,22 @@ class EngineConfig:
                 "the disk tier of the KV cache (kv_store_dir) does not work with tensor_parallel_size > 1 yet: "
                 "leave kv_store_dir unset, or serve with --no-disk-kv (the host tier works)"
             )
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            known = ", ".join(QUANTIZATIONS)
+            raise ValueError(f"quantization must be None or one of {known}, got {self.quantization!r}")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
         if self.cpu_offload_gib < 0 or self.kv_store_gib <= 0:
             raise ValueError("cpu_offload_gib must be >= 0 and kv_store_gib > 0")
+
+    def quantization_on(self, device_type: str, gguf_format: str | None = None) -> str:
+        """The weight format on a device of this type: the setting ("gguf": the GGUF's own block
+        format `gguf_format` on the CPU, else none)."""
+        own = gguf_format if device_type == "cpu" and gguf_format in CPU_QUANTIZATIONS else "none"
+        quantization = own if self.quantization == "gguf" else self.quantization or "none"
+        if quantization in CPU_QUANTIZATIONS and device_type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on the CPU only (use 'fp8' or 'none' on a GPU)")
+        return quantization
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -14,8 +14,9 @@ from chatengine import LLM  # noqa: E402
 
 @pytest.fixture(scope="session")
 def llm():
-    """The embedded SmolLM2-135M-Instruct on CPU, fp32 (loaded once: ~5 s)."""
-    engine = LLM(max_num_batched_tokens=512, kv_cache_gib=0.25)
+    """The embedded SmolLM2-135M-Instruct on CPU, fp32 (loaded once: ~5 s): quantization="none", so
+    the tests comparing it with transformers run the fp32 path (the CPU default keeps the GGUF's blocks)."""
+    engine = LLM(max_num_batched_tokens=512, kv_cache_gib=0.25, quantization="none")
     yield engine
     engine.shutdown()
 
@@ -24,7 +25,9 @@ def llm():
 def llm_async():
     """The default model with async scheduling (CUDA's default; off on CPU): step N+1 is scheduled on
     placeholders before step N's tokens are processed. Checks invariants every step."""
-    engine = LLM(max_num_batched_tokens=512, kv_cache_gib=0.25, async_scheduling=True, debug_checks=True)
+    engine = LLM(
+        max_num_batched_tokens=512, kv_cache_gib=0.25, async_scheduling=True, debug_checks=True, quantization="none"
+    )
     yield engine
     engine.shutdown()
 

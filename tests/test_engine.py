@@ -84,6 +84,7 @@ def test_chunked_prefill_and_preemption_do_not_change_greedy(prompt_ids, hf_refe
         enable_prefix_caching=False,
         debug_checks=True,
         async_scheduling=async_scheduling,
+        quantization="none",
     )
     outs = small.generate(prompt_ids, GREEDY)
     stats = small.stats()

@@ -173,7 +173,9 @@ def test_disk_budget_evicts_oldest(tmp_path):
 
 def test_idle_conversation_comes_back_from_host_memory(llm):
     # 12 device blocks: other users' chats push the first one's pages out to host memory
-    small = LLM(num_kv_blocks=12, cpu_offload_gib=0.05, max_num_batched_tokens=256, debug_checks=True)
+    small = LLM(
+        num_kv_blocks=12, cpu_offload_gib=0.05, max_num_batched_tokens=256, debug_checks=True, quantization="none"
+    )
     first = small.chat(chat("volcanoes"), GREEDY)[0]
     for topic in ("glaciers", "tides", "comets", "bees", "clouds", "maps", "moss"):
         small.chat(chat(topic), GREEDY)
@@ -195,10 +197,10 @@ def test_restart_restores_from_disk(tmp_path, llm):
     kv = str(tmp_path / "kv")
     convo = chat("the history of tea in three short parts")
     reference = llm.chat(convo, GREEDY)[0].outputs[0].token_ids
-    a = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05)
+    a = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05, quantization="none")
     out_a = a.chat(convo, GREEDY, user="alice")[0]
     a.shutdown()  # flushes every cached block to disk
-    b = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05, debug_checks=True)
+    b = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05, debug_checks=True, quantization="none")
     assert b.stats()["disk_blocks"] > 0
     assert b.chat(convo, GREEDY, user="bob")[0].num_cached_tokens == 0  # another user: no hit
     out_b = b.chat(convo, GREEDY, user="alice")[0]
@@ -210,7 +212,7 @@ def test_restart_restores_from_disk(tmp_path, llm):
     files = [f for d in root_dirs for f in d.glob("*/*.kv")]
     for f in files:
         f.write_bytes(f.read_bytes()[:-7])
-    c = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05)
+    c = LLM(kv_store_dir=kv, max_num_batched_tokens=256, kv_cache_gib=0.05, quantization="none")
     out_c = c.chat(convo, GREEDY, user="alice")[0]
     assert out_c.num_cached_tokens == 0 and out_c.outputs[0].token_ids == reference
     assert c.stats()["disk_damaged_files"] >= 1
@@ -269,7 +271,9 @@ def test_memory_pressure_completes_correctly(llm):
     reference = [o.outputs[0].token_ids for o in llm.chat([chat(t) for t in topics], params)]
     # 8 conversations of ~54 + 40 tokens share a ~2-block template prefix; 20 blocks cannot hold
     # them all as they grow: preemption + eviction + restore from host memory
-    tight = LLM(num_kv_blocks=20, cpu_offload_gib=0.05, max_num_batched_tokens=128, debug_checks=True)
+    tight = LLM(
+        num_kv_blocks=20, cpu_offload_gib=0.05, max_num_batched_tokens=128, debug_checks=True, quantization="none"
+    )
     outs = tight.chat([chat(t) for t in topics], params)
     stats = tight.stats()
     assert [o.outputs[0].token_ids for o in outs] == reference

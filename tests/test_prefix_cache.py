@@ -21,7 +21,7 @@ def conversation(system, *turns):
 
 @pytest.fixture(scope="module")
 def no_cache():
-    return LLM(enable_prefix_caching=False, max_num_batched_tokens=512, kv_cache_gib=0.1)
+    return LLM(enable_prefix_caching=False, max_num_batched_tokens=512, kv_cache_gib=0.1, quantization="none")
 
 
 def test_cache_on_and_off_give_the_same_greedy_tokens(llm, no_cache):

@@ -93,3 +93,16 @@ def test_the_key_is_private_and_kept(tmp_path):
     (tmp_path / KEY_FILE).write_bytes(b"short")
     with pytest.raises(ValueError, match="damaged"):
         load_or_create_key(tmp_path)
+
+
+def test_a_disabled_account_signs_in_no_more(store, tmp_path):
+    """A cookie of an account disabled since refuses at once; disabling also deletes its sign-ins,
+    so enabling it again does not bring old cookies back."""
+    active = {"alice": True, "bob": True}
+    sessions = LoginSessions(store, load_or_create_key(tmp_path), is_active=lambda u: active[u])
+    alice, bob = sessions.create("alice"), sessions.create("bob")
+    active["alice"] = False
+    assert sessions.user_of(alice) is None and sessions.user_of(bob) == "bob"
+    sessions.revoke_user("alice")
+    active["alice"] = True
+    assert sessions.user_of(alice) is None and sessions.user_of(bob) == "bob"

@@ -496,7 +496,7 @@ def test_a_version_1_database_gains_the_pinned_column(tmp_path):
     try:
         [conv] = s.list_conversations(A)
         assert (conv["id"], conv["title"], conv["pinned"], conv["updated_at"]) == ("c1", "kept", False, 2.0)
-        assert s.db.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 3
+        assert s.db.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 4
         assert s.get_conversation(A, "c1")["model"] is None
         s.set_pinned(A, "c1", True)
         assert s.get_conversation(A, "c1")["pinned"] is True

@@ -46,6 +46,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -220,13 +221,22 @@ class TurnTemplate:
 
 class ChatService:
     def __init__(
-        self, engine, store: ChatStore, personas: dict | None = None, *, default_persona: str | None = "assistant"
+        self,
+        engine,
+        store: ChatStore,
+        personas: dict | None = None,
+        *,
+        default_persona: str | None = "assistant",
+        catalog=None,
     ):
+        """catalog: a PersonaCatalog (persona_catalog.py): personas that change at run time, some
+        private to one user; then `personas` is its live lookup and `personas_for` says who sees what."""
         self.engine = engine
         # the conversations this service creates talk to this model (several served: model_chats.py)
         self.model_id = str(engine.model_id)
         self.store = store
-        self.personas = dict(personas or {})
+        self.catalog = catalog
+        self.personas: Mapping = catalog.lookup if catalog is not None else dict(personas or {})
         if default_persona not in self.personas:
             default_persona = next(iter(self.personas), None)
         self.default_persona = default_persona
@@ -248,14 +258,19 @@ class ChatService:
         self, user: str, persona: str | None = None, title: str = DEFAULT_TITLE, settings: dict | None = None
     ) -> str:
         persona = persona or self.default_persona
-        if persona is not None and persona not in self.personas:
-            raise ValueError(f"unknown persona {persona!r}; choose one of {', '.join(self.personas)}")
+        visible = self.personas_for(user)
+        if persona is not None and persona not in visible:
+            raise ValueError("that persona does not exist (any more): pick another one")
         cid = self.store.create_conversation(user, title=title, persona=persona, settings=settings, model=self.model_id)
         if persona is not None:
-            prompt = self.personas[persona].system_prompt
+            prompt = visible[persona].system_prompt
             ids = self.template.system_ids(prompt) if self.template.incremental else None
             self.store.add_message(user, cid, "system", prompt, None, token_ids=ids)
         return cid
+
+    def personas_for(self, user: str) -> Mapping:
+        """The personas `user` may start a chat with (another user's private ones are not there)."""
+        return self.catalog.visible(user) if self.catalog is not None else self.personas
 
     def list_conversations(self, user: str, query: str | None = None) -> list[dict]:
         return self.store.list_conversations(user, query=query or None)

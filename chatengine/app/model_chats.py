@@ -35,8 +35,11 @@ class ModelChats:
         self.personas, self.default_persona = self.default.personas, self.default.default_persona
 
     @classmethod
-    def build(cls, models: ServedModels, store: ChatStore, personas: dict | None = None) -> ModelChats:
-        return cls({model_id: ChatService(engine, store, personas) for model_id, engine in models.items()})
+    def build(cls, models: ServedModels, store: ChatStore, personas: dict | None = None, *, catalog=None) -> ModelChats:
+        """catalog: a PersonaCatalog that every model's chats share (personas_for, live personas)."""
+        return cls(
+            {model_id: ChatService(engine, store, personas, catalog=catalog) for model_id, engine in models.items()}
+        )
 
     @classmethod
     def of(cls, service: ChatService | ModelChats) -> ModelChats:

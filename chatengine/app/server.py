@@ -92,7 +92,8 @@ def create_app(
     local user without login. ``cors_origins``: origins whose pages may call the API (None: no CORS).
     ``default_max_tokens``: an API reply's cap when the request names no max_tokens (None or 0: the
     context's room, or the model's own max_new_tokens).
-    ``app.state.chat`` holds the engines (``models``; ``engine``: the default's) and the store.
+    ``app.state.chat`` holds the engines (``models``; ``engine``: the default's), the store, the
+    accounts (users.py) and the personas (persona_catalog.py).
     """
     import gradio as gr
 
@@ -101,8 +102,10 @@ def create_app(
     from chatengine.app.memory_split import parse_split
     from chatengine.app.model_chats import ModelChats
     from chatengine.app.models import ServedModels
+    from chatengine.app.persona_catalog import PersonaCatalog
     from chatengine.app.ui.handlers import LOCAL_USER
     from chatengine.app.ui.layout import CSS, build_ui, page_js, theme
+    from chatengine.app.users import AdminSet, UserDirectory
     from chatengine.personas import load_personas
 
     # checks that can fail run before the model loads: a bad directory or database costs one line at once
@@ -122,6 +125,14 @@ def create_app(
     except BaseException:
         lock.close()
         raise
+    accounts = UserDirectory(store)
+    if users is not None:  # the file is an import: the database holds the accounts from now on
+        try:
+            accounts.import_users(users)
+        except BaseException:
+            store.close()
+            lock.close()
+            raise
     own_engine = engine is None
     try:
         models = (
@@ -132,11 +143,13 @@ def create_app(
         lock.close()
         raise
     engine = models.default
-    service = ModelChats.build(models, store, load_personas())
+    # prompts/ seed the personas; public ones are registered with every model's engine
+    catalog = PersonaCatalog(store, [e for _, e in models.items()], load_personas())
+    service = ModelChats.build(models, store, catalog=catalog)
     limit = api_rate_limit if users is not None and api_rate_limit else None
     app = build_api(
         models,
-        users,
+        accounts if users is not None else None,
         model_name=models.default_id,
         rate_limit_per_minute=limit,
         cors_origins=cors_origins,
@@ -147,13 +160,17 @@ def create_app(
         auth_enabled=users is not None,
         title=title,
         max_n=max_n,
-        admins=auth.admins(users),
+        admins=AdminSet(accounts),
         default_max_tokens=default_max_tokens or None,
+        accounts=accounts,
+        catalog=catalog,
     )
     user_of = auth_dependency = None  # who a request's cookies sign in; None throughout without --users
     if users is not None:
-        sessions = LoginSessions(store, load_or_create_key(data))
-        auth_dependency = add_login_routes(app, sessions, _login_check(users))
+        # a disabled user's cookies sign in no one, and disabling ends their sign-ins for good
+        sessions = LoginSessions(store, load_or_create_key(data), is_active=accounts.is_active)
+        accounts.on_disable.append(sessions.revoke_user)
+        auth_dependency = add_login_routes(app, sessions, _login_check(accounts))
         user_of = lambda cookies: sessions.user_of(cookies.get(COOKIE))  # noqa: E731
     add_export_route(app, store, auth_dependency or (lambda request: LOCAL_USER))
     app = gr.mount_gradio_app(
@@ -182,7 +199,9 @@ def create_app(
         )
         app.add_middleware(LoginPageMiddleware, user_of=user_of, title=title, message="Sign in to chatengine")
     access_log.install()
-    app.state.chat = SimpleNamespace(engine=engine, models=models, store=store, own_engine=own_engine, lock=lock)
+    app.state.chat = SimpleNamespace(
+        engine=engine, models=models, store=store, own_engine=own_engine, lock=lock, accounts=accounts, catalog=catalog
+    )
     return app
 
 
@@ -223,7 +242,7 @@ def _open_store(path: Path):
     return store
 
 
-def _login_check(users: dict):
+def _login_check(accounts):
     # a hashed password costs ~0.3 s of PBKDF2: off the event loop that streams replies, one at a
     # time, on a thread of low CPU priority, so guesses take little from the engine on a busy CPU
     # (nice 10 weighs a tenth of the engine's threads: a sign-in on a saturated core takes ~3 s;
@@ -232,7 +251,7 @@ def _login_check(users: dict):
 
     async def check_login(username: str, password: str) -> bool:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(hashing, auth.verify_password, users, username, password)
+        return await loop.run_in_executor(hashing, accounts.verify_password, username, password)
 
     return check_login
 
@@ -347,10 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; default: bf16 on CUDA, fp32 on CPU")
     p.add_argument(
         "--quantization",
-        choices=["fp8"],
+        choices=["none", "fp8", "q8_0", "q4_0", "q4_1", "gguf"],
         default=None,
         help="fp8: e4m3 weights with per-channel scales for the linear layers (GPUs of compute capability "
-        "8.9+: half the weight memory and bytes per decode step)",
+        "8.9+: half the weight memory and bytes per decode step); q8_0/q4_0/q4_1: GGML blocks on the CPU; "
+        "gguf: a GGUF file's own block format on the CPU; default none",
     )
     p.add_argument(
         "--kv-cache-gib", type=float, default=None, help="CPU: size of the KV page pool in GiB (engine default 1.0)"

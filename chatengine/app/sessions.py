@@ -19,6 +19,7 @@ import hmac
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from chatengine.app.datadir import create_private_file
@@ -47,8 +48,12 @@ def load_or_create_key(data_dir: str | os.PathLike) -> bytes:
 
 
 class LoginSessions:
-    def __init__(self, store: ChatStore, key: bytes, ttl_s: float = TTL_S):
+    def __init__(
+        self, store: ChatStore, key: bytes, ttl_s: float = TTL_S, is_active: Callable[[str], bool] | None = None
+    ):
+        """is_active(user): False for an account disabled since it signed in (its cookies sign in no one)."""
         self.store, self.key, self.ttl_s = store, key, ttl_s
+        self.is_active = is_active or (lambda user: True)
 
     def _sign(self, token: str) -> str:
         return _b64(hmac.new(self.key, token.encode(), hashlib.sha256).digest())
@@ -69,13 +74,18 @@ class LoginSessions:
     def user_of(self, cookie: str | None) -> str | None:
         """The user signed in with this cookie, or None (forged, expired, logged out, unknown)."""
         token = self._token(cookie)
-        return self.store.session_user(_hash(token)) if token else None
+        user = self.store.session_user(_hash(token)) if token else None
+        return user if user is not None and self.is_active(user) else None
 
     def revoke(self, cookie: str | None) -> None:
         """Log out: this cookie signs no one in from now on."""
         token = self._token(cookie)
         if token:
             self.store.delete_session(_hash(token))
+
+    def revoke_user(self, user: str) -> None:
+        """Sign ``user`` out of every browser (their account was disabled)."""
+        self.store.delete_sessions_of(user)
 
 
 def _hash(token: str) -> str:

@@ -20,6 +20,7 @@ raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is 
     store.delete_conversation(user, cid)
     store.messages(user, cid) -> list[dict]     # every message of the tree, creation order (export)
     store.add_session(token_hash, user, expires_at); store.delete_session(token_hash)
+    store.delete_sessions_of(user)              # every sign-in of a (disabled) user
     store.session_user(token_hash) -> str | None # the signed-in user of an unexpired session
     mid = store.add_message(user, cid, role, content, parent_id=None, *, token_ids=None,
                             stats=None, settings=None, status="done", activate=True)
@@ -31,6 +32,10 @@ raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is 
     store.prompt_token_ids(user, mid) -> list[int] | None
     store.recover_interrupted() -> int          # at server start: 'streaming' -> 'interrupted'
     store.close()
+
+The accounts (the users table's password_hash, admin, disabled and imported_at columns, and the
+api_keys table) belong to users.py; the personas table to persona_catalog.py. They share this file
+and its connections (``_write`` for their transactions).
 
 A conversation dict has id, user_id, title, persona, settings, active_leaf_id, pinned (bool),
 created_at, updated_at and model (the id of the model it talks to; None: the server's default, as
@@ -108,6 +113,25 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(parent_id, conversation_id);
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id          TEXT PRIMARY KEY,           -- shown to admins to tell keys apart (not the secret)
+    user_id     TEXT NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+    key_hash    TEXT NOT NULL UNIQUE,       -- sha256 hex of the key; the key itself is never stored
+    created_at  REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS api_keys_by_user ON api_keys(user_id);
+CREATE TABLE IF NOT EXISTS personas (
+    key            TEXT PRIMARY KEY,        -- a file persona's name, or a random id
+    owner          TEXT REFERENCES users(id) ON DELETE CASCADE,   -- who made it (NULL: a file)
+    title          TEXT NOT NULL,
+    description    TEXT NOT NULL,
+    system_prompt  TEXT NOT NULL,
+    public         INTEGER NOT NULL,        -- 1: every user may pick it (its prefix is shared)
+    from_file      INTEGER NOT NULL,        -- 1: still the text of prompts/<key>.md (refreshed at start)
+    deleted        INTEGER NOT NULL DEFAULT 0,   -- a deleted file persona (so the seed does not bring it back)
+    created_at     REAL NOT NULL,
+    updated_at     REAL NOT NULL
+);
 -- sign-ins that outlive a restart: keyed by the SHA-256 of the cookie's random token, so a copy of
 -- the database signs no one in; a user's deletion ends their sign-ins
 CREATE TABLE IF NOT EXISTS sessions (
@@ -117,13 +141,17 @@ CREATE TABLE IF NOT EXISTS sessions (
     expires_at  REAL NOT NULL
 );
 """
-SCHEMA_VERSION = 3  # PRAGMA user_version of a database that has every column of MIGRATIONS
+SCHEMA_VERSION = 4  # PRAGMA user_version of a database that has every column of MIGRATIONS
 # Columns added after version 1, as (table, column, definition): ChatStore._migrate adds each one a
 # database lacks (SCHEMA's CREATE TABLE IF NOT EXISTS leaves an existing table as it was). Additive
 # only, so old rows read NULL (or the default) and an old server still reads the database.
 MIGRATIONS = [
     ("conversations", "model", "TEXT"),  # 2: the served model's id; NULL: the server's default
-    ("conversations", "pinned", "INTEGER NOT NULL DEFAULT 0"),  # 3: pinned chats list first
+    ("users", "password_hash", "TEXT"),  # 3: auth.hash_password's format; NULL: cannot sign in
+    ("users", "admin", "INTEGER NOT NULL DEFAULT 0"),  # 3
+    ("users", "disabled", "INTEGER NOT NULL DEFAULT 0"),  # 3
+    ("users", "imported_at", "REAL"),  # 3: when the --users file entry was imported (never twice)
+    ("conversations", "pinned", "INTEGER NOT NULL DEFAULT 0"),  # 4: pinned chats list first
 ]
 
 # updated_at strictly increases per user, so the sidebar order is the write order even when two
@@ -272,6 +300,10 @@ class ChatStore:
     def delete_session(self, token_hash: str) -> None:
         with self._write() as db:
             db.execute("DELETE FROM sessions WHERE token_hash = ?", [token_hash])
+
+    def delete_sessions_of(self, user: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM sessions WHERE user_id = ?", [user])
 
     # conversations
 

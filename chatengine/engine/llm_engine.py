@@ -70,7 +70,8 @@ class LLMEngine:
         self.weights_digest, self.hf_dir = loaded.weights_digest, loaded.hf_dir
         del loaded
         # the root of every block-hash chain: other weights, dtype or layout can never hit these blocks
-        numerics = str(dtype) + (f"+{config.quantization}" if config.quantization else "")
+        quantization = self.runner.quantization
+        numerics = str(dtype) + (f"+{quantization}" if quantization != "none" else "")
         root = model_fingerprint(self.model_id, self.weights_digest, numerics, KV_LAYOUT, config.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, root)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
@@ -184,7 +185,9 @@ class LLMEngine:
             raise ValueError("a persona needs a non-empty name")
         if not isinstance(system_prompt, str) or not system_prompt.strip():
             raise ValueError(f"persona {name!r} needs a non-empty system prompt")
-        self.personas[name] = self.persona_prefix_ids(system_prompt)
+        # a new dict, not an insert: the app registers from its threads while the engine thread
+        # iterates the personas (public_prefix_len)
+        self.personas = {**self.personas, name: self.persona_prefix_ids(system_prompt)}
 
     def public_prefix_len(self, prompt_ids: list[int]) -> int:
         """Length of the registered persona prefix this prompt starts with (0: none, all private)."""

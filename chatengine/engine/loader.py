@@ -305,6 +305,9 @@ class LoadedModel:
     tokenizer: object | None  # a transformers tokenizer, None for dummy weights
     weights_digest: str  # identifies the weights (for the prefix-cache fingerprint)
     hf_dir: str | None = None  # the HF directory the weights came from, if any
+    # a GGUF whose linear weights are all blocks of one format the CPU kernels run ("q8_0", "q4_0",
+    # "q4_1"): that format (re-quantizing the de-quantized weights to it gives its blocks back exactly)
+    gguf_format: str | None = None
 
 
 def cache_dir() -> Path:
@@ -527,6 +530,19 @@ def _convert_gguf(gguf: Path, digest: str) -> Path:
     return out
 
 
+def _gguf_linear_format(path: Path) -> str | None:
+    """The one block format of a GGUF's 2-D layer weights (attention and MLP projections), if they
+    share one of q8_0, q4_0, q4_1; else None."""
+    import gguf as gguf_py
+
+    try:
+        reader = gguf_py.GGUFReader(path)
+    except Exception:  # transformers read it; its types are ours to guess only when gguf-py can
+        return None
+    kinds = {t.tensor_type.name.lower() for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    return kinds.pop() if len(kinds) == 1 and kinds <= {"q8_0", "q4_0", "q4_1"} else None
+
+
 def _gguf_digest(path: Path) -> str:
     # sha256 of a 100 MB file costs ~0.3 s; remember it per (path, size, mtime)
     st = path.stat()
@@ -637,6 +653,7 @@ def load_model(
     digest = _gguf_digest(path)
     hf_dir = _convert_gguf(path, digest)
     loaded = _load_hf_dir(hf_dir, digest=digest, model_id="SmolLM2-135M-Instruct" if model is None else str(path))
+    loaded.gguf_format = _gguf_linear_format(path)
     if model is None:
         loaded.config.generation_defaults = {**EMBEDDED_GENERATION_DEFAULTS, **loaded.config.generation_defaults}
     return loaded

@@ -23,6 +23,8 @@ import functools
 import gc
 import itertools
 import logging
+import math
+import mmap
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chatengine.config import EngineConfig
+from chatengine.config import CPU_QUANTIZATIONS, EngineConfig
 from chatengine.engine.attention import get_backend
 from chatengine.engine.host_to_device import on_device
 from chatengine.engine.loader import LoadedModel, ModelConfig
@@ -215,6 +217,14 @@ class BlockTableRows:
         out[:] = rows[idx, : out.shape[1]]
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros that costs memory only where it is written: an anonymous mapping, whose
+    pages the OS zero-fills on first touch (the KV pool of a CPU engine: resident as it fills)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = mmap.mmap(-1, max(nbytes, 1))  # anonymous, private; the tensor keeps it alive
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -244,11 +254,14 @@ class ModelRunner:
             model = LlamaModel(mc, self.backend, max_model_len, self.group).to(dtype)
         model.to_empty(device=device)  # in the final dtype: no full-precision copy of the slice
         model.load_hf_state_dict(loaded.state_dict)
-        if config.quantization == "fp8":
+        self.quantization = config.quantization_on(device.type, loaded.gguf_format)
+        if self.quantization == "fp8":
             check_fp8_device(device)
             model.quantize_fp8()
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the bf16 weights' memory goes back before the KV pool is sized
+        elif self.quantization in CPU_QUANTIZATIONS:
+            model.quantize_blocks(self.quantization)
         self.model = model.eval()
         self.model.build_rope()
         self.sampler = Sampler(device, config.seed)
@@ -294,7 +307,10 @@ class ModelRunner:
             )
         # page-first: one block is one contiguous span (all layers, K and V)
         page = (mc.num_layers, 2, self.block_size, self.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(self.num_blocks, *page, dtype=dtype, device=device)
+        if device.type == "cpu":
+            self.kv_cache = lazy_zeros((self.num_blocks, *page), dtype)
+        else:
+            self.kv_cache = torch.zeros(self.num_blocks, *page, dtype=dtype, device=device)
         self.host_slice: torch.Tensor | None = None  # ranks > 0: their slices of the host tier's pages
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.name == "triton":

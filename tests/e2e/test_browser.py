@@ -480,6 +480,7 @@ def test_a_chat_link_reopens_it_with_its_settings_and_is_nothing_to_others(serve
     browser_ctx.clear_cookies()
     page = browser_ctx.new_page()
     login(page, server.url, "alice", "pw-alice")
+    expect(page.locator("#who")).to_contain_text("Signed in as alice")  # the page's load events are done
     page.locator("#new-chat").click()
     assert url_cid(page) is None
     for elem_id, value in (("temperature", 0.35), ("top-p", 0.8), ("max-tokens", 5), ("seed", 123)):

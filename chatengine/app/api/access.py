@@ -1,6 +1,7 @@
 """Who may call the API, and how often: API keys and a per-user rate limit.
 
-With a users dict, `Authorization: Bearer <api_key>` must match a user's `api_key`; that user's name
+With users (a UserDirectory: keys stored hashed, disabled users refused; or a users dict),
+`Authorization: Bearer <api_key>` must match a user's key; that user's name
 goes to the engine as `user=` (the same identity, salt and cache isolation as in the UI). Without
 users (local single-user mode) any key, or none, is accepted and the user is None.
 """
@@ -13,6 +14,7 @@ from starlette.requests import Request
 
 from chatengine.app.api.protocol import APIError
 from chatengine.app.auth import user_for_api_key
+from chatengine.app.users import UserDirectory
 
 
 class RateLimiter:
@@ -43,9 +45,9 @@ class RateLimiter:
 class Access:
     """The API keys of `users` (None: local mode, no keys) and an optional per-user rate limit."""
 
-    def __init__(self, users: dict | None, rate_limit_per_minute: int | None = None):
-        if users is not None and not isinstance(users, dict):
-            raise ValueError("users must be a dict (see chatengine.app.auth.load_users) or None")
+    def __init__(self, users: dict | UserDirectory | None, rate_limit_per_minute: int | None = None):
+        if users is not None and not isinstance(users, (dict, UserDirectory)):
+            raise ValueError("users must be a dict (see chatengine.app.auth.load_users), a UserDirectory or None")
         self.users = users
         self.limiter = RateLimiter(rate_limit_per_minute) if rate_limit_per_minute is not None else None
 
@@ -63,7 +65,11 @@ class Access:
             token = token.encode("latin-1").decode("utf-8")
         except UnicodeError:
             pass
-        user = user_for_api_key(self.users, token)
+        # a UserDirectory (the server: hashed keys in the database) or a users dict (tests, embedders)
+        if isinstance(self.users, dict):
+            user = user_for_api_key(self.users, token)
+        else:
+            user = self.users.user_for_api_key(token)
         if user is None:
             # with a rate limit, wrong keys also spend a per-address budget: no free key guessing
             host = request.client.host if request.client else "?"

@@ -69,6 +69,7 @@ from chatengine.app.api.stream import (
 from chatengine.app.api.tools import plan as plan_tools
 from chatengine.app.api.tools import template_args
 from chatengine.app.models import ServedModels, UnknownModel
+from chatengine.app.users import UserDirectory
 
 log = logging.getLogger("chatengine.api")
 
@@ -315,7 +316,7 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 # ---- the app ------------------------------------------------------------------------------------
 def build_api(
     engine: AsyncLLM | ServedModels,
-    users: dict | None,
+    users: dict | UserDirectory | None,
     *,
     model_name: str,
     max_body_bytes: int = 1_000_000,
@@ -326,7 +327,8 @@ def build_api(
     """The FastAPI app serving the OpenAI-compatible routes for `engine`, or for each engine of a
     ServedModels (each under its own id, the first the default).
 
-    users: the dict of `chatengine.app.auth.load_users`, or None for local single-user mode (any key).
+    users: a UserDirectory (hashed keys in the database), the dict of `chatengine.app.auth.load_users`,
+    or None for local single-user mode (any key).
     model_name: the id of a single engine, listed by /v1/models and named in its responses (a
     ServedModels names its own).
     max_body_bytes: larger request bodies get 413.

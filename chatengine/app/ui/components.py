@@ -5,6 +5,7 @@ a handler changes is named, and whatever it leaves out keeps its value.
 """
 
 import html
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +94,7 @@ class Components:
 
 
 def build_components(
-    personas: dict,
+    personas: Mapping,
     default_persona: str | None,
     title: str,
     max_n: int,
@@ -173,7 +174,7 @@ def _model_picker(models, label: str, elem_id: str) -> gr.Dropdown:
     )
 
 
-def _chat_tab(personas: dict, default_persona: str | None, max_n: int, max_tokens: tuple[int, int], models) -> dict:
+def _chat_tab(personas: Mapping, default_persona: str | None, max_n: int, max_tokens: tuple[int, int], models) -> dict:
     first = personas.get(default_persona or "")
     with gr.Row(elem_id="new-chat-row"):
         c: dict[str, Any] = dict(

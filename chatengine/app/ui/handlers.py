@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+from collections.abc import Container
 
 import gradio as gr
 
@@ -69,7 +70,7 @@ class ChatUI:
         *,
         auth_enabled: bool = False,
         local_user: str = LOCAL_USER,
-        admins: frozenset[str] = frozenset(),
+        admins: Container[str] = frozenset(),
     ):
         self.service, self.c = ModelChats.of(service), c  # one ChatService per served model
         self.auth_enabled, self.local_user = auth_enabled, local_user

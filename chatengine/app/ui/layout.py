@@ -4,7 +4,8 @@ Layout: a sidebar (new chat, search, the user's conversations under date heading
 a drawer on phones), a "Chat" tab (the open chat's menu: rename, pin, export, delete; persona picker
 for a new chat, the transcript, ◀ k/N ▶ alternatives of the selected message,
 regenerate, the input with Send / Stop, sampling settings) and an "Engine" tab (KV pages of the
-device, CPU and disk tiers, hit rate and throughput over time; admins only when users sign in).
+device, CPU and disk tiers, hit rate and throughput over time; admins only when users sign in) and an
+"Admin" tab (users and personas; admins only: admin.py).
 Components are in components.py, handlers (one class) in handlers.py, what the page shows as text
 in render.py. The address bar names the open chat (?c=<id>, see SET_URL / READ_URL).
 
@@ -15,14 +16,18 @@ shows as text and never runs.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 import gradio as gr
 
 from chatengine.app.chat import ChatService
 from chatengine.app.model_chats import ModelChats
+from chatengine.app.persona_catalog import PersonaCatalog
+from chatengine.app.ui.admin import build_admin
 from chatengine.app.ui.components import Components, build_components
 from chatengine.app.ui.handlers import LOCAL_USER, ChatUI
+from chatengine.app.users import UserDirectory
 
 ENGINE: dict[str, Any] = dict(concurrency_limit=None, concurrency_id="engine")
 QUIET: dict[str, Any] = dict(queue=False, api_visibility="private", show_progress="hidden")
@@ -221,8 +226,10 @@ def build_ui(
     local_user: str = LOCAL_USER,
     title: str = "chatengine",
     max_n: int = 4,
-    admins: frozenset[str] = frozenset(),
+    admins: Container[str] = frozenset(),
     default_max_tokens: int | None = 2048,
+    accounts: UserDirectory | None = None,
+    catalog: PersonaCatalog | None = None,
 ) -> gr.Blocks:
     """With auth on, only `admins` see the Engine tab (it shows every user's load on the server).
     default_max_tokens: the Max tokens setting a page starts with (as the API's --default-max-tokens;
@@ -250,6 +257,8 @@ def build_ui(
         _wire_turns(ui, c)
         _wire_alternatives(ui, c)
         _wire_engine_tab(ui, c)
+        if accounts is not None and catalog is not None:  # the Admin tab and the New persona form
+            build_admin(ui, c, accounts, catalog, demo)
     demo.queue(default_concurrency_limit=None, max_size=512)
     return demo
 

@@ -252,6 +252,17 @@ class LlamaModel(nn.Module):
         for linear in [m for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]:
             linear.quantize_fp8()
 
+    def quantize_blocks(self, fmt: str) -> None:
+        """CPU: the attention and MLP projections to GGML-style blocks in `fmt` (q8_0, q4_0, q4_1), the
+        LM head to q8_0 (as a GGUF keeps its output or tied embedding table), and a tied embedding
+        looks its rows up in the head's blocks, so no fp32 copy of the table stays (after loading)."""
+        for linear in [m for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]:
+            linear.quantize_blocks(fmt)
+        self.lm_head.quantize_blocks("q8_0")
+        if self.config.tie_word_embeddings:
+            assert self.lm_head.qweight is not None
+            self.embed_tokens.share_blocks(self.lm_head.qweight)
+
     @torch.no_grad()
     def load_hf_state_dict(self, sd) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up, each rank keeping its slice. `sd` may be

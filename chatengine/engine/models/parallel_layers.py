@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from chatengine.engine.models.fp8 import fp8_linear, quantize_rows
 from chatengine.engine.parallel.group import TPGroup
+from chatengine.kernels import cpu_quant
 
 
 def split(n: int, group: TPGroup, what: str) -> int:
@@ -55,12 +56,23 @@ def _rows(full: torch.Tensor, n: int, group: TPGroup) -> torch.Tensor:
     return full.narrow(0, start * n, n)
 
 
-class _Fp8Weight:
-    """A linear layer whose weight may be swapped for e4m3 rows and their scales (models/fp8.py)."""
+class _QuantizableWeight:
+    """A linear layer whose weight may be swapped for e4m3 rows and their scales (models/fp8.py), or
+    on the CPU for blocks of 32 weights in GGML's q8_0 / q4_0 / q4_1 (kernels/cpu_quant.py)."""
 
     fp8 = False
     weight_fp8: torch.Tensor  # buffers once quantized (annotations only: register_buffer makes them)
     weight_scale: torch.Tensor
+    qweight: cpu_quant.QuantWeight | None = None
+
+    @torch.no_grad()
+    def quantize_blocks(self, fmt: str) -> None:
+        """Replace the loaded weight (N, K) by its blocks in `fmt` (its planes become buffers)."""
+        self.qweight = qw = cpu_quant.quantize(self.weight, fmt)  # type: ignore[attr-defined]
+        del self.weight  # type: ignore[attr-defined]
+        for name in ("qs", "d", "m"):
+            if getattr(qw, name) is not None:
+                self.register_buffer(f"weight_{name}", getattr(qw, name))  # type: ignore[attr-defined]
 
     @torch.no_grad()
     def quantize_fp8(self) -> None:
@@ -72,12 +84,14 @@ class _Fp8Weight:
         self.fp8 = True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.qweight is not None:
+            return cpu_quant.linear(x, self.qweight, bias)
         if self.fp8:
             return fp8_linear(x, self.weight_fp8, self.weight_scale, bias)
         return F.linear(x, self.weight, bias)  # type: ignore[attr-defined]
 
 
-class ColumnParallelLinear(_Fp8Weight, nn.Linear):
+class ColumnParallelLinear(_QuantizableWeight, nn.Linear):
     """y[..., this rank's outputs] = x W_r^T (+ b_r). `out_features` is this rank's share."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: TPGroup):
@@ -118,7 +132,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.load_parts([(gate, self.size), (up, self.size)])
 
 
-class RowParallelLinear(_Fp8Weight, nn.Linear):
+class RowParallelLinear(_QuantizableWeight, nn.Linear):
     """y = all_reduce(x[..., this rank's inputs] W_r^T): each rank a partial sum. No bias."""
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup):
@@ -157,16 +171,28 @@ class VocabParallelEmbedding(_VocabRows, nn.Embedding):
         nn.Embedding.__init__(self, self.rows, hidden_size)
         self.first = group.rank * self.rows
 
+    qweight: cpu_quant.QuantWeight | None = None  # the tied LM head's blocks, when it has them
+
+    def share_blocks(self, qweight: cpu_quant.QuantWeight) -> None:
+        """Look rows up in the (tied) LM head's quantized blocks instead of the fp32 table."""
+        self.qweight = qweight
+        del self.weight
+
     def forward(self, ids):
         if not self.group.is_parallel:
-            return super().forward(ids)
+            return self._lookup(ids)
         local = ids - self.first
         outside = (local < 0) | (local >= self.rows)  # another rank's rows: zeros here
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         return self.group.all_reduce(out.masked_fill(outside[:, None], 0))
 
+    def _lookup(self, ids):
+        if self.qweight is not None:
+            return cpu_quant.embedding(ids, self.qweight)
+        return F.embedding(ids, self.weight)
 
-class ParallelLMHead(_VocabRows, nn.Linear):
+
+class ParallelLMHead(_QuantizableWeight, _VocabRows, nn.Linear):
     """Logits of this rank's vocabulary rows, all-gathered: (n, vocab_size) on every rank."""
 
     def __init__(self, hidden_size: int, vocab_size: int, group: TPGroup):
@@ -176,7 +202,7 @@ class ParallelLMHead(_VocabRows, nn.Linear):
         self.first = group.rank * self.rows
 
     def forward(self, x):
-        logits = F.linear(x, self.weight)
+        logits = self.matmul(x, None)
         if not self.group.is_parallel:
             return logits
         return self.group.all_gather_last(logits)[..., : self.vocab_size]

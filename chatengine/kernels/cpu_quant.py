@@ -1,0 +1,222 @@
+"""Weight-only quantized linear layers for the CPU: GGML's Q8_0, Q4_0 and Q4_1 blocks of 32 weights,
+fp32 activations.
+
+Decoding a small model on a CPU is memory-bound: each step reads every weight once, so fp32 weights
+(4 bytes) cost ~6x the time of 4-bit blocks (~5 bits a weight with their scales). torch's own packed
+low-bit CPU matmuls (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) are ~50x slower than an
+fp32 F.linear at decode sizes on an AVX2 machine, so the multiply is ours: `cpu_quant.cpp`, plain C
+with AVX2/FMA/F16C and OpenMP, built with the system compiler on first use into the cache directory
+and loaded with ctypes. Without a compiler (or an AVX2 CPU) every call takes the plain-torch path
+(`linear_ref`: dequantize, then F.linear), which is also the reference the kernel is tested against.
+
+A quantized weight (N, K) is a `QuantWeight`: `qs` (N, K) int8 (q8_0) or (N, K/2) uint8 (two 4-bit
+levels a byte: block byte j holds weight j low and weight j + 16 high), `d` (N, K/32) fp16 scales and,
+for q4_1, `m` (N, K/32) fp16 minimums:
+    q8_0: w = d * q          (q in -127..127, d = amax / 127)
+    q4_0: w = d * (q - 8)    (q in 0..15, d = -max / 8 where max is the value of largest magnitude)
+    q4_1: w = d * q + m      (q in 0..15, d = (max - min) / 15, m = min)
+The quantizers follow GGML's reference rounding, so re-quantizing weights that came from a GGUF's
+blocks of the same format gives those blocks back exactly (q4_1: the min element is m, the max m + 15d).
+
+Few rows (a decode step: M <= GEMV_MAX_ROWS) go through the kernel's GEMV, which unpacks each block
+once per 4 rows of x; more rows (prefill) dequantize the weight to fp32 and use torch's fp32 GEMM,
+whose speed the quantized path then keeps.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+log = logging.getLogger("chatengine")
+
+FORMATS = ("q8_0", "q4_0", "q4_1")
+_FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # cpu_quant.cpp's enum Format
+QK = 32  # weights per block
+GEMV_MAX_ROWS = 16  # above: dequantize + fp32 GEMM (the GEMV unpacks each block once per 4 rows)
+SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+@dataclass
+class QuantWeight:
+    fmt: str  # one of FORMATS
+    qs: torch.Tensor  # (N, K) int8 or (N, K/2) uint8
+    d: torch.Tensor  # (N, K/32) fp16
+    m: torch.Tensor | None  # (N, K/32) fp16 (q4_1), else None
+    shape: tuple[int, int]  # (N, K) of the weight
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+
+def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
+    """w (N, K) with K a multiple of 32 -> its blocks (GGML's reference rounding, computed in fp32)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {fmt!r}; known: {', '.join(FORMATS)}")
+    N, K = w.shape
+    if K % QK:
+        raise ValueError(f"{fmt} needs the input features ({K}) to be a multiple of {QK}")
+    x = w.detach().float().reshape(N, K // QK, QK)
+    m = None
+    if fmt == "q8_0":
+        d = x.abs().amax(-1) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.round(x * inv[..., None]).to(torch.int8)
+        qs = q.reshape(N, K)
+    else:
+        if fmt == "q4_0":
+            idx = x.abs().argmax(-1, keepdim=True)
+            d = x.gather(-1, idx).squeeze(-1) / -8
+            inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+            q = torch.floor(x * inv[..., None] + 8.5).clamp(0, 15)
+        else:
+            lo, hi = x.amin(-1), x.amax(-1)
+            d = (hi - lo) / 15
+            inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+            q = torch.floor((x - lo[..., None]) * inv[..., None] + 0.5).clamp(0, 15)
+            m = lo.half()
+        q = q.to(torch.uint8)
+        qs = (q[..., : QK // 2] | (q[..., QK // 2 :] << 4)).reshape(N, K // 2)
+    return QuantWeight(fmt, qs.contiguous(), d.half().contiguous(), m, (N, K))
+
+
+def levels(qw: QuantWeight) -> torch.Tensor:
+    """The integer levels (N, K // 32, 32) as fp32: q (q8_0, q4_1) or q - 8 (q4_0)."""
+    N, K = qw.shape
+    if qw.fmt == "q8_0":
+        return qw.qs.reshape(N, K // QK, QK).float()
+    b = qw.qs.reshape(N, K // QK, QK // 2)
+    q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
+    return q - 8 if qw.fmt == "q4_0" else q
+
+
+def dequantize_ref(qw: QuantWeight) -> torch.Tensor:
+    """The fp32 weight (N, K) the blocks stand for (d * q is exact in fp32: the kernel's FMA agrees)."""
+    w = levels(qw) * qw.d.float()[..., None]
+    if qw.m is not None:
+        w = w + qw.m.float()[..., None]
+    return w.reshape(qw.shape)
+
+
+def linear_ref(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) on the dequantized weight, in fp32."""
+    return F.linear(x.float(), dequantize_ref(qw), None if bias is None else bias.float()).to(x.dtype)
+
+
+# -- the compiled kernel ----------------------------------------------------------------------------
+
+_lib: ctypes.CDLL | None = None
+_lib_tried = False
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
+def _build_dir() -> Path:
+    # the engine's cache directory (kernels import nothing of ours: loader.cache_dir's rule, repeated)
+    return Path(os.environ.get("CHATENGINE_CACHE", Path.home() / ".cache" / "chatengine")) / "kernels"
+
+
+def _build() -> Path:
+    """Compile cpu_quant.cpp once per (source, flags, compiler); later calls find the .so."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
+    out = _build_dir() / f"cpu_quant-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None (the torch path) without a compiler or AVX2, or
+    with CHATENGINE_CPU_KERNELS=0."""
+    global _lib, _lib_tried
+    if _lib_tried:
+        return _lib
+    _lib_tried = True
+    if os.environ.get("CHATENGINE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx2():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as e:
+        log.warning("quantized CPU kernel unavailable (%s): using the slower torch path", e)
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.cq_gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
+    lib.cq_dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i32]
+    lib.cq_gemv.restype = lib.cq_dequant.restype = i32
+    _lib = lib
+    return lib
+
+
+def _ptrs(qw: QuantWeight) -> tuple[int, int, int | None]:
+    return qw.qs.data_ptr(), qw.d.data_ptr(), None if qw.m is None else qw.m.data_ptr()
+
+
+def dequantize(qw: QuantWeight) -> torch.Tensor:
+    """dequantize_ref's result (bit for bit), from the kernel when it is there."""
+    lib = library()
+    if lib is None:
+        return dequantize_ref(qw)
+    out = torch.empty(qw.shape, dtype=torch.float32)
+    lib.cq_dequant(_FORMAT_IDS[qw.fmt], *_ptrs(qw), *qw.shape, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) for fp32 x (..., K): the kernel's GEMV for few rows, else dequantize + GEMM."""
+    lib = library()
+    N, K = qw.shape
+    x2 = x.reshape(-1, K)
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return linear_ref(x, qw, bias)
+    M = x2.shape[0]
+    if M > GEMV_MAX_ROWS:
+        return F.linear(x, dequantize(qw), bias)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((M, N), dtype=torch.float32)
+    lib.cq_gemv(
+        _FORMAT_IDS[qw.fmt], *_ptrs(qw), N, K, x2.data_ptr(), M, x2.stride(0), y.data_ptr(), N, torch.get_num_threads()
+    )
+    if bias is not None:
+        y += bias
+    return y.reshape(*x.shape[:-1], N)
+
+
+def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """Rows `ids` of the dequantized table (..., K): a quantized embedding (tied to the LM head)."""
+    flat = ids.reshape(-1)
+    rows = QuantWeight(
+        qw.fmt, qw.qs[flat], qw.d[flat], None if qw.m is None else qw.m[flat], (flat.numel(), qw.shape[1])
+    )
+    return dequantize(rows).reshape(*ids.shape, qw.shape[1])

@@ -1,0 +1,154 @@
+"""Weight-only quantized CPU linear layers (kernels/cpu_quant.py): the quantizers against gguf-py's
+reference (GGML's rounding), the compiled kernel against the plain-torch reference, and engines
+whose linear layers hold blocks."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from chatengine import LLM, SamplingParams
+from chatengine.config import EngineConfig
+from chatengine.engine.model_runner import lazy_zeros
+from chatengine.engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from chatengine.kernels import cpu_quant as cq
+
+GGML_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+
+needs_kernel = pytest.mark.skipif(
+    not cq._cpu_has_avx2() or not (shutil.which("g++") or shutil.which("c++")),
+    reason="the compiled kernel needs an AVX2/FMA/F16C CPU and a C++ compiler (g++)",
+)
+
+
+def weights(n=96, k=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0, :32] = 0  # an all-zero block: d = 0
+    w[1, 32:64] = 0.01  # a constant block: q4_1's d = 0
+    w[2, 32:64] = torch.linspace(-1, 1, 32)
+    return w
+
+
+@pytest.mark.parametrize("fmt", cq.FORMATS)
+def test_quantize_matches_ggml_reference_rounding(fmt):
+    w = weights()
+    ours = cq.dequantize_ref(cq.quantize(w, fmt))
+    raw = gguf_quantize(w.numpy(), GGML_TYPES[fmt])
+    theirs = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, GGML_TYPES[fmt])))
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("fmt", cq.FORMATS)
+def test_requantizing_dequantized_blocks_gives_them_back(fmt):
+    # what lets the engine keep a GGUF's own blocks: its de-quantized weights re-quantize to themselves
+    qw = cq.quantize(weights(seed=1), fmt)
+    again = cq.quantize(cq.dequantize_ref(qw), fmt)
+    assert torch.equal(again.qs, qw.qs) and torch.equal(again.d, qw.d)
+    assert (again.m is None) == (qw.m is None) and (qw.m is None or torch.equal(again.m, qw.m))
+
+
+@pytest.mark.parametrize("fmt", cq.FORMATS)
+def test_quantization_error_is_within_half_a_step(fmt):
+    w = weights(seed=2)
+    qw = cq.quantize(w, fmt)
+    blocks = w.reshape(96, -1, 32)
+    err = (cq.dequantize_ref(qw).reshape(96, -1, 32) - blocks).abs().amax(-1)
+    step = qw.d.float().abs()
+    # half a step (q4_0: a whole one at -max, clamped from level 16 to 15), plus fp16's rounding of d
+    # (up to 127 levels of 2^-11 d) and of q4_1's minimum
+    half = 1.0 if fmt == "q4_0" else 0.5
+    assert (err <= step * (half + 127 / 2048) + blocks.abs().amax(-1) / 2048 + 1e-7).all()
+
+
+def test_quantize_checks_its_input():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cq.quantize(torch.zeros(4, 40), "q8_0")
+    with pytest.raises(ValueError, match="unknown quantization format"):
+        cq.quantize(torch.zeros(4, 32), "q3_k")
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", cq.FORMATS)
+def test_kernel_dequantize_is_the_reference_bit_for_bit(fmt):
+    assert cq.library() is not None
+    qw = cq.quantize(weights(seed=3), fmt)
+    assert torch.equal(cq.dequantize(qw), cq.dequantize_ref(qw))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", cq.FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])
+def test_kernel_linear_matches_the_reference(fmt, rows):
+    qw = cq.quantize(weights(n=72, k=320, seed=4), fmt)
+    x, b = torch.randn(rows, 320), torch.randn(72)
+    ours, ref = cq.linear(x, qw, b), cq.linear_ref(x, qw, b)
+    if rows > cq.GEMV_MAX_ROWS:  # dequantize (bit-exact) + the same F.linear
+        assert torch.equal(ours, ref)
+    else:  # the kernel sums in another order: fp32 rounding apart
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_linear_takes_strided_and_batched_inputs():
+    qw = cq.quantize(weights(n=40, k=64, seed=5), "q4_1")
+    x = torch.randn(3, 2, 128)[..., ::2]  # (3, 2, 64), a non-unit inner stride
+    torch.testing.assert_close(cq.linear(x, qw), cq.linear_ref(x, qw), rtol=1e-5, atol=1e-5)
+    assert cq.linear(x, qw).shape == (3, 2, 40)
+
+
+def test_embedding_looks_up_dequantized_rows():
+    qw = cq.quantize(weights(seed=6), "q8_0")
+    ids = torch.tensor([[5, 0], [95, 5]])
+    assert torch.equal(cq.embedding(ids, qw), cq.dequantize_ref(qw)[ids])
+
+
+def test_lazy_zeros_reads_zeros_and_writes():
+    t = lazy_zeros((64, 3, 16), torch.float32)
+    assert t.shape == (64, 3, 16) and t.is_contiguous() and not t.any()
+    t[7] = 1.5
+    assert t.sum().item() == 1.5 * 48
+
+
+def test_quantization_is_opt_in_and_gguf_picks_the_files_own_format():
+    assert EngineConfig().quantization_on("cpu", "q4_1") == "none"  # measured slower than fp32 so far
+    gguf = EngineConfig(quantization="gguf")
+    assert gguf.quantization_on("cpu", "q4_1") == "q4_1"
+    assert gguf.quantization_on("cpu", None) == "none"  # HF directories, dummy weights: fp32
+    assert gguf.quantization_on("cuda", "q4_1") == "none"
+    assert EngineConfig(quantization="q8_0").quantization_on("cpu", "q4_1") == "q8_0"
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(quantization="q4_0").quantization_on("cuda")
+
+
+def test_quantization_is_checked():
+    with pytest.raises(ValueError, match="quantization must be None or one of"):
+        LLM("dummy:tiny", quantization="int4")
+
+
+@pytest.mark.parametrize("fmt", cq.FORMATS)
+def test_a_quantized_engine_holds_blocks_and_answers_close_to_fp32(fmt):
+    prompt = list(range(3, 60))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    kw = dict(device="cpu", num_kv_blocks=32, max_num_batched_tokens=64)
+    full, quant = LLM("dummy:tiny", **kw), LLM("dummy:tiny", quantization=fmt, **kw)
+    try:
+        model = quant.engine.runner.model
+        linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        assert linears and all(m.qweight is not None and m.qweight.fmt == fmt for m in linears)
+        assert all("weight" not in dict(m.named_parameters()) for m in linears)
+        assert quant.engine.block_manager.root != full.engine.block_manager.root  # never each other's pages
+        a, b = (llm.generate([prompt], params)[0] for llm in (full, quant))
+        errors = [abs(da[t] - db[t]) for da, db, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], prompt[1:])]
+        assert 0 < max(errors) < (0.02 if fmt == "q8_0" else 0.2), max(errors)
+        # prefill (many rows: dequantize + GEMM) and decode (the GEMV) agree on the same tokens
+        out = quant.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        again = quant.generate([prompt + out.outputs[0].token_ids[:4]], SamplingParams(temperature=0, max_tokens=4))
+        assert again[0].outputs[0].token_ids == out.outputs[0].token_ids[4:]
+    finally:
+        full.shutdown()
+        quant.shutdown()
