@@ -87,6 +87,8 @@ def test_a_disabled_user_can_neither_sign_in_nor_use_a_key(accounts):
     assert "carol" not in AdminSet(accounts)
     accounts.set_disabled("carol", False)
     assert accounts.verify_password("carol", "long enough") and accounts.user_for_api_key(key) == "carol"
+    accounts.set_password("carol", "another long one")  # a reset signs her out everywhere too
+    assert ended == ["carol", "carol"] and accounts.verify_password("carol", "another long one")
     assert "carol" in AdminSet(accounts)
 
 

@@ -7,7 +7,7 @@ import: each of its users is copied in once (plain passwords hashed on the way),
 the database is the truth, changed on the admin page.
 
 A disabled user can neither sign in nor use an API key; `on_disable` callbacks (the server's:
-end their Gradio sessions) run when a user is disabled.
+end their sign-ins) run when a user is disabled and when their password is reset.
 
     accounts = UserDirectory(store)
     accounts.import_users(auth.load_users(path))
@@ -134,8 +134,11 @@ class UserDirectory:
             )
 
     def set_password(self, name: str, password: str) -> None:
+        """A new password signs the user out everywhere (a stolen cookie ends with the old password)."""
         hashed = auth.hash_password(check_new_password(password), iterations=self.iterations)
         self._update(name, "password_hash = ?", [hashed])
+        for callback in self.on_disable:
+            callback(name)
 
     def set_disabled(self, name: str, disabled: bool) -> None:
         self._update(name, "disabled = ?", [int(bool(disabled))])

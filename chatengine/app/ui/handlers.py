@@ -320,8 +320,8 @@ class ChatUI:
             gr.Warning(f"Search: {e}")
             return gr.skip()
 
-    def on_persona(self, name) -> dict:
-        p = self.personas.get(name or "")
+    def on_persona(self, name, request: gr.Request) -> dict:
+        p = self.service.default.personas_for(self.who(request)).get(name or "")  # never another user's private one
         return {
             self.c.persona: gr.update(info=p.description if p else None),
             self.c.chatbot: gr.update(placeholder=persona_placeholder(p)),
