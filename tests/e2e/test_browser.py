@@ -401,7 +401,8 @@ def test_reload_and_sigkill_mid_reply(server, chat_page, browser_ctx):
     assert statuses.count("done") >= 4, statuses  # every finished reply survived
     server.start()
     page = browser_ctx.new_page()
-    login(page, server.url, "alice", "pw-alice")
+    page.goto(server.url)  # the sign-in outlives the restart: straight to the chats
+    page.locator("#msg textarea").wait_for()
     expect(page.locator("#conv-list")).to_contain_text("Tell me about the")
     page.locator("#conv-list label", has_text="Write a very long story").first.click()
     expect(last_bot(page)).to_contain_text("interrupted")
