@@ -117,15 +117,7 @@ class PersonaCatalog:
         if len(self._query("owner = ?", [user])) >= MAX_PER_USER:
             raise ValueError(f"you have {MAX_PER_USER} personas already: delete one first")
         key = uuid.uuid4().hex
-        p = dict(
-            key=key,
-            owner=user,
-            title=_line(title, "title", MAX_TITLE_CHARS, True),
-            description=_line(description, "description", MAX_DESCRIPTION_CHARS, False),
-            system_prompt=_prompt(prompt),
-            public=int(bool(public)),
-            now=time.time(),
-        )
+        p = dict(key=key, owner=user, **_fields(title, description, prompt, public))
         with self.store._write() as db:
             db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (:owner, :now)", p)
             db.execute(
@@ -145,14 +137,7 @@ class PersonaCatalog:
         row = self._editable(user, key, admin)
         if (row["public"] or public) and not admin:
             raise PermissionError("only admins change public personas")
-        p = dict(
-            key=key,
-            title=_line(title, "title", MAX_TITLE_CHARS, True),
-            description=_line(description, "description", MAX_DESCRIPTION_CHARS, False),
-            system_prompt=_prompt(prompt),
-            public=int(bool(public)),
-            now=time.time(),
-        )
+        p = dict(key=key, **_fields(title, description, prompt, public))
         with self.store._write() as db:
             db.execute(
                 "UPDATE personas SET title = :title, description = :description, system_prompt = :system_prompt,"
@@ -241,3 +226,14 @@ class _Lookup(Mapping):
 
     def __len__(self) -> int:
         return len(self.catalog._query("public = 1"))
+
+
+def _fields(title: object, description: object, prompt: object, public: bool) -> dict:
+    """The checked columns of a new or edited persona (ValueError names the bad field)."""
+    return dict(
+        title=_line(title, "title", MAX_TITLE_CHARS, True),
+        description=_line(description, "description", MAX_DESCRIPTION_CHARS, False),
+        system_prompt=_prompt(prompt),
+        public=int(bool(public)),
+        now=time.time(),
+    )
