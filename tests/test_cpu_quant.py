@@ -80,24 +80,76 @@ def test_kernel_dequantize_is_the_reference_bit_for_bit(fmt):
     assert torch.equal(cq.dequantize(qw), cq.dequantize_ref(qw))
 
 
+def exact_weights(fmt, n=40, k=320, seed=7):
+    """Weights whose blocks have power-of-two scales (q4_1: d 2^-4, m -0.5; q4_0: d 2^-4; q8_0: d 2^-6):
+    every product and partial sum of the GEMV is then exact in fp32, in any order."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "q8_0":
+        w = torch.randint(-127, 128, (n, k), generator=g).float()
+        w[:, ::32] = 127
+        return w / 64
+    w = torch.randint(-8, 8, (n, k), generator=g).float()
+    w[:, ::32] = -8  # the block's extreme: q4_0's d = -8 d / -8, q4_1's minimum
+    if fmt == "q4_1":
+        w[:, 1::32] = 7  # and q4_1's maximum: d = 15 / 15
+    return w / 16
+
+
+def exact_rows(m, k=320, seed=8):
+    """x whose q8 blocks are exact: integer levels times 2^-3, each block's amax 127 * 2^-3."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-127, 128, (m, k), generator=g).float()
+    x[:, 5::32] = -127
+    return x / 8
+
+
+@needs_kernel
+def test_kernel_quantizes_activation_rows_bit_for_bit():
+    x = torch.randn(5, 320) * torch.logspace(-3, 2, 320)
+    x[1, :64] = 0  # zero blocks: d = 0, levels 0
+    x[2, 32:64] = 0.5  # a block of equal values (round-half-even of 127.0)
+    x[3, 64:96] = torch.linspace(-1, 1, 32)  # ties at x * 127 = k + 0.5
+    ours, ref = cq.quantize_rows(x), cq.quantize_rows_ref(x)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    q, d, s = ref
+    assert q.abs().max() == 127 and torch.equal(s, d * q.reshape(5, -1, 32).float().sum(-1))
+
+
 @needs_kernel
 @pytest.mark.parametrize("fmt", cq.FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+def test_kernel_gemv_is_exact_where_the_values_are(fmt, rows):
+    qw = cq.quantize(exact_weights(fmt), fmt)
+    x, b = exact_rows(rows), torch.arange(40.0)
+    assert torch.equal(cq.dequantize_ref(qw), exact_weights(fmt))  # the scales are the ones meant
+    ours = cq.linear(x, qw, b)
+    assert torch.equal(ours, cq.linear_q8_ref(x, qw, b))
+    assert torch.equal(ours, cq.linear_ref(x, qw, b))  # x's q8 blocks are x itself
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", cq.FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 16, 17, 40])
 def test_kernel_linear_matches_the_reference(fmt, rows):
-    qw = cq.quantize(weights(n=72, k=320, seed=4), fmt)
-    x, b = torch.randn(rows, 320), torch.randn(72)
-    ours, ref = cq.linear(x, qw, b), cq.linear_ref(x, qw, b)
+    # 74 output rows: tiles of 4 (or 2) weight rows plus a remainder; 320 inputs: 10 blocks (8 + 2)
+    qw = cq.quantize(weights(n=74, k=320, seed=4), fmt)
+    x, b = torch.randn(rows, 320), torch.randn(74)
+    ours = cq.linear(x, qw, b)
     if rows > cq.GEMV_MAX_ROWS:  # dequantize (bit-exact) + the same F.linear
-        assert torch.equal(ours, ref)
+        assert torch.equal(ours, cq.linear_ref(x, qw, b))
     else:  # the kernel sums in another order: fp32 rounding apart
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, cq.linear_q8_ref(x, qw, b), rtol=1e-5, atol=1e-5)
+        # and x's q8 rounding moves each input by at most half its block's step d
+        _, d, _ = cq.quantize_rows_ref(x)
+        bound = cq.dequantize_ref(qw).abs() @ (d.repeat_interleave(32, dim=1) / 2).T
+        assert ((ours - cq.linear_ref(x, qw, b)).abs() <= bound.T + 1e-4).all()
 
 
 @needs_kernel
 def test_kernel_linear_takes_strided_and_batched_inputs():
     qw = cq.quantize(weights(n=40, k=64, seed=5), "q4_1")
     x = torch.randn(3, 2, 128)[..., ::2]  # (3, 2, 64), a non-unit inner stride
-    torch.testing.assert_close(cq.linear(x, qw), cq.linear_ref(x, qw), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cq.linear(x, qw), cq.linear_q8_ref(x, qw), rtol=1e-5, atol=1e-5)
     assert cq.linear(x, qw).shape == (3, 2, 40)
 
 

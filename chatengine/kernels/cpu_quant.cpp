@@ -11,9 +11,11 @@
 // output rows; in a torch process `-fopenmp` binds to the libgomp torch already loaded (same
 // soname), so both share one thread pool. AVX2 + FMA + F16C.
 //
-// gemv: for each output row, each block is unpacked once to 4 x 8 floats and multiplied into up to
-// 4 activation rows at a time (M small: decode steps). dequant: W to fp32 (N, K), for the large-M
-// path (prefill), where torch's fp32 GEMM does the multiply.
+// gemv (decode steps, M small): llama.cpp's arithmetic. Each row of x is quantized once to q8
+// blocks (int8 levels, an fp32 scale per 32); each weight block then costs one integer dot of 32
+// bytes (_mm256_maddubs_epi16 + _mm256_madd_epi16), scaled in fp32; up to 4 rows of x share each
+// weight block's load. dequant: W to fp32 (N, K), for the large-M path (prefill), where torch's fp32
+// GEMM does the multiply.
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -69,58 +71,137 @@ inline void unpack(const Weights& w, int64_t n, int64_t g, __m256 out[4]) {
   }
 }
 
-// y[m0 + t, n] for t < MT: sum over blocks of d * (q . x_block) (+ m * sum(x_block) for q4_1,
-// from xsum (M, K/32)).
-template <int F, int MT>
-inline void row_tile(const Weights& w, int64_t n, const float* x, int64_t ldx, const float* xsum, float* y,
-                     int64_t ldy) {
+// -- activations as q8 blocks (llama.cpp's arithmetic for a decode step) -------------------------
+// Each row of x (K) becomes int8 levels qx (K), a scale dx (K/32) and the scaled block sums
+// xs = dx * sum(qx) (K/32): dx = amax / 127, qx = round-half-even(x * (1 / dx)), as GGML's AVX2
+// quantize_row_q8_0 rounds. A weight block then meets it as one integer dot:
+//   q8_0: dw * dx * (q . qx)
+//   q4_0: dw * dx * (q . qx) - 8 * dw * xs     (q in 0..15: an unsigned x signed byte product)
+//   q4_1: dw * dx * (q . qx) + m * xs
+struct Q8Rows {
+  int8_t* q;   // (M, K)
+  float* d;    // (M, G)
+  float* s;    // (M, G)
+};
+
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g < K / QK; g++) {
+    const float* xp = x + g * QK;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+      v[i] = _mm256_loadu_ps(xp + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float dd = _mm_cvtss_f32(m4) / 127.f;
+    const __m256 inv = _mm256_set1_ps(dd != 0.f ? 1.f / dd : 0.f);
+    __m256i sum = _mm256_setzero_si256();
+    int32_t lv[32];
+    for (int i = 0; i < 4; i++) {
+      __m256i r = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      sum = _mm256_add_epi32(sum, r);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lv + 8 * i), r);
+    }
+    for (int i = 0; i < 32; i++) q[g * QK + i] = static_cast<int8_t>(lv[i]);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    d[g] = dd;
+    s[g] = dd * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+// Block g of row n as 32 bytes in x's order: q8_0 signed levels, q4 unsigned levels 0..15.
+template <int F>
+inline __m256i load_levels(const Weights& w, int64_t n, int64_t g) {
+  if (F == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + n * w.K + g * QK));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + n * (w.K / 2) + g * (QK / 2)));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+// 8 int32 partial sums of the 32 products w . x (w: levels as load_levels gives them, x int8).
+template <int F>
+inline __m256i dot32(__m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (F == Q8_0) {  // maddubs takes unsigned x signed: |w| . (x with w's sign); levels are >= -127
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+  }
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);  // 15 * 127 * 2 fits in int16
+}
+
+// sum_g c[n, g] * s[g] over a row's blocks, c fp16: q4_1's minimums meet x's scaled block sums.
+inline float dot_f16(const uint16_t* c, const float* s, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g))),
+                          _mm256_loadu_ps(s + g), acc);
+  float out = hsum(acc);
+  for (; g < G; g++) out += h2f(c[g]) * s[g];
+  return out;
+}
+
+// y[t, n + r] for r < R rows of W and t < MT rows of x, from x's q8 blocks: R * MT independent
+// accumulators, so the FMA latency of one block's sum hides behind the others', and each x block
+// is loaded once for R rows, each weight block once for MT rows.
+template <int F, int R, int MT>
+inline void tile_q8(const Weights& w, int64_t n, const Q8Rows& x, float* y, int64_t ldy) {
   const int64_t G = w.K / QK;
-  __m256 acc[MT];
-  float acc_min[MT];
-  for (int t = 0; t < MT; t++) {
-    acc[t] = _mm256_setzero_ps();
-    acc_min[t] = 0.f;
-  }
-  __m256 q[4];
+  __m256 acc[R][MT];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
-    unpack<F>(w, n, g, q);
-    const __m256 d = _mm256_set1_ps(h2f(w.d[n * G + g]));
-    for (int t = 0; t < MT; t++) {
-      const float* xp = x + t * ldx + g * QK;
-      __m256 p = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));
-      p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xp + 8), p);
-      p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xp + 16), p);
-      p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xp + 24), p);
-      acc[t] = _mm256_fmadd_ps(p, d, acc[t]);
-    }
-    if (F == Q4_1) {
-      const float m = h2f(w.m[n * G + g]);
-      for (int t = 0; t < MT; t++) acc_min[t] += m * xsum[t * G + g];
+    __m256i qx[MT];
+    for (int t = 0; t < MT; t++) qx[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + t * w.K + g * QK));
+    for (int r = 0; r < R; r++) {
+      const __m256i q = load_levels<F>(w, n + r, g);
+      const float dw = h2f(w.d[(n + r) * G + g]);
+      for (int t = 0; t < MT; t++) {
+        const __m256 p = _mm256_cvtepi32_ps(dot32<F>(q, qx[t]));
+        acc[r][t] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * x.d[t * G + g]), acc[r][t]);
+      }
     }
   }
-  for (int t = 0; t < MT; t++) y[t * ldy + n] = hsum(acc[t]) + acc_min[t];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) {
+      float off = 0.f;  // q4_0: -8 dw s; q4_1: m s (per block, summed)
+      if (F == Q4_0) off = -8.f * dot_f16(w.d + (n + r) * G, x.s + t * G, G);
+      if (F == Q4_1) off = dot_f16(w.m + (n + r) * G, x.s + t * G, G);
+      y[t * ldy + n + r] = hsum(acc[r][t]) + off;
+    }
+}
+
+// Rows [n0, n1) of W against MT rows of x: 4 rows at a time for one row of x (latency-bound), 2 for
+// more (register-bound: R * MT accumulators), then one at a time.
+template <int F, int MT>
+inline void rows_q8(const Weights& w, int64_t n0, int64_t n1, const Q8Rows& x, float* y, int64_t ldy) {
+  constexpr int R = MT == 1 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) tile_q8<F, R, MT>(w, n, x, y, ldy);
+  for (; n < n1; n++) tile_q8<F, 1, MT>(w, n, x, y, ldy);
 }
 
 template <int F>
-void gemv(const Weights& w, const float* x, int64_t M, int64_t ldx, const float* xsum, float* y, int64_t ldy,
-          int threads) {
+void gemv_q8(const Weights& w, const Q8Rows& x, int64_t M, float* y, int64_t ldy, int threads) {
   const int64_t G = w.K / QK;
-  const int64_t rows_per_task = 8;
+  const int64_t rows_per_task = 16;
   const int64_t tasks = (w.N + rows_per_task - 1) / rows_per_task;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
   for (int64_t task = 0; task < tasks; task++) {
-    const int64_t n1 = std::min(w.N, (task + 1) * rows_per_task);
-    for (int64_t n = task * rows_per_task; n < n1; n++) {
-      for (int64_t m = 0; m < M; m += 4) {
-        const float* xm = x + m * ldx;
-        const float* sm = xsum ? xsum + m * G : nullptr;
-        float* ym = y + m * ldy;
-        switch (std::min<int64_t>(4, M - m)) {
-          case 1: row_tile<F, 1>(w, n, xm, ldx, sm, ym, ldy); break;
-          case 2: row_tile<F, 2>(w, n, xm, ldx, sm, ym, ldy); break;
-          case 3: row_tile<F, 3>(w, n, xm, ldx, sm, ym, ldy); break;
-          default: row_tile<F, 4>(w, n, xm, ldx, sm, ym, ldy); break;
-        }
+    const int64_t n0 = task * rows_per_task, n1 = std::min(w.N, n0 + rows_per_task);
+    for (int64_t m = 0; m < M; m += 4) {
+      const Q8Rows xm{x.q + m * w.K, x.d + m * G, x.s + m * G};
+      float* ym = y + m * ldy;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: rows_q8<F, 1>(w, n0, n1, xm, ym, ldy); break;
+        case 2: rows_q8<F, 2>(w, n0, n1, xm, ym, ldy); break;
+        case 3: rows_q8<F, 3>(w, n0, n1, xm, ym, ldy); break;
+        default: rows_q8<F, 4>(w, n0, n1, xm, ym, ldy); break;
       }
     }
   }
@@ -146,27 +227,28 @@ void dequant(const Weights& w, float* out, int threads) {
 
 extern "C" {
 
-// y (M, N) with row stride ldy = x (M, K) with row stride ldx, times W^T. Returns 0, or -1 for an
-// unknown format.
+// x (M, K) fp32 with row stride ldx -> its q8 blocks: q (M, K) int8, d and s (M, K/32) fp32.
+void cq_quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* s) {
+  const int64_t G = K / QK;
+  for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, K, q + i * K, d + i * G, s + i * G);
+}
+
+// y (M, N) with row stride ldy = x W^T, x (M, K) fp32 with row stride ldx quantized to q8 blocks
+// first (in a buffer this thread keeps). Returns 0, or -1 for an unknown format.
 int cq_gemv(int fmt, const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K, const float* x,
             int64_t M, int64_t ldx, float* y, int64_t ldy, int threads) {
+  thread_local std::vector<int8_t> bq;
+  thread_local std::vector<float> bds;
+  const int64_t G = K / QK;
+  if (static_cast<int64_t>(bq.size()) < M * K) bq.resize(M * K);
+  if (static_cast<int64_t>(bds.size()) < 2 * M * G) bds.resize(2 * M * G);
+  const Q8Rows xq{bq.data(), bds.data(), bds.data() + M * G};
+  cq_quantize_rows(x, M, K, ldx, xq.q, xq.d, xq.s);
   const Weights w{qs, d, m, N, K};
   switch (fmt) {
-    case Q8_0: gemv<Q8_0>(w, x, M, ldx, nullptr, y, ldy, threads); return 0;
-    case Q4_0: gemv<Q4_0>(w, x, M, ldx, nullptr, y, ldy, threads); return 0;
-    case Q4_1: {  // q4_1's min term needs each block's sum of x: (M, K/32), once for all rows
-      const int64_t G = K / QK;
-      std::vector<float> xsum(M * G);
-      for (int64_t i = 0; i < M; i++)
-        for (int64_t g = 0; g < G; g++) {
-          const float* xp = x + i * ldx + g * QK;
-          __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xp), _mm256_loadu_ps(xp + 8)),
-                                   _mm256_add_ps(_mm256_loadu_ps(xp + 16), _mm256_loadu_ps(xp + 24)));
-          xsum[i * G + g] = hsum(s);
-        }
-      gemv<Q4_1>(w, x, M, ldx, xsum.data(), y, ldy, threads);
-      return 0;
-    }
+    case Q8_0: gemv_q8<Q8_0>(w, xq, M, y, ldy, threads); return 0;
+    case Q4_0: gemv_q8<Q4_0>(w, xq, M, y, ldy, threads); return 0;
+    case Q4_1: gemv_q8<Q4_1>(w, xq, M, y, ldy, threads); return 0;
   }
   return -1;
 }

@@ -18,9 +18,11 @@ for q4_1, `m` (N, K/32) fp16 minimums:
 The quantizers follow GGML's reference rounding, so re-quantizing weights that came from a GGUF's
 blocks of the same format gives those blocks back exactly (q4_1: the min element is m, the max m + 15d).
 
-Few rows (a decode step: M <= GEMV_MAX_ROWS) go through the kernel's GEMV, which unpacks each block
-once per 4 rows of x; more rows (prefill) dequantize the weight to fp32 and use torch's fp32 GEMM,
-whose speed the quantized path then keeps.
+Few rows (a decode step: M <= GEMV_MAX_ROWS) go through the kernel's GEMV, in llama.cpp's arithmetic:
+each row of x is quantized to q8 blocks (`quantize_rows_ref`: int8 levels, an fp32 scale per 32), and
+each weight block costs one integer dot with them (`linear_q8_ref` is that arithmetic in torch). More
+rows (prefill) dequantize the weight to fp32 and use torch's fp32 GEMM, whose speed the quantized path
+then keeps.
 """
 
 import ctypes
@@ -53,6 +55,14 @@ class QuantWeight:
     d: torch.Tensor  # (N, K/32) fp16
     m: torch.Tensor | None  # (N, K/32) fp16 (q4_1), else None
     shape: tuple[int, int]  # (N, K) of the weight
+
+    @property
+    def fmt_id(self) -> int:
+        return _FORMAT_IDS[self.fmt]
+
+    @property
+    def ptrs(self) -> tuple[int, int, int | None]:
+        return self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr()
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +121,32 @@ def dequantize_ref(qw: QuantWeight) -> torch.Tensor:
 def linear_ref(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) on the dequantized weight, in fp32."""
     return F.linear(x.float(), dequantize_ref(qw), None if bias is None else bias.float()).to(x.dtype)
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) fp32 -> q8 blocks: levels q (M, K) int8, scales d (M, K/32) and scaled sums
+    s = d * sum(q) (M, K/32), fp32: d = amax / 127, q = round-half-even(x * (1 / d)) as the kernel."""
+    M, K = x.shape
+    b = x.float().reshape(M, K // QK, QK)
+    d = b.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(b * inv[..., None])
+    return q.to(torch.int8).reshape(M, K), d, d * q.sum(-1)
+
+
+def linear_q8_ref(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's GEMV arithmetic in torch (fp64 sums): x's q8 blocks dotted with W's integer
+    levels block by block, y = sum_g dw dx (q . qx) (+ m s for q4_1; q4_0 as levels q - 8)."""
+    N, K = qw.shape
+    x2 = x.reshape(-1, K)
+    qx, dx, _ = quantize_rows_ref(x2)
+    dots = torch.einsum("ngk,mgk->mng", levels(qw).double(), qx.double().reshape(-1, K // QK, QK))
+    y = (dots * qw.d.double()[None] * dx.double()[:, None]).sum(-1)
+    if qw.m is not None:  # the minimums meet x's own (quantized) block sums
+        y += dx.double() * qx.double().reshape(-1, K // QK, QK).sum(-1) @ qw.m.double().T
+    if bias is not None:
+        y += bias.double()
+    return y.float().reshape(*x.shape[:-1], N)
 
 
 # -- the compiled kernel ----------------------------------------------------------------------------
@@ -173,13 +209,11 @@ def library() -> ctypes.CDLL | None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.cq_gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
     lib.cq_dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i32]
+    lib.cq_quantize_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.cq_quantize_rows.restype = None
     lib.cq_gemv.restype = lib.cq_dequant.restype = i32
     _lib = lib
     return lib
-
-
-def _ptrs(qw: QuantWeight) -> tuple[int, int, int | None]:
-    return qw.qs.data_ptr(), qw.d.data_ptr(), None if qw.m is None else qw.m.data_ptr()
 
 
 def dequantize(qw: QuantWeight) -> torch.Tensor:
@@ -188,29 +222,41 @@ def dequantize(qw: QuantWeight) -> torch.Tensor:
     if lib is None:
         return dequantize_ref(qw)
     out = torch.empty(qw.shape, dtype=torch.float32)
-    lib.cq_dequant(_FORMAT_IDS[qw.fmt], *_ptrs(qw), *qw.shape, out.data_ptr(), torch.get_num_threads())
+    lib.cq_dequant(qw.fmt_id, *qw.ptrs, *qw.shape, out.data_ptr(), torch.get_num_threads())
     return out
 
 
-def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) for fp32 x (..., K): the kernel's GEMV for few rows, else dequantize + GEMM."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_rows_ref's blocks of x (M, K) fp32, from the kernel (bit for bit)."""
     lib = library()
+    if lib is None:
+        return quantize_rows_ref(x)
+    M, K = x.shape
+    x = x.contiguous()
+    q, d, s = torch.empty(M, K, dtype=torch.int8), torch.empty(M, K // QK), torch.empty(M, K // QK)
+    lib.cq_quantize_rows(x.data_ptr(), M, K, K, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q, d, s
+
+
+def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) for fp32 x (..., K): the kernel's GEMV for few rows (linear_q8_ref's arithmetic),
+    else dequantize + torch's fp32 GEMM (linear_ref's). A decode step calls this ~200 times: the
+    common path touches as few torch ops as it can."""
+    lib = _lib if _lib_tried else library()
     N, K = qw.shape
-    x2 = x.reshape(-1, K)
+    M = x.numel() // K
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return linear_ref(x, qw, bias)
-    M = x2.shape[0]
     if M > GEMV_MAX_ROWS:
         return F.linear(x, dequantize(qw), bias)
+    x2 = x if x.dim() == 2 else x.reshape(M, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
-    lib.cq_gemv(
-        _FORMAT_IDS[qw.fmt], *_ptrs(qw), N, K, x2.data_ptr(), M, x2.stride(0), y.data_ptr(), N, torch.get_num_threads()
-    )
+    lib.cq_gemv(qw.fmt_id, *qw.ptrs, N, K, x2.data_ptr(), M, x2.stride(0), y.data_ptr(), N, torch.get_num_threads())
     if bias is not None:
         y += bias
-    return y.reshape(*x.shape[:-1], N)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
 
 
 def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
