@@ -122,9 +122,10 @@ def test_kernel_gemv_is_exact_where_the_values_are(fmt, rows):
     qw = cq.quantize(exact_weights(fmt), fmt)
     x, b = exact_rows(rows), torch.arange(40.0)
     assert torch.equal(cq.dequantize_ref(qw), exact_weights(fmt))  # the scales are the ones meant
-    ours = cq.linear(x, qw, b)
-    assert torch.equal(ours, cq.linear_q8_ref(x, qw, b))
-    assert torch.equal(ours, cq.linear_ref(x, qw, b))  # x's q8 blocks are x itself
+    ours, ours_q8 = cq.linear(x, qw, b, "fp32"), cq.linear(x, qw, b, "q8")
+    assert torch.equal(ours_q8, cq.linear_q8_ref(x, qw, b))
+    assert torch.equal(ours_q8, cq.linear_ref(x, qw, b))  # x's q8 blocks are x itself
+    assert torch.equal(ours, cq.linear_ref(x, qw, b))
 
 
 @needs_kernel
@@ -134,22 +135,26 @@ def test_kernel_linear_matches_the_reference(fmt, rows):
     # 74 output rows: tiles of 4 (or 2) weight rows plus a remainder; 320 inputs: 10 blocks (8 + 2)
     qw = cq.quantize(weights(n=74, k=320, seed=4), fmt)
     x, b = torch.randn(rows, 320), torch.randn(74)
-    ours = cq.linear(x, qw, b)
+    ref = cq.linear_ref(x, qw, b)
     if rows > cq.GEMV_MAX_ROWS:  # dequantize (bit-exact) + the same F.linear
-        assert torch.equal(ours, cq.linear_ref(x, qw, b))
-    else:  # the kernel sums in another order: fp32 rounding apart
-        torch.testing.assert_close(ours, cq.linear_q8_ref(x, qw, b), rtol=1e-5, atol=1e-5)
-        # and x's q8 rounding moves each input by at most half its block's step d
-        _, d, _ = cq.quantize_rows_ref(x)
-        bound = cq.dequantize_ref(qw).abs() @ (d.repeat_interleave(32, dim=1) / 2).T
-        assert ((ours - cq.linear_ref(x, qw, b)).abs() <= bound.T + 1e-4).all()
+        assert torch.equal(cq.linear(x, qw, b), ref)
+        return
+    # the kernels sum in another order: fp32 rounding apart
+    torch.testing.assert_close(cq.linear(x, qw, b, "fp32"), ref, rtol=1e-5, atol=1e-5)
+    ours = cq.linear(x, qw, b, "q8")
+    torch.testing.assert_close(ours, cq.linear_q8_ref(x, qw, b), rtol=1e-5, atol=1e-5)
+    # and x's q8 rounding moves each input by at most half its block's step d
+    _, d, _ = cq.quantize_rows_ref(x)
+    bound = cq.dequantize_ref(qw).abs() @ (d.repeat_interleave(32, dim=1) / 2).T
+    assert ((ours - ref).abs() <= bound.T + 1e-4).all()
 
 
 @needs_kernel
 def test_kernel_linear_takes_strided_and_batched_inputs():
     qw = cq.quantize(weights(n=40, k=64, seed=5), "q4_1")
     x = torch.randn(3, 2, 128)[..., ::2]  # (3, 2, 64), a non-unit inner stride
-    torch.testing.assert_close(cq.linear(x, qw), cq.linear_q8_ref(x, qw), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cq.linear(x, qw), cq.linear_ref(x, qw), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cq.linear(x, qw, activations="q8"), cq.linear_q8_ref(x, qw), rtol=1e-5, atol=1e-5)
     assert cq.linear(x, qw).shape == (3, 2, 40)
 
 

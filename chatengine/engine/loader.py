@@ -425,8 +425,67 @@ def _config_from_hf(cfg) -> ModelConfig:
     )
 
 
+# safetensors' dtype names -> torch's
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _safetensors_weights(shards: list[Path]) -> LazyWeights:
+    """The shards' tensors, each read with plain file reads when taken. Not memory-mapped: pages of a
+    mapped file count in the process's RSS for as long as the mapping lives (the whole load), so a
+    model quantized layer by layer would still peak at its fp32 size."""
+    where: dict[str, tuple[Path, int, int, str, list[int]]] = {}
+    for shard in shards:
+        with open(shard, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        for name, e in header.items():
+            if name != "__metadata__":
+                where[name] = (
+                    shard,
+                    8 + n + e["data_offsets"][0],
+                    8 + n + e["data_offsets"][1],
+                    e["dtype"],
+                    e["shape"],
+                )
+    unknown = {e[3] for e in where.values()} - set(_SAFETENSORS_DTYPES)
+    if unknown:  # a dtype we do not map: safetensors' own (memory-mapped) reader
+        from safetensors import safe_open
+
+        files = {shard: safe_open(shard, framework="pt") for shard in shards}
+        return LazyWeights(where, lambda name, keep: files[where[name][0]].get_tensor(name))
+    return LazyWeights(where, lambda name, keep: _read_tensor(*where[name]))
+
+
+def _read_tensor(shard: Path, start: int, end: int, dtype: str, shape: list[int]) -> torch.Tensor:
+    out = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype])
+    buf = memoryview(out.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+    if len(buf) != end - start:
+        raise ValueError(f"{shard}: tensor of {end - start} bytes for shape {shape} {dtype}")
+    with open(shard, "rb", buffering=0) as f:
+        f.seek(start)
+        done = 0
+        while done < len(buf):
+            got = f.readinto(buf[done:])
+            if not got:
+                raise ValueError(f"{shard} is truncated")
+            done += got
+    return out
+
+
 def _load_hf_dir(path: Path, digest: str | None = None, model_id: str | None = None) -> LoadedModel:
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -437,9 +496,7 @@ def _load_hf_dir(path: Path, digest: str | None = None, model_id: str | None = N
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ValueError(f"no *.safetensors weights in {path}")
-    files = [safe_open(shard, framework="pt") for shard in shards]  # memory-mapped: read when taken
-    where = {name: f for f in files for name in f.keys()}
-    state_dict = LazyWeights(where, lambda name, keep: where[name].get_tensor(name))
+    state_dict = _safetensors_weights(shards)
     if digest is None:  # a cheap, stable digest: shard names, sizes and the first/last MiB of each
         h = hashlib.sha256()
         for shard in shards:

@@ -19,6 +19,7 @@ The CUDA fast path (bf16 by default):
 """
 
 import contextlib
+import ctypes
 import functools
 import gc
 import itertools
@@ -217,6 +218,15 @@ class BlockTableRows:
         out[:] = rows[idx, : out.shape[1]]
 
 
+def release_freed_heap() -> None:
+    """glibc keeps freed heap memory in the process (RSS) unless asked: after a CPU load has freed the
+    fp32 weights it quantized, give it back. A no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros that costs memory only where it is written: an anonymous mapping, whose
     pages the OS zero-fills on first touch (the KV pool of a CPU engine: resident as it fills)."""
@@ -253,8 +263,9 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaModel(mc, self.backend, max_model_len, self.group).to(dtype)
         model.to_empty(device=device)  # in the final dtype: no full-precision copy of the slice
-        model.load_hf_state_dict(loaded.state_dict)
         self.quantization = config.quantization_on(device.type, loaded.gguf_format)
+        blocks = self.quantization if self.quantization in CPU_QUANTIZATIONS else None
+        model.load_hf_state_dict(loaded.state_dict, blocks)  # CPU blocks: quantized layer by layer
         if self.quantization == "fp8":
             check_fp8_device(device)
             model.quantize_fp8()
@@ -262,6 +273,7 @@ class ModelRunner:
                 torch.cuda.empty_cache()  # the bf16 weights' memory goes back before the KV pool is sized
         elif self.quantization in CPU_QUANTIZATIONS:
             model.quantize_blocks(self.quantization)
+            release_freed_heap()  # the fp32 weights and quantizing temporaries, freed: back to the OS
         self.model = model.eval()
         self.model.build_rope()
         self.sampler = Sampler(device, config.seed)

@@ -11,11 +11,14 @@
 // output rows; in a torch process `-fopenmp` binds to the libgomp torch already loaded (same
 // soname), so both share one thread pool. AVX2 + FMA + F16C.
 //
-// gemv (decode steps, M small): llama.cpp's arithmetic. Each row of x is quantized once to q8
-// blocks (int8 levels, an fp32 scale per 32); each weight block then costs one integer dot of 32
-// bytes (_mm256_maddubs_epi16 + _mm256_madd_epi16), scaled in fp32; up to 4 rows of x share each
-// weight block's load. dequant: W to fp32 (N, K), for the large-M path (prefill), where torch's fp32
-// GEMM does the multiply.
+// Two GEMVs for decode steps (M small), up to 4 rows of x sharing each weight block's load:
+//   gemv_f32: x stays fp32; each block is unpacked to 4 x 8 floats and FMA'd (as exact as the
+//     weights: greedy output agrees with the fp32 model's).
+//   gemv_q8: llama.cpp's arithmetic. Each row of x is quantized once to q8 blocks (int8 levels, an
+//     fp32 scale per 32); each weight block then costs one integer dot of 32 bytes
+//     (_mm256_maddubs_epi16 + _mm256_madd_epi16), scaled in fp32. Less exact (x's rounding), and on
+//     CPUs with one vector-integer multiply pipe (AMD Zen 1) no faster than gemv_f32.
+// dequant: W to fp32 (N, K), for the large-M path (prefill), where torch's fp32 GEMM multiplies.
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -68,6 +71,63 @@ inline void unpack(const Weights& w, int64_t n, int64_t g, __m256 out[4]) {
     out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
     out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
     out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+// y[m0 + t, n] for t < MT: sum over blocks of d * (q . x_block) (+ m * sum(x_block) for q4_1,
+// from xsum (M, K/32)).
+template <int F, int MT>
+inline void row_tile(const Weights& w, int64_t n, const float* x, int64_t ldx, const float* xsum, float* y,
+                     int64_t ldy) {
+  const int64_t G = w.K / QK;
+  __m256 acc[MT];
+  float acc_min[MT];
+  for (int t = 0; t < MT; t++) {
+    acc[t] = _mm256_setzero_ps();
+    acc_min[t] = 0.f;
+  }
+  __m256 q[4];
+  for (int64_t g = 0; g < G; g++) {
+    unpack<F>(w, n, g, q);
+    const __m256 d = _mm256_set1_ps(h2f(w.d[n * G + g]));
+    for (int t = 0; t < MT; t++) {
+      const float* xp = x + t * ldx + g * QK;
+      __m256 p = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));
+      p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xp + 8), p);
+      p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xp + 16), p);
+      p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xp + 24), p);
+      acc[t] = _mm256_fmadd_ps(p, d, acc[t]);
+    }
+    if (F == Q4_1) {
+      const float m = h2f(w.m[n * G + g]);
+      for (int t = 0; t < MT; t++) acc_min[t] += m * xsum[t * G + g];
+    }
+  }
+  for (int t = 0; t < MT; t++) y[t * ldy + n] = hsum(acc[t]) + acc_min[t];
+}
+
+template <int F>
+void gemv_f32(const Weights& w, const float* x, int64_t M, int64_t ldx, const float* xsum, float* y, int64_t ldy,
+          int threads) {
+  const int64_t G = w.K / QK;
+  const int64_t rows_per_task = 8;
+  const int64_t tasks = (w.N + rows_per_task - 1) / rows_per_task;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t task = 0; task < tasks; task++) {
+    const int64_t n1 = std::min(w.N, (task + 1) * rows_per_task);
+    for (int64_t n = task * rows_per_task; n < n1; n++) {
+      for (int64_t m = 0; m < M; m += 4) {
+        const float* xm = x + m * ldx;
+        const float* sm = xsum ? xsum + m * G : nullptr;
+        float* ym = y + m * ldy;
+        switch (std::min<int64_t>(4, M - m)) {
+          case 1: row_tile<F, 1>(w, n, xm, ldx, sm, ym, ldy); break;
+          case 2: row_tile<F, 2>(w, n, xm, ldx, sm, ym, ldy); break;
+          case 3: row_tile<F, 3>(w, n, xm, ldx, sm, ym, ldy); break;
+          default: row_tile<F, 4>(w, n, xm, ldx, sm, ym, ldy); break;
+        }
+      }
+    }
   }
 }
 
@@ -235,7 +295,7 @@ void cq_quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t*
 
 // y (M, N) with row stride ldy = x W^T, x (M, K) fp32 with row stride ldx quantized to q8 blocks
 // first (in a buffer this thread keeps). Returns 0, or -1 for an unknown format.
-int cq_gemv(int fmt, const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K, const float* x,
+int cq_gemv_q8(int fmt, const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K, const float* x,
             int64_t M, int64_t ldx, float* y, int64_t ldy, int threads) {
   thread_local std::vector<int8_t> bq;
   thread_local std::vector<float> bds;
@@ -249,6 +309,31 @@ int cq_gemv(int fmt, const uint8_t* qs, const uint16_t* d, const uint16_t* m, in
     case Q8_0: gemv_q8<Q8_0>(w, xq, M, y, ldy, threads); return 0;
     case Q4_0: gemv_q8<Q4_0>(w, xq, M, y, ldy, threads); return 0;
     case Q4_1: gemv_q8<Q4_1>(w, xq, M, y, ldy, threads); return 0;
+  }
+  return -1;
+}
+
+// y (M, N) with row stride ldy = x (M, K) fp32 with row stride ldx, times W^T, x kept in fp32. Returns 0, or -1 for an
+// unknown format.
+int cq_gemv_f32(int fmt, const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K, const float* x,
+            int64_t M, int64_t ldx, float* y, int64_t ldy, int threads) {
+  const Weights w{qs, d, m, N, K};
+  switch (fmt) {
+    case Q8_0: gemv_f32<Q8_0>(w, x, M, ldx, nullptr, y, ldy, threads); return 0;
+    case Q4_0: gemv_f32<Q4_0>(w, x, M, ldx, nullptr, y, ldy, threads); return 0;
+    case Q4_1: {  // q4_1's min term needs each block's sum of x: (M, K/32), once for all rows
+      const int64_t G = K / QK;
+      std::vector<float> xsum(M * G);
+      for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < G; g++) {
+          const float* xp = x + i * ldx + g * QK;
+          __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xp), _mm256_loadu_ps(xp + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(xp + 16), _mm256_loadu_ps(xp + 24)));
+          xsum[i * G + g] = hsum(s);
+        }
+      gemv_f32<Q4_1>(w, x, M, ldx, xsum.data(), y, ldy, threads);
+      return 0;
+    }
   }
   return -1;
 }

@@ -18,11 +18,16 @@ for q4_1, `m` (N, K/32) fp16 minimums:
 The quantizers follow GGML's reference rounding, so re-quantizing weights that came from a GGUF's
 blocks of the same format gives those blocks back exactly (q4_1: the min element is m, the max m + 15d).
 
-Few rows (a decode step: M <= GEMV_MAX_ROWS) go through the kernel's GEMV, in llama.cpp's arithmetic:
-each row of x is quantized to q8 blocks (`quantize_rows_ref`: int8 levels, an fp32 scale per 32), and
-each weight block costs one integer dot with them (`linear_q8_ref` is that arithmetic in torch). More
-rows (prefill) dequantize the weight to fp32 and use torch's fp32 GEMM, whose speed the quantized path
-then keeps.
+Few rows (a decode step: M <= GEMV_MAX_ROWS) go through one of the kernel's two GEMVs, chosen by
+CHATENGINE_CPU_ACTIVATIONS (`ACTIVATIONS`):
+- "fp32" (default): x stays fp32, each weight block is unpacked to floats (linear_ref's arithmetic, in
+  another order): greedy output agrees with the fp32 model's.
+- "q8": llama.cpp's arithmetic: each row of x is quantized to q8 blocks (`quantize_rows_ref`: int8
+  levels, an fp32 scale per 32) and each weight block costs one integer dot with them
+  (`linear_q8_ref`). Measured on an AMD Zen 1 (one vector-integer multiply pipe) no faster than "fp32",
+  and its greedy output leaves the fp32 model's sooner, so it is opt-in.
+More rows (prefill) dequantize the weight to fp32 and use torch's fp32 GEMM, whose speed the quantized
+path then keeps.
 """
 
 import ctypes
@@ -45,6 +50,7 @@ _FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # cpu_quant.cpp's enum Format
 QK = 32  # weights per block
 GEMV_MAX_ROWS = 16  # above: dequantize + fp32 GEMM (the GEMV unpacks each block once per 4 rows)
 SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+ACTIVATIONS = os.environ.get("CHATENGINE_CPU_ACTIVATIONS", "fp32")  # or "q8": the decode GEMV's x (above)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -69,6 +75,9 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
 
+QUANTIZE_ROWS = 4096  # rows quantized at a time: the fp32 temporaries of a 49k-row table stay small
+
+
 def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
     """w (N, K) with K a multiple of 32 -> its blocks (GGML's reference rounding, computed in fp32)."""
     if fmt not in FORMATS:
@@ -76,6 +85,15 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
     N, K = w.shape
     if K % QK:
         raise ValueError(f"{fmt} needs the input features ({K}) to be a multiple of {QK}")
+    if N > QUANTIZE_ROWS:
+        parts = [_quantize(w[i : i + QUANTIZE_ROWS], fmt) for i in range(0, N, QUANTIZE_ROWS)]
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts if p.m is not None])
+        return QuantWeight(fmt, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m, (N, K))
+    return _quantize(w, fmt)
+
+
+def _quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
+    N, K = w.shape
     x = w.detach().float().reshape(N, K // QK, QK)
     m = None
     if fmt == "q8_0":
@@ -207,11 +225,13 @@ def library() -> ctypes.CDLL | None:
         log.warning("quantized CPU kernel unavailable (%s): using the slower torch path", e)
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.cq_gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
+    for gemv in (lib.cq_gemv_f32, lib.cq_gemv_q8):
+        gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
+        gemv.restype = i32
     lib.cq_dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i32]
     lib.cq_quantize_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.cq_quantize_rows.restype = None
-    lib.cq_gemv.restype = lib.cq_dequant.restype = i32
+    lib.cq_dequant.restype = i32
     _lib = lib
     return lib
 
@@ -238,10 +258,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, d, s
 
 
-def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) for fp32 x (..., K): the kernel's GEMV for few rows (linear_q8_ref's arithmetic),
-    else dequantize + torch's fp32 GEMM (linear_ref's). A decode step calls this ~200 times: the
-    common path touches as few torch ops as it can."""
+def linear(
+    x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, activations: str | None = None
+) -> torch.Tensor:
+    """y = x W^T (+ b) for fp32 x (..., K): a kernel GEMV for few rows (`activations`, default
+    ACTIVATIONS: "fp32", linear_ref's arithmetic, or "q8", linear_q8_ref's), else dequantize + torch's
+    fp32 GEMM (linear_ref's). A decode step calls this ~200 times: the common path touches as few
+    torch ops as it can."""
     lib = _lib if _lib_tried else library()
     N, K = qw.shape
     M = x.numel() // K
@@ -253,7 +276,8 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
-    lib.cq_gemv(qw.fmt_id, *qw.ptrs, N, K, x2.data_ptr(), M, x2.stride(0), y.data_ptr(), N, torch.get_num_threads())
+    gemv = lib.cq_gemv_q8 if (activations or ACTIVATIONS) == "q8" else lib.cq_gemv_f32
+    gemv(qw.fmt_id, *qw.ptrs, N, K, x2.data_ptr(), M, x2.stride(0), y.data_ptr(), N, torch.get_num_threads())
     if bias is not None:
         y += bias
     return y if x.dim() == 2 else y.view(*x.shape[:-1], N)

@@ -257,20 +257,23 @@ class LlamaModel(nn.Module):
         LM head to q8_0 (as a GGUF keeps its output or tied embedding table), and a tied embedding
         looks its rows up in the head's blocks, so no fp32 copy of the table stays (after loading)."""
         for linear in [m for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]:
-            linear.quantize_blocks(fmt)
+            if linear.qweight is None:  # (load_hf_state_dict may have done a layer's already)
+                linear.quantize_blocks(fmt)
         self.lm_head.quantize_blocks("q8_0")
         if self.config.tie_word_embeddings:
             assert self.lm_head.qweight is not None
             self.embed_tokens.share_blocks(self.lm_head.qweight)
 
     @torch.no_grad()
-    def load_hf_state_dict(self, sd) -> None:
+    def load_hf_state_dict(self, sd, blocks: str | None = None) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up, each rank keeping its slice. `sd` may be
         lazy (a loader's LazyWeights): each tensor is taken (popped) once, so at most one full tensor
-        beyond this rank's slices is alive at a time."""
+        beyond this rank's slices is alive at a time. `blocks` (CPU: q8_0, q4_0, q4_1): each layer's
+        projections become blocks as soon as they are loaded, so only one layer's fp32 weights are
+        ever resident (the rest of the meta-built model's storage is allocated, never touched)."""
         if self.config.tie_word_embeddings:  # re-tie: to_empty() gives each module fresh storage
             self.lm_head.weight = self.embed_tokens.weight
-        own = dict(self.named_parameters())
+        own = {n for n, _ in self.named_parameters()}  # names only: a quantized weight's storage goes at once
         names = {n: k for k in sd if (n := _our_name(k)) is not None}  # our name -> the checkpoint's
 
         def take(name: str) -> torch.Tensor:
@@ -302,6 +305,9 @@ class LlamaModel(nn.Module):
             else:
                 mlp.gate_up_proj.load(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
             mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
+            if blocks is not None:
+                for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                    linear.quantize_blocks(blocks)
         if not self.config.tie_word_embeddings:
             self.lm_head.load(take("lm_head.weight"))
         elif "lm_head.weight" in names:
@@ -309,10 +315,11 @@ class LlamaModel(nn.Module):
         replicated = {n for n in own if not any(k in n for k in ("_proj", "embed_tokens", "lm_head"))}
         if replicated - set(names):
             raise ValueError(f"weights missing from the checkpoint: {sorted(replicated - set(names))[:5]}")
+        params = dict(self.named_parameters())
         for name in list(names):
             if name not in own:
                 raise ValueError(f"unexpected weight {name!r} for a {type(self).__name__}")
-            own[name].copy_(take(name).float() + c.norm_offset if "norm" in name else take(name))
+            params[name].copy_(take(name).float() + c.norm_offset if "norm" in name else take(name))
 
 
 def _our_name(checkpoint_name: str) -> str | None:
