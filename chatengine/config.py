@@ -35,7 +35,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (GPUs) the weights and KV heads are split over; one process each
     # one of QUANTIZATIONS; None: "none". "gguf": on the CPU a GGUF's own block format when its layers
     # share one of CPU_QUANTIZATIONS (lossless: the de-quantized weights re-quantize to the file's
-    # blocks). Opt-in: measured so far, the quantized CPU path decodes and prefills slower than fp32.
+    # blocks). The library's default stays full precision (the tests hold it to transformers' greedy
+    # tokens); `chatengine serve` / app.py default to "gguf": faster on a CPU (README, issue #23).
     quantization: str | None = None
     seed: int = 0  # seed of dummy weights and of unseeded sampling
     debug_checks: bool = False  # check block-manager invariants after every step

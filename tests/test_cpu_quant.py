@@ -172,7 +172,7 @@ def test_lazy_zeros_reads_zeros_and_writes():
 
 
 def test_quantization_is_opt_in_and_gguf_picks_the_files_own_format():
-    assert EngineConfig().quantization_on("cpu", "q4_1") == "none"  # measured slower than fp32 so far
+    assert EngineConfig().quantization_on("cpu", "q4_1") == "none"  # the library's default: fp32 (tests)
     gguf = EngineConfig(quantization="gguf")
     assert gguf.quantization_on("cpu", "q4_1") == "q4_1"
     assert gguf.quantization_on("cpu", None) == "none"  # HF directories, dummy weights: fp32
@@ -180,6 +180,14 @@ def test_quantization_is_opt_in_and_gguf_picks_the_files_own_format():
     assert EngineConfig(quantization="q8_0").quantization_on("cpu", "q4_1") == "q8_0"
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(quantization="q4_0").quantization_on("cuda")
+
+
+def test_the_server_serves_a_gguf_in_its_own_blocks_by_default():
+    from chatengine.app.server import build_parser
+
+    default = EngineConfig(quantization=build_parser().parse_args([]).quantization)
+    assert default.quantization_on("cpu", "q4_1") == "q4_1"  # the embedded model, on a laptop
+    assert default.quantization_on("cuda", "q4_1") == default.quantization_on("cpu", None) == "none"
 
 
 def test_quantization_is_checked():

@@ -367,10 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         choices=["none", "fp8", "q8_0", "q4_0", "q4_1", "gguf"],
-        default=None,
+        default="gguf",
         help="fp8: e4m3 weights with per-channel scales for the linear layers (GPUs of compute capability "
         "8.9+: half the weight memory and bytes per decode step); q8_0/q4_0/q4_1: GGML blocks on the CPU; "
-        "gguf: a GGUF file's own block format on the CPU; default none",
+        "gguf (default): a GGUF file's own block format on the CPU (the embedded model: q4_1), full "
+        "precision on a GPU and for other weights; none: full precision everywhere",
     )
     p.add_argument(
         "--kv-cache-gib", type=float, default=None, help="CPU: size of the KV page pool in GiB (engine default 1.0)"

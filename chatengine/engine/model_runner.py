@@ -265,7 +265,8 @@ class ModelRunner:
         model.to_empty(device=device)  # in the final dtype: no full-precision copy of the slice
         self.quantization = config.quantization_on(device.type, loaded.gguf_format)
         blocks = self.quantization if self.quantization in CPU_QUANTIZATIONS else None
-        model.load_hf_state_dict(loaded.state_dict, blocks)  # CPU blocks: quantized layer by layer
+        # CPU blocks: quantized layer by layer, the freed fp32 memory given back after each
+        model.load_hf_state_dict(loaded.state_dict, blocks, release_freed_heap if blocks else None)
         if self.quantization == "fp8":
             check_fp8_device(device)
             model.quantize_fp8()

@@ -10,6 +10,7 @@ token's sequence and context through `AttentionMetadata`. Numerics follow Huggin
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,12 +266,13 @@ class LlamaModel(nn.Module):
             self.embed_tokens.share_blocks(self.lm_head.qweight)
 
     @torch.no_grad()
-    def load_hf_state_dict(self, sd, blocks: str | None = None) -> None:
+    def load_hf_state_dict(self, sd, blocks: str | None = None, after_layer: Callable[[], None] | None = None) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up, each rank keeping its slice. `sd` may be
         lazy (a loader's LazyWeights): each tensor is taken (popped) once, so at most one full tensor
         beyond this rank's slices is alive at a time. `blocks` (CPU: q8_0, q4_0, q4_1): each layer's
         projections become blocks as soon as they are loaded, so only one layer's fp32 weights are
-        ever resident (the rest of the meta-built model's storage is allocated, never touched)."""
+        ever resident (the rest of the meta-built model's storage is allocated, never touched);
+        `after_layer` then runs (the runner gives the freed memory back to the OS there)."""
         if self.config.tie_word_embeddings:  # re-tie: to_empty() gives each module fresh storage
             self.lm_head.weight = self.embed_tokens.weight
         own = {n for n, _ in self.named_parameters()}  # names only: a quantized weight's storage goes at once
@@ -308,6 +310,8 @@ class LlamaModel(nn.Module):
             if blocks is not None:
                 for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                     linear.quantize_blocks(blocks)
+                if after_layer is not None:
+                    after_layer()
         if not self.config.tie_word_embeddings:
             self.lm_head.load(take("lm_head.weight"))
         elif "lm_head.weight" in names:
