@@ -28,13 +28,6 @@ class FakeEngine:
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chat.db")
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def catalog(store):
     return PersonaCatalog(store, FakeEngine(), SEEDS)
 
