@@ -31,6 +31,9 @@ class FakeEngine:
     def register_persona(self, name, prompt):
         self.registered[name] = prompt
 
+    def unregister_persona(self, name):
+        self.registered.pop(name, None)
+
     def get_tokenizer(self):
         return None
 
