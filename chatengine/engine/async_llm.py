@@ -30,7 +30,9 @@ class AsyncLLM(EngineFacade):
         self._thread.start()
 
     async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None, user: str | None = None):
-        """Yield cumulative RequestOutputs until finished. Closing the generator aborts the request."""
+        """Yield cumulative RequestOutputs until finished. Closing the generator aborts the request.
+        A caller slower than the engine gets the newest output only (each holds everything so far):
+        under load a stream sends fewer, longer chunks instead of falling further behind."""
         if getattr(sampling_params, "structured_outputs", None) is not None:  # a compile: off the event loop
             req = await asyncio.to_thread(
                 self.engine.make_request, prompt, sampling_params, request_id=request_id, user=user
@@ -45,6 +47,8 @@ class AsyncLLM(EngineFacade):
         try:
             while True:
                 item = await queue.get()
+                while not queue.empty() and not isinstance(item, Exception) and not item.finished:
+                    item = queue.get_nowait()  # cumulative: a caller that fell behind takes the newest
                 if isinstance(item, Exception):
                     finished = True  # refused when added: nothing of ours to abort (the id may be another's)
                     raise item

@@ -58,7 +58,7 @@ def reachable_plans(
     # prefill: any split count up to the cap is reachable (few programs, long cached keys), with any
     # merge width that some token count gives; T also bounds the sequences (one token at least each)
     max_splits = max(1, min(pa.MAX_PREFILL_SPLITS, max_model_len // pa.MIN_SPLIT_KEYS))
-    widths = {}
+    widths: dict[int, int] = {}  # merge heads -> a token count that gives them
     for T in range(1, max_num_tokens + 1):
         widths.setdefault(pa._merge_heads(T, H_q, sms), max(2, T))
     for heads, T in widths.items():
