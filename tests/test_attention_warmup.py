@@ -60,15 +60,15 @@ def test_after_the_warm_up_no_shape_compiles_anything():
     max_seqs, max_len, max_tokens, block = 32, 2048, 512, 16
     cache = torch.zeros(max_len // block * max_seqs, 2, block, H_kv, D, dtype=torch.bfloat16, device="cuda")
     k_cache, v_cache = cache[:, 0], cache[:, 1]
-    attention_warmup.warm_up(k_cache, v_cache, H_q, {0}, max_seqs, max_len, max_tokens)
+    width = max_len // block  # the engine's block tables: one row stride for every step
+    attention_warmup.warm_up(k_cache, v_cache, H_q, {0}, max_seqs, max_len, max_tokens, width)
     before = compiled()
     rng = random.Random(1)
     for _ in range(200):
         B = rng.randint(1, max_seqs)
         q_lens = [1 if rng.random() < 0.7 else rng.randint(2, max_tokens // max_seqs) for _ in range(B)]
         seq_lens = [rng.randint(ql, max_len) for ql in q_lens]
-        pages = -(-max(seq_lens) // block)
-        tables = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
+        tables = torch.arange(B * width, dtype=torch.int32, device="cuda").view(B, width)
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         q = torch.randn(sum(q_lens), H_q, D, dtype=torch.bfloat16, device="cuda")
         lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")

@@ -334,6 +334,7 @@ class ModelRunner:
             self.config.max_num_seqs,
             self.max_model_len,
             self.config.max_num_batched_tokens,
+            -(-self.max_num_pages // 16) * 16,  # an eager step's block-table width (_stage)
         )
         log.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
 

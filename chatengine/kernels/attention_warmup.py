@@ -77,20 +77,23 @@ def warm_up(
     max_num_seqs: int,
     max_model_len: int,
     max_num_tokens: int,
+    max_num_pages: int,
 ) -> int:
     """Compile every reachable variant for one layer's cache views (N, block_size, H_kv, D) and
-    each sliding window in use (0: none). Returns the number of launches made."""
+    each sliding window in use (0: none), with block tables max_num_pages wide as an eager step's
+    (their row stride is a specialized int too). Returns the number of launches made."""
     _, _, H_kv, D = k_cache.shape
     device, sms = k_cache.device, pa.num_sms(k_cache.device)
     plans = reachable_plans(num_q_heads, H_kv, D, max_num_seqs, max_model_len, max_num_tokens, sms)
     n = 0
-    block_size = k_cache.shape[1]
+    block_size = k_cache.shape[1]  # every page is block 0: read, never written
     for T, B, max_q, max_k, plan in plans.values():
         q = torch.zeros(T, num_q_heads, D, dtype=k_cache.dtype, device=device)
         q_lens = [1] * (B - 1) + [T - (B - 1)]  # the last sequence holds the remaining queries
         cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
         seq_lens = torch.tensor(q_lens, dtype=torch.int32, device=device)  # keys: its own queries
-        block_tables = torch.zeros(B, -(-max(q_lens) // block_size), dtype=torch.int32, device=device)
+        assert max(q_lens) <= max_num_pages * block_size
+        block_tables = torch.zeros(B, max_num_pages, dtype=torch.int32, device=device)
         for window in sorted(windows):
             pa.paged_attention_triton(
                 q, k_cache, v_cache, cu, seq_lens, block_tables, 1.0, max_q, max_k, plan.num_splits, window=window
