@@ -9,6 +9,7 @@ from chatengine import AsyncLLM, SamplingParams
 from chatengine.app.chat import ChatService
 from chatengine.app.persona_catalog import PersonaCatalog
 from chatengine.app.store import ChatStore, NotFound
+from chatengine.engine.kv.hashing import hash_blocks
 from chatengine.personas import Persona, load_personas
 
 SEEDS = {
@@ -185,6 +186,10 @@ def test_a_public_persona_made_private_stops_serving_its_prefix_to_other_users(e
         return out
 
     assert asyncio.run(dave()).num_cached_tokens == 0
+    # the engine thread dropped the shared pages before it took dave's request (one inbox, in order)
+    prefix = catalog.prefix_ids(engine, LONG_PROMPT + "soon private")
+    shared = hash_blocks(engine.engine.block_manager.root, prefix, engine.engine.config.block_size)
+    assert len(shared) >= 2 and not any(h in engine.engine.block_manager.cached for h in shared)
     assert reply_stats(service, "root", pub)["cached_tokens"] == 0  # salted for its owner from now on
     store.close()
 
