@@ -163,6 +163,10 @@ def test_a_private_persona_is_salted_per_user_and_a_public_one_is_shared_and_war
     store.close()
 
 
+# no leading block in common with LONG_PROMPT's personas (one of them stays registered as public)
+SOON_PRIVATE = "An archivist who keeps the guild's ledgers answers in riddles and never in plain words. " * 5
+
+
 def test_a_public_persona_made_private_stops_serving_its_prefix_to_other_users(engine, tmp_path):
     """The attacker's view: carol chatted with a public persona, an admin made it private (its owner
     alone sees it now), and dave sends the very same prompt: he must get no page of it, nor any
@@ -170,13 +174,13 @@ def test_a_public_persona_made_private_stops_serving_its_prefix_to_other_users(e
     store = ChatStore(tmp_path / "chat.db")
     catalog = PersonaCatalog(store, engine, load_personas())
     service = ChatService(engine, store, catalog=catalog)
-    pub = catalog.create("root", "Soon private", "", LONG_PROMPT + "soon private", public=True, admin=True)
+    pub = catalog.create("root", "Soon private", "", SOON_PRIVATE, public=True, admin=True)
     asyncio.run(catalog.warm(pub))
     assert reply_stats(service, "carol", pub)["cached_tokens"] >= 32
     ids = engine.apply_chat_template(
-        [{"role": "system", "content": LONG_PROMPT + "soon private"}, {"role": "user", "content": "Say one word."}]
+        [{"role": "system", "content": SOON_PRIVATE}, {"role": "user", "content": "Say one word."}]
     )
-    catalog.update("root", pub, "Soon private", "", LONG_PROMPT + "soon private", public=False, admin=True)
+    catalog.update("root", pub, "Soon private", "", SOON_PRIVATE, public=False, admin=True)
     assert pub not in engine.engine.personas
 
     async def dave():
@@ -187,7 +191,7 @@ def test_a_public_persona_made_private_stops_serving_its_prefix_to_other_users(e
 
     assert asyncio.run(dave()).num_cached_tokens == 0
     # the engine thread dropped the shared pages before it took dave's request (one inbox, in order)
-    prefix = catalog.prefix_ids(engine, LONG_PROMPT + "soon private")
+    prefix = catalog.prefix_ids(engine, SOON_PRIVATE)
     shared = hash_blocks(engine.engine.block_manager.root, prefix, engine.engine.config.block_size)
     assert len(shared) >= 2 and not any(h in engine.engine.block_manager.cached for h in shared)
     assert reply_stats(service, "root", pub)["cached_tokens"] == 0  # salted for its owner from now on
