@@ -20,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ imports triton
 
-from chatengine.kernels import cache_ops, fp8_ops, fused_ops, sampling  # noqa: E402
+from chatengine.kernels import cache_ops, fp8_ops, fused_ops, logprob_ops, sampling  # noqa: E402
 from chatengine.kernels import paged_attention as pa
 
 tl, triton = pa.tl, pa.triton  # (None without triton)
@@ -526,6 +526,28 @@ def test_interpreter_in_subprocess():
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "needs TRITON_INTERPRET" not in run.stdout, run.stdout[-4000:]
+
+
+# ---------------------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("vocab", "k"), [(3001, 5), (1500, 0), (4097, 20), (7, 3)])
+def test_row_logprobs_kernel_matches_the_reference(device, dtype, vocab, k):
+    """Values as row_logprobs' (float rounding); each id's logprob is its value (bf16 ties may take
+    another id of the same value than torch.topk's), ids distinct, chosen tokens exact."""
+    from chatengine.engine.logprobs import row_logprobs
+
+    logits = (torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab)) * 3).to(device, dtype)
+    chosen = torch.tensor([0, vocab - 1, vocab // 2, 3 % vocab], device=device)
+    temps = [0.0, 0.7, 1.0, 1.3]
+    ref = row_logprobs(logits, chosen, k, temps).to_host(False).packed
+    got = logprob_ops.row_logprobs_triton(logits, chosen, k, torch.tensor(temps, device=device)).cpu()
+    assert torch.equal(got[:, 0], chosen.cpu().float())
+    torch.testing.assert_close(got[:, 1 : 2 + k], ref[:, 1 : 2 + k], atol=1e-5, rtol=1e-5)
+    x = logits.float().cpu() / torch.tensor([t or 1.0 for t in temps])[:, None]
+    ids = got[:, 2 + k :].long()
+    torch.testing.assert_close(torch.log_softmax(x, -1).gather(1, ids), got[:, 2 : 2 + k], atol=1e-5, rtol=1e-5)
+    assert all(len(set(row.tolist())) == k for row in ids)
 
 
 # ---------------------------------------------------------------------------- sampling

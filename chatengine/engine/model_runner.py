@@ -46,7 +46,7 @@ from chatengine.engine.parallel.group import TPGroup
 from chatengine.engine.parallel.plan import Op, PlanSender
 from chatengine.engine.sampler import Sampler, position_key
 from chatengine.engine.sequence import Sequence
-from chatengine.kernels import attention_warmup, cache_ops, paged_attention
+from chatengine.kernels import attention_warmup, cache_ops, logprob_ops, paged_attention
 from chatengine.kernels import sampling as sampling_ops
 from chatengine.sampling_params import SamplingParams
 
@@ -705,16 +705,21 @@ class ModelRunner:
         process_logits(out, seqs, self.eos_token_ids)
         return out
 
-    def _logprobs(self, logits, seqs, tokens) -> tuple[list[tuple[int, int]] | None, HostLogprobs | None]:
-        """The logprobs of the rows that asked for them, copied to the host (non-blocking)."""
+    def _logprobs(self, logits, seqs, tokens, temps) -> tuple[list[tuple[int, int]] | None, HostLogprobs | None]:
+        """The logprobs of the rows that asked for them, copied to the host (non-blocking). On CUDA
+        one kernel computes and packs them (logprob_ops); elsewhere the torch reference."""
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not rows:
             return None, None
         idx = None if len(rows) == len(seqs) else on_device(rows, torch.long, logits.device)
         sub, chosen = (logits, tokens) if idx is None else (logits[idx], tokens[idx])
         k = max(seqs[i].params.logprobs for i in rows)
-        lp = row_logprobs(sub, chosen, k, [seqs[i].params.temperature for i in rows])
         meta = [(seqs[i].seq_id, seqs[i].params.logprobs) for i in rows]
+        if self.fused_sampling:
+            temps = temps.view(torch.float32)[: len(seqs)]  # staged with the step's inputs
+            packed = logprob_ops.row_logprobs_triton(sub, chosen, k, temps if idx is None else temps[idx])
+            return meta, HostLogprobs.of(packed, k, pin=True)
+        lp = row_logprobs(sub, chosen, k, [seqs[i].params.temperature for i in rows])
         return meta, lp.to_host(self._token_host is not None)
 
     def _prompt_logprobs(self, prompt) -> tuple[list[tuple[int, int, int, int]] | None, HostLogprobs | None]:
@@ -747,7 +752,7 @@ class ModelRunner:
             tokens = self._sample(logits, sampling, d["temperatures"])
             self._last_tokens = tokens  # the next step's placeholders read these
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(sampling)}
-            step.logprob_rows, step.logprobs = self._logprobs(logits, sampling, tokens)
+            step.logprob_rows, step.logprobs = self._logprobs(logits, sampling, tokens, d["temperatures"])
             step.token_ids = tokens
             if self._token_host is not None:
                 host = self._token_host[self._flip][: len(sampling)]
