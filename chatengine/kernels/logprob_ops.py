@@ -13,7 +13,6 @@ import torch
 
 from .paged_attention import check_device, jit, tl, triton
 
-_BIG = 2147483647  # an id above every vocabulary's: "none yet"
 
 
 @jit
@@ -29,7 +28,7 @@ def _row_logprobs_kernel(
     mx = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per lane: running max and sum of exp(x - max)
     se = tl.zeros([BLOCK_V], tl.float32)
     top_v = tl.full([KP], float("-inf"), tl.float32)  # the K best so far, best first
-    top_i = tl.full([KP], _BIG, tl.int32)
+    top_i = tl.full([KP], 2147483647, tl.int32)  # an id above every vocabulary's: "none yet"
     for v0 in range(0, vocab_size, BLOCK_V):
         cols = v0 + offs
         x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32) / temp
@@ -42,12 +41,12 @@ def _row_logprobs_kernel(
             if tl.max(x, 0) > kth:  # this chunk has a candidate: merge the two lists, best first
                 cand = x
                 merged_v = tl.full([KP], float("-inf"), tl.float32)
-                merged_i = tl.full([KP], _BIG, tl.int32)
+                merged_i = tl.full([KP], 2147483647, tl.int32)
                 for j in tl.static_range(K):
                     bx = tl.max(cand, 0)
-                    bxi = tl.min(tl.where(cand == bx, cols, _BIG), 0)
+                    bxi = tl.min(tl.where(cand == bx, cols, 2147483647), 0)
                     bt = tl.max(top_v, 0)
-                    bti = tl.min(tl.where(top_v == bt, top_i, _BIG), 0)
+                    bti = tl.min(tl.where(top_v == bt, top_i, 2147483647), 0)
                     from_x = (bx > bt) | ((bx == bt) & (bxi < bti))
                     merged_v = tl.where(slots == j, tl.where(from_x, bx, bt), merged_v)
                     merged_i = tl.where(slots == j, tl.where(from_x, bxi, bti), merged_i)
