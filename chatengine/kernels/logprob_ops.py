@@ -14,7 +14,6 @@ import torch
 from .paged_attention import check_device, jit, tl, triton
 
 
-
 @jit
 def _row_logprobs_kernel(
     Logits, Chosen, Temps, Out, stride_l, stride_o, vocab_size, K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr
