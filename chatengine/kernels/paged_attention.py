@@ -252,29 +252,34 @@ def _merge_splits_in_order_kernel(
     stride_ot,
     stride_oh,
     num_splits,
+    BLOCK_H: tl.constexpr,  # the next power of two >= num_q_heads: every head of token t
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """`_merge_splits_kernel`'s sum for one (token, head), added split after split in order: an empty
-    split (weight 0) adds exactly 0 wherever it stands, so the result does not depend on how many
+    """`_merge_splits_kernel`'s sum for token t, added split after split in order: an empty split
+    (weight 0) adds exactly 0 wherever it stands, so the result does not depend on how many
     trailing splits a launch had (invariant mode)."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
-    row = (t * num_q_heads + h).to(tl.int64) * num_splits
+    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    m = tl.full([], float("-inf"), tl.float32)
+    h_ok = offs_h < num_q_heads
+    hd_ok = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = (t * num_q_heads + offs_h).to(tl.int64) * num_splits  # (H,) split 0 of each head
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for s in range(num_splits):
-        m = tl.maximum(m, tl.load(PartialLse + row + s))
+        m = tl.maximum(m, tl.load(PartialLse + rows + s, mask=h_ok, other=float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)  # a padded lane: every split empty
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    w_sum = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    w_sum = tl.zeros([BLOCK_H], tl.float32)
     for s in range(num_splits):
-        w = tl.exp2(tl.load(PartialLse + row + s) - m)
-        acc += w * tl.load(PartialOut + (row + s) * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        w = tl.exp2(tl.load(PartialLse + rows + s, mask=h_ok, other=float("-inf")) - m)
+        part = tl.load(PartialOut + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=hd_ok, other=0.0)
+        acc += w[:, None] * part
         w_sum += w
-    out = acc / tl.where(w_sum > 0, w_sum, 1.0)
-    tl.store(Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    tl.store(
+        Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=hd_ok
+    )
 
 
 def _merge_heads(num_tokens: int, num_q_heads: int, sms: int = 132) -> int:
@@ -515,8 +520,17 @@ def paged_attention_triton(
         **({"launch_pdl": True} if pdl is True else {}),
     )
     if split_keys:
-        _merge_splits_in_order_kernel[(T, H_q)](
-            out, partial, lse, H_q, out.stride(0), out.stride(1), num_splits, HEAD_DIM=D, BLOCK_D=block_d
+        _merge_splits_in_order_kernel[(T,)](
+            out,
+            partial,
+            lse,
+            H_q,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            BLOCK_H=triton.next_power_of_2(H_q),
+            HEAD_DIM=D,
+            BLOCK_D=block_d,
         )
     elif num_splits > 1:
         heads = _merge_heads(T, H_q, num_sms(q.device))
