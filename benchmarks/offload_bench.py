@@ -197,12 +197,12 @@ def main(argv=None):
     rows = []
     for mode in args.modes:
         rows += restore_vs_recompute(args, engine_kw, mode)
-    info = {}
-    for mode in [] if rows else args.modes[:1]:  # (only the disk return: the model's name and dtype)
+    if rows:
+        model_id, dtype = rows[0]["model"], rows[0]["dtype"]
+    else:  # only the disk return: the model's name and dtype
         llm = LLM(args.model, **engine_kw)
-        info = {"model": llm.engine.model_id, "dtype": str(llm.engine.runner.dtype)}
+        model_id, dtype = llm.engine.model_id, str(llm.engine.runner.dtype)
         llm.shutdown()
-    model_id, dtype = (rows[0] if rows else info)["model"], (rows[0] if rows else info)["dtype"]
     disk = disk_return_gaps(args.model, args.disk_return, min(args.repeats, 3), engine_kw) if args.disk_return else None
     device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
     meta = {
