@@ -18,6 +18,8 @@ together in one batch; --alone runs them one at a time too.
         [--modes default deterministic] [--prompts 200] [--neighbours 255] [--new-tokens 64]
 
 Saves JSON + markdown under --out (device and commit named) and prints the table last.
+
+    python benchmarks/determinism_bench.py --gemm   # CUDA: the invariant matmul's tile configs vs cuBLAS
 """
 
 import argparse
@@ -138,6 +140,49 @@ def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_
     return out
 
 
+GEMM_CONFIGS = [
+    (64, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+]
+
+
+def gemm_table(model: str) -> list[str]:
+    """us per call of the invariant matmul in each tile config against cuBLAS (F.linear), on the
+    model's projection shapes at decode and prefill sizes (CUDA)."""
+    import triton.testing
+
+    from chatengine.kernels import invariant_matmul as im
+
+    c = DUMMY_SHAPES[model.removeprefix("dummy:")]
+    H, D, I = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    shapes = {
+        "qkv": (H, (c["num_heads"] + 2 * c["num_kv_heads"]) * D),
+        "o": (c["num_heads"] * D, H),
+        "gate_up": (H, 2 * I),
+        "down": (I, H),
+        "lm_head": (H, c["vocab_size"]),
+    }
+    lines = [
+        f"## {model}: invariant matmul, us per call (cuBLAS, then each (BM, BN, BK, warps, stages))",
+        "",
+        "| layer | M | cuBLAS | " + " | ".join(str(cfg) for cfg in GEMM_CONFIGS) + " |",
+        "|---|---:|---:|" + "---:|" * len(GEMM_CONFIGS),
+    ]
+    for name, (K, N) in shapes.items():
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        for M in (1, 64, 256, 2048, 8192):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            bench = triton.testing.do_bench
+            times = [bench(lambda: torch.nn.functional.linear(x, w))]
+            times += [bench(lambda cfg=cfg: im.linear_triton(x, w, config=cfg)) for cfg in GEMM_CONFIGS]
+            lines.append(f"| {name} | {M} | " + " | ".join(f"{1e3 * t:.1f}" for t in times) + " |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def markdown(meta, results, args) -> str:
     lines = [
         f"# Determinism — {meta['device']}, commit {meta['commit']}, {meta['date']}",
@@ -177,8 +222,13 @@ def main(argv=None):
     ap.add_argument("--budget-f", type=int, default=1000 if cuda else 40, help="case f's token budget")
     ap.add_argument("--alone", action="store_true", help="cases c-f one target at a time (slower)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--gemm", action="store_true", help="only time the invariant matmul's configs (CUDA)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    if args.gemm:
+        for model in args.models:
+            print("\n".join(gemm_table(model)), flush=True)
+        return
 
     rng = random.Random(0)
     vocab = 256 if not cuda else 10000

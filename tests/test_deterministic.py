@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from chatengine import LLM, EngineConfig, SamplingParams
-from chatengine.app.server import build_parser
 
 RNG = random.Random(0)
 TARGETS = [[RNG.randrange(256) for _ in range(n)] for n in (37, 150, 230)]
@@ -89,6 +88,8 @@ def test_settings():
         EngineConfig(deterministic=True, quantization="q8_0")
     with pytest.raises(ValueError, match="one device"):
         EngineConfig(deterministic=True, tensor_parallel_size=2)
+    from chatengine.app.server import build_parser  # (the app's dependencies: here only)
+
     assert build_parser().parse_args(["--deterministic"]).deterministic is True
     assert build_parser().parse_args([]).deterministic is None  # the engine's default
 
