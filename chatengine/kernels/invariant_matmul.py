@@ -24,7 +24,12 @@ CONFIG = (64, 64, 64, 4, 4)
 TILE_ROWS = 16  # CPU: rows per BLAS call
 
 
-@jit
+# M is never specialized (Triton compiles a variant for M == 1 and for M % 16 == 0 otherwise): one
+# compiled kernel per layer for every batch size, and no compile in the middle of serving
+_jit_rows = triton.jit(do_not_specialize=["M"]) if triton is not None else jit
+
+
+@_jit_rows
 def _matmul_kernel(
     X,
     W,
