@@ -1,7 +1,8 @@
 """The batch-invariant linear (kernels/invariant_matmul.py): a row's result is bit for bit the same
 whatever the number of rows in the call, and close to F.linear. The Triton kernel runs under the
 interpreter on CPU (TRITON_INTERPRET=1, set by tests/conftest.py before triton loads) and compiled on
-CUDA; the CPU tiles run on the CPU."""
+CUDA; the CPU tiles run on the CPU. Under the interpreter tl.dot is made row-exact (tests/conftest.py
+`row_exact_dot`), as the GPU's is."""
 
 import pytest
 import torch
@@ -19,32 +20,31 @@ DEVICES = [
 CLOSE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
-def rows_invariant(linear, x, w, b, counts, shift=True):
-    """linear(x[:m]) for each m in counts: every row equal to its row in linear(x), bit for bit; with
-    `shift`, also rows that sit at other places of their tile."""
+def rows_invariant(linear, x, w, b, counts):
+    """linear(x[:m]) for each m in counts: every row equal to its row in linear(x), bit for bit, and
+    rows that sit at other places of their tile."""
     full = linear(x, w, b)
     for m in counts:
         part = linear(x[:m], w, b)
         assert torch.equal(part, full[:m]), f"rows of a {m}-row call differ from the {x.shape[0]}-row call"
-    if shift:  # a row at another place of its tile, among other rows
-        shifted = linear(torch.cat([x[5:9], x[:3]]), w, b)
-        assert torch.equal(shifted[4:], full[:3])
+    shifted = linear(torch.cat([x[5:9], x[:3]]), w, b)  # other rows before them
+    assert torch.equal(shifted[4:], full[:3])
     return full
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_triton_linear_rows_do_not_depend_on_the_batch(device, dtype, bias):
+def test_triton_linear_rows_do_not_depend_on_the_batch(device, dtype, bias, request):
+    if device == "cpu":
+        request.getfixturevalue("row_exact_dot")
     torch.manual_seed(0)
     M, K, N = (2048, 2048, 3072) if device == "cuda" else (70, 96, 80)  # K, N not multiples of the tiles
     x = torch.randn(M, K, device=device).to(dtype)
     w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
     b = torch.randn(N, device=device).to(dtype) if bias else None
     counts = [1, 2, 3, 17, 64, 65, 256, 1000] if device == "cuda" else [1, 3, 17, 64, 65]
-    # the interpreter's tl.dot is numpy's matmul of whole tiles, whose BLAS may round a row by its
-    # place in the tile; on the GPU every row of a tile is the same instructions
-    full = rows_invariant(im.linear_triton, x, w, b, counts, shift=device == "cuda")
+    full = rows_invariant(im.linear_triton, x, w, b, counts)
     torch.testing.assert_close(full.float(), im.linear_ref(x, w, b).float(), **CLOSE[dtype])
 
 

@@ -544,16 +544,14 @@ def invariant_launches(device, dtype, L, H_q, H_kv, split_keys, chunk, decode_at
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("H_q, H_kv, dtype", [(8, 2, torch.float32), (14, 2, torch.bfloat16)])
-def test_invariant_attention_rows_do_not_depend_on_the_launch(device, dtype, H_q, H_kv):
+def test_invariant_attention_rows_do_not_depend_on_the_launch(device, dtype, H_q, H_kv, request):
     """split_keys: a query row's output is bit for bit the same in a cold prefill, a chunk on its
-    cached prefix, a decode, beside another sequence, and with more (empty) splits. Under the
-    interpreter tl.dot is numpy's matmul, which may round a row by its place in the tile, so there
-    the chunk and the decode start at a multiple of the query tile (16 rows of 4 heads; 9 of 7);
-    on the GPU anywhere."""
-    block_q = 64 // (H_q // H_kv)
-    L = 1100 if device == "cuda" else 150
-    chunk, decode_at = ((333, 470), L - 1) if device == "cuda" else ((3 * block_q, 6 * block_q), 8 * block_q)
-    cold, runs = invariant_launches(device, dtype, L, H_q, H_kv, 128 if device == "cuda" else 64, chunk, decode_at)
+    cached prefix (starting mid-tile), a decode, beside another sequence, and with more (empty)
+    splits."""
+    if device == "cpu":
+        request.getfixturevalue("row_exact_dot")
+    L, chunk = (1100, (333, 470)) if device == "cuda" else (150, (37, 83))
+    cold, runs = invariant_launches(device, dtype, L, H_q, H_kv, 128 if device == "cuda" else 64, chunk, L - 1)
     for rows, out in runs:
         assert torch.equal(out, cold[rows.start : rows.stop]), f"rows {rows} differ from the cold prefill"
 
