@@ -141,10 +141,10 @@ def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_
 
 
 GEMM_CONFIGS = [
-    (64, 64, 64, 4, 4),
+    (64, 64, 64, 4, 4),  # NARROW
     (64, 128, 64, 4, 4),
     (128, 64, 64, 4, 4),
-    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 3),  # WIDE
     (128, 256, 64, 8, 3),
 ]
 

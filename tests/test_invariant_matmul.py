@@ -35,7 +35,8 @@ def rows_invariant(linear, x, w, b, counts):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_triton_linear_rows_do_not_depend_on_the_batch(device, dtype, bias, request):
+@pytest.mark.parametrize("config", [im.NARROW, im.WIDE])
+def test_triton_linear_rows_do_not_depend_on_the_batch(device, dtype, bias, config, request):
     if device == "cpu":
         request.getfixturevalue("row_exact_dot")
     torch.manual_seed(0)
@@ -44,7 +45,7 @@ def test_triton_linear_rows_do_not_depend_on_the_batch(device, dtype, bias, requ
     w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
     b = torch.randn(N, device=device).to(dtype) if bias else None
     counts = [1, 2, 3, 17, 64, 65, 256, 1000] if device == "cuda" else [1, 3, 17, 64, 65]
-    full = rows_invariant(im.linear_triton, x, w, b, counts)
+    full = rows_invariant(lambda *args: im.linear_triton(*args, config=config), x, w, b, counts)
     torch.testing.assert_close(full.float(), im.linear_ref(x, w, b).float(), **CLOSE[dtype])
 
 
@@ -60,4 +61,5 @@ def test_tiled_torch_linear_rows_do_not_depend_on_the_batch(dtype):
 def test_linear_keeps_leading_dims():
     x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
     assert im.linear(x, w).shape == (2, 5, 3)
+    assert im.config_for(2048) == im.NARROW and im.config_for(128256) == im.WIDE
     torch.testing.assert_close(im.linear(x, w), im.linear_ref(x, w))

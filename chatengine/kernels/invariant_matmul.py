@@ -3,12 +3,13 @@ on how many rows share the call (deterministic mode, EngineConfig.deterministic)
 
 cuBLAS picks its algorithm by the shape: a decode step of 3 rows and a prefill of 2048 may reduce
 the same row's dot products in different orders (split-K, other tiles, other instructions), and in
-bf16 a near-tie between two tokens then flips. Here every call runs one configuration:
-- CUDA: one Triton kernel with fixed tiles (BLOCK_M x BLOCK_N, K walked from 0 in BLOCK_K steps,
-  never split), the same compiled code for every M: a row's sums are the same instructions in the
-  same order whatever its tile's other rows hold (zeros past M included).
-- CPU: `linear_tiled_torch`, the rows in tiles of TILE_ROWS (the last one padded with zeros), one BLAS
-  call of that fixed shape per tile: BLAS chooses by shape, so every call chooses the same.
+bf16 a near-tie between two tokens then flips. Here every call of a layer runs one configuration:
+- CUDA: one Triton kernel with fixed tiles per layer (BLOCK_M x BLOCK_N by the layer's width, K
+  walked from 0 in BLOCK_K steps, never split), the same compiled code for every M: a row's sums
+  are the same instructions in the same order whatever its tile's other rows hold (zeros past M
+  included).
+- CPU: `linear_tiled_torch`, the rows in tiles of TILE_ROWS (the last one padded with zeros), one
+  BLAS call of that fixed shape per tile: BLAS chooses by shape, so every call chooses the same.
 `linear_ref` (F.linear) is what both compute, up to the summation order.
 """
 
@@ -17,11 +18,20 @@ import torch.nn.functional as F
 
 from .paged_attention import check_device, jit, tl, triton
 
-# the one configuration: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Any fixed choice is
-# invariant; this one trades large-M efficiency for enough programs at decode sizes (N / 64 of them
-# per 64 rows). `.whl/det_gpu.sh` times others (benchmarks/determinism_bench.py --gemm).
-CONFIG = (64, 64, 64, 4, 4)
+# A layer's one configuration, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), chosen by its
+# output width N: any rule of (N, K) keeps rows invariant, as long as M never enters it. Narrow
+# layers (q/k/v, o, down) take small tiles, so that a decode step of a few hundred rows still makes
+# enough programs (N / 64 per 64 rows); wide ones (gate/up, the LM head) have programs enough with
+# large tiles, which reuse each loaded tile twice as often in a long prefill.
+# `benchmarks/determinism_bench.py --gemm` times others against cuBLAS.
+NARROW = (64, 64, 64, 4, 4)
+WIDE = (128, 128, 64, 8, 3)
+WIDE_FROM = 8192  # output features
 TILE_ROWS = 16  # CPU: rows per BLAS call
+
+
+def config_for(N: int) -> tuple[int, int, int, int, int]:
+    return WIDE if N >= WIDE_FROM else NARROW
 
 
 # M is never specialized (Triton compiles a variant for M == 1 and for M % 16 == 0 otherwise): one
@@ -78,8 +88,8 @@ def _matmul_kernel(
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """x (..., K) @ weight (N, K)^T (+ bias (N,)) with one tile configuration for every M. `config`:
-    another (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for benchmarks."""
+    """x (..., K) @ weight (N, K)^T (+ bias (N,)) with one tile configuration for every M (`config_for`
+    N). `config`: another (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for benchmarks."""
     check_device(x)
     *lead, K = x.shape
     N = weight.shape[0]
@@ -91,7 +101,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    block_m, block_n, block_k, warps, stages = config or CONFIG
+    block_m, block_n, block_k, warps, stages = config or config_for(N)
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
     if x.device.type != "cuda" and x.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # the interpreter multiplies bf16 bit patterns
