@@ -26,6 +26,7 @@ import logging
 import math
 import mmap
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +46,12 @@ from chatengine.engine.parallel.group import TPGroup
 from chatengine.engine.parallel.plan import Op, PlanSender
 from chatengine.engine.sampler import Sampler, position_key
 from chatengine.engine.sequence import Sequence
-from chatengine.kernels import cache_ops, paged_attention
+from chatengine.kernels import attention_warmup, cache_ops, paged_attention
 from chatengine.kernels import sampling as sampling_ops
 from chatengine.sampling_params import SamplingParams
 
 log = logging.getLogger("chatengine")
+_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton kernel's (KV as the queries)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EAGER, DECODE_GRAPH, PREFILL_GRAPH = range(3)  # how a step's forward runs (the same on every rank)
 ALIGN = 32  # staging regions start at multiples of 32 int32 (128 bytes)
@@ -314,11 +316,30 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(self.num_blocks, *page, dtype=dtype, device=device)
         self.host_slice: torch.Tensor | None = None  # ranks > 0: their slices of the host tier's pages
+        if device.type == "cuda" and self.backend.name == "triton" and self.kv_cache.dtype in _ATTENTION_DTYPES:
+            self._warm_up_attention()
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.name == "triton":
                 self._capture_graphs()
             else:  # the torch reference syncs (boolean masks, data-dependent shapes): not capturable
                 log.info("CUDA graphs are off: the %r attention backend cannot be captured", self.backend.name)
+
+    def _warm_up_attention(self) -> None:
+        """Compile the attention variants eager steps can reach now, not in the middle of serving."""
+        t0 = time.perf_counter()
+        windows = set(self.model_config.layer_windows or [0])
+        n = attention_warmup.warm_up(
+            self.kv_cache[:, 0, 0],
+            self.kv_cache[:, 0, 1],
+            self.num_heads,
+            windows,
+            self.config.max_num_seqs,
+            self.max_model_len,
+            self.config.max_num_batched_tokens,
+            -(-self.max_num_pages // 16) * 16,  # an eager step's block-table width (_stage)
+            getattr(self.backend, "split_keys", 0),
+        )
+        log.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
 
     def _num_blocks_from_budget(self) -> int:
         if self.device.type == "cpu":

@@ -395,6 +395,82 @@ def _decode_launch(
     return DECODE_LAUNCH[64], False
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one paged-attention call launches, from its shapes alone (no tensor read): each distinct
+    (attention_variant, merge_variant) is one Triton compile (attention_warmup.py compiles them all
+    at start)."""
+
+    num_splits: int
+    block_d: int  # head_dim padded to a power of two
+    block_m: int  # rows per program: BLOCK_Q query tokens x the GQA group
+    block_q: int
+    launch: tuple[int, int, int]  # (BLOCK_N, num_warps, num_stages)
+    pdl: bool  # by the rule; the caller drops it where the device lacks it
+    merge_heads: int  # query heads per merge program (num_splits > 1)
+    split_keys: int = 0  # > 0: invariant mode (splits at fixed key positions, the in-order merge)
+
+    def attention_variant(self) -> tuple:
+        split = self.num_splits > 1 or self.split_keys > 0
+        return (self.block_d, self.block_m, self.block_q, self.launch, split, self.pdl, self.split_keys)
+
+    def merge_variant(self) -> tuple | None:
+        """None without a merge. The split count is a specialized int there (== 1, % 16); not in
+        the in-order merge."""
+        if self.split_keys:
+            return ("in order", self.block_d)
+        if self.num_splits == 1:
+            return None
+        return (
+            self.block_d,
+            triton.next_power_of_2(self.num_splits),
+            self.num_splits % 16 == 0,
+            self.merge_heads,
+            self.pdl,
+        )
+
+
+def launch_plan(
+    T: int,
+    B: int,
+    H_q: int,
+    H_kv: int,
+    D: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int | None,
+    num_splits: int | None,
+    sms: int,
+    split_keys: int = 0,
+) -> LaunchPlan:
+    """The rules of `paged_attention_triton` for T query tokens of B sequences (max_seqlen_k may be
+    None only with num_splits given)."""
+    group = H_q // H_kv
+    block_d = triton.next_power_of_2(D)
+    if split_keys:  # invariant: the prefill tiles for every launch, splits at fixed key positions
+        assert split_keys % 64 == 0, "split_keys must be a multiple of every BLOCK_N"
+        block_m = max(64, triton.next_power_of_2(group))
+        if num_splits is None:
+            assert max_seqlen_k is not None
+            num_splits = max(1, -(-max_seqlen_k // split_keys))
+        launch = _launch(PREFILL_LAUNCH, block_d)
+        return LaunchPlan(num_splits, block_d, block_m, block_m // group, launch, False, 1, split_keys)
+    if max_seqlen_q == 1:  # decode: one token, the GQA group in the rows
+        block_m, block_q = max(16, triton.next_power_of_2(group)), 1  # tl.dot needs M >= 16
+        if num_splits is None:
+            assert max_seqlen_k is not None
+            num_splits = _decode_splits(B * H_kv, max_seqlen_k, sms, block_d)
+        launch, pdl = _decode_launch(B * H_kv, num_splits, max_seqlen_k, block_d, sms)
+    else:  # prefill chunks (mixed with decodes)
+        block_m = max(64, triton.next_power_of_2(group))
+        block_q = block_m // group
+        if num_splits is None:
+            assert max_seqlen_k is not None
+            num_splits = _prefill_splits(B, max_seqlen_q, group, H_kv, max_seqlen_k, sms)
+        launch, pdl = _launch(PREFILL_LAUNCH, block_d), False
+    heads = _merge_heads(T, H_q, sms) if num_splits > 1 else 1
+    return LaunchPlan(num_splits, block_d, block_m, block_q, launch, pdl, heads)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -441,33 +517,15 @@ def paged_attention_triton(
         out = torch.empty(T, H_q, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    group = H_q // H_kv
-    block_d = triton.next_power_of_2(D)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # host sync
-    if split_keys:  # invariant: the prefill tiles for every launch, splits at fixed key positions
-        assert split_keys % 64 == 0, "split_keys must be a multiple of every BLOCK_N"
-        block_m = max(64, triton.next_power_of_2(group))
-        block_q = block_m // group
-        if num_splits is None:
-            max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
-            num_splits = max(1, -(-max_seqlen_k // split_keys))
-        rule_launch, rule_pdl, pdl = _launch(PREFILL_LAUNCH, block_d), False, False
-    elif max_seqlen_q == 1:  # decode: one token, the GQA group in the rows
-        block_m, block_q = max(16, triton.next_power_of_2(group)), 1  # tl.dot needs M >= 16
-        if num_splits is None:
-            max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
-            num_splits = _decode_splits(B * H_kv, max_seqlen_k, num_sms(q.device), block_d)
-        rule_launch, rule_pdl = _decode_launch(B * H_kv, num_splits, max_seqlen_k, block_d, num_sms(q.device))
-    else:  # prefill chunks (mixed with decodes)
-        block_m = max(64, triton.next_power_of_2(group))
-        block_q = block_m // group
-        if num_splits is None:
-            max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
-            num_splits = _prefill_splits(B, max_seqlen_q, group, H_kv, max_seqlen_k, num_sms(q.device))
-        rule_launch, rule_pdl = _launch(PREFILL_LAUNCH, block_d), False
-    block_n, num_warps, num_stages = launch or rule_launch
-    pdl = (rule_pdl if pdl is None else pdl) if pdl_supported(q.device) else False
+    if num_splits is None and max_seqlen_k is None:
+        max_seqlen_k = int(seq_lens.max())  # host sync
+    plan = launch_plan(T, B, H_q, H_kv, D, max_seqlen_q, max_seqlen_k, num_splits, num_sms(q.device), split_keys)
+    group, block_d, num_splits = H_q // H_kv, plan.block_d, plan.num_splits
+    block_m, block_q = plan.block_m, plan.block_q
+    block_n, num_warps, num_stages = launch or plan.launch
+    pdl = (plan.pdl if pdl is None else pdl) if pdl_supported(q.device) else False
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q.dtype]
     if interpreting() and q.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # triton 3.9's interpreter multiplies bf16 bit patterns
@@ -533,7 +591,7 @@ def paged_attention_triton(
             BLOCK_D=block_d,
         )
     elif num_splits > 1:
-        heads = _merge_heads(T, H_q, num_sms(q.device))
+        heads = plan.merge_heads
         _merge_splits_kernel[(T, triton.cdiv(H_q, heads))](
             out,
             partial,
