@@ -41,7 +41,7 @@ class EngineConfig:
     debug_checks: bool = False  # check block-manager invariants after every step
     # batch- and cache-invariant inference: a request's tokens and logprobs do not depend on its
     # neighbours in a batch, the step's token budget, or how much of its prompt came from a cache tier
-    # (kernels/invariant_matmul.py, kernels/invariant_attention.py). Slower; weights unquantized.
+    # (kernels/invariant_matmul.py; paged_attention.py split_keys). Slower; weights unquantized, one device.
     deterministic: bool = False
 
     def __post_init__(self):
