@@ -183,6 +183,18 @@ def gemm_table(model: str) -> list[str]:
     return lines
 
 
+def summary(r: dict) -> str:
+    """One line: per sampling, case -> (tokens differ, logprobs differ), and the cached tokens of c-e."""
+    if "error" in r:
+        return r["error"]
+    parts = []
+    for kind in ("greedy", "seeded"):
+        cells = " ".join(f"{c}:{r[kind][c]['tokens_differ']}/{r[kind][c]['logprobs_differ']}" for c in CASES)
+        hits = "/".join(str(r[kind][c].get("cached_tokens", 0)) for c in "cde")
+        parts.append(f"{kind} {cells} (cached tokens c/d/e {hits})")
+    return "; ".join(parts) + f"; {r['seconds']:.0f} s"
+
+
 def markdown(meta, results, args) -> str:
     lines = [
         f"# Determinism — {meta['device']}, commit {meta['commit']}, {meta['date']}",
@@ -257,18 +269,7 @@ def main(argv=None):
             except Exception as e:  # report the others
                 r = {"error": f"{type(e).__name__}: {e}"}
             results.setdefault(model, {})[mode] = r
-            print(
-                f"[determinism] {model} {mode}: "
-                + json.dumps(
-                    {
-                        k: {c: (v[c]["tokens_differ"], v[c]["logprobs_differ"]) for c in CASES}
-                        for k, v in r.items()
-                        if k in ("greedy", "seeded")
-                    }
-                    or r
-                ),
-                flush=True,
-            )
+            print(f"[determinism] {model} {mode}: {summary(r)}", flush=True)
             if cuda:
                 torch.cuda.empty_cache()
     device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
