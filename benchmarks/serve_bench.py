@@ -335,8 +335,8 @@ async def closed_loop(target, workload: Workload, streams: int, n: int) -> dict:
     tokens = sum(r.tokens for r in recs)
     out = {"streams": streams, "requests": n, "seconds": wall, "output_tok_s": tokens / wall, "tokens": tokens}
     out["errors"] = sum(1 for r in recs if r.error)
-    out["client_cpu_share"] = (time.process_time() - c0) / wall  # of one core: near 1 means the client is the limit
-    if server_cpu:
+    if server_cpu:  # (in process, the engine's CPU is this process's too)
+        out["client_cpu_share"] = (time.process_time() - c0) / wall  # of one core: near 1, the client limits
         out["server_cpu_share"] = (server_cpu() - s0) / wall
     return out
 
@@ -368,8 +368,12 @@ async def bench_target(kind: str, cache: str, args) -> dict:
             result["closed_loop"] = await closed_loop(target, workload, args.concurrency, args.concurrency_requests)
             loop = result["closed_loop"]
             log(
-                f"[{kind}] {args.concurrency} streams: {loop['output_tok_s']:.0f} tok/s, errors {loop['errors']}, "
-                f"CPU client {loop['client_cpu_share']:.2f} server {loop.get('server_cpu_share', 0):.2f} cores"
+                f"[{kind}] {args.concurrency} streams: {loop['output_tok_s']:.0f} tok/s, errors {loop['errors']}"
+                + (
+                    f", CPU client {loop['client_cpu_share']:.2f} server {loop['server_cpu_share']:.2f} cores"
+                    if "server_cpu_share" in loop
+                    else ""
+                )
             )
         return result
     finally:

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():  # Triton kernels run under the interpreter on
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from chatengine import LLM  # noqa: E402
+from chatengine.app.store import ChatStore  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +37,14 @@ def llm_async():
 def either(request):
     """The default model scheduled synchronously, then asynchronously: the same tests hold for both."""
     return request.getfixturevalue("llm" if request.param == "sync" else "llm_async")
+
+
+@pytest.fixture
+def store(tmp_path):
+    """An empty chat database of this test's own."""
+    s = ChatStore(tmp_path / "chat.db")
+    yield s
+    s.close()
 
 
 @pytest.fixture(scope="session")

@@ -96,6 +96,10 @@ class AsyncLLM(EngineFacade):
         branches) from every tier, on the engine's thread, soon."""
         self._post(("forget_prompts", user, [list(p) for p in prompts]))
 
+    def _drop_public_prefix(self, prefix_ids: list[int]) -> None:
+        # the block manager belongs to the engine thread; the persona itself is unregistered already
+        self._post(("drop_public_prefix", list(prefix_ids)))
+
     def shutdown(self) -> None:
         """Abort what runs, stop the loop and flush the KV cache to the disk store (if any)."""
         if self._stopped:
@@ -157,6 +161,9 @@ class AsyncLLM(EngineFacade):
                     continue
                 if item[0] == "forget_prompts":
                     engine.forget_prompts(item[1], item[2])
+                    continue
+                if item[0] == "drop_public_prefix":
+                    engine.drop_public_prefix(item[1])
                     continue
                 if item[0] == "add":
                     _, req, loop, queue = item
