@@ -53,6 +53,21 @@ def tiny():
     return LLM("dummy:tiny", num_kv_blocks=64, max_num_batched_tokens=64)
 
 
+@pytest.fixture
+def row_exact_dot(monkeypatch):
+    """Under Triton's interpreter, tl.dot as one dot product per output element in k order (numpy's
+    einsum loops, no BLAS), as a GPU's tensor cores compute every row of a tile alike: numpy's
+    BLAS matmul may round a row by its place in the tile, which the compiled kernels do not."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = np.einsum("mk,kn->mn", a.data, b.data, optimize=False).astype(d.data.dtype)
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 @pytest.fixture(autouse=True)
 def blocks_drain(request):
     """After every test, every engine fixture it used has no request left and no block in use."""

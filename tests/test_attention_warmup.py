@@ -82,3 +82,12 @@ def compiled() -> int:
         for cache in fn.device_caches.values():
             n += len(cache[0] if isinstance(cache, tuple) else cache)
     return n
+
+
+def test_invariant_mode_has_one_variant():
+    """split_keys (deterministic engines): decodes, prefill chunks and mixed steps of any size launch
+    the same tiles, so the warm-up compiles one variant; only the split count differs."""
+    shapes = [(1, 1, 1, 5), (256, 256, 1, 4000), (2048, 3, 900, 3000), (16, 1, 16, 20)]
+    plans = [pa.launch_plan(T, B, 32, 8, 64, q, k, None, 132, 1024) for T, B, q, k in shapes]
+    assert len({(p.attention_variant(), p.merge_variant()) for p in plans}) == 1
+    assert [p.num_splits for p in plans] == [1, 4, 3, 1]

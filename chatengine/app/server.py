@@ -54,6 +54,7 @@ ENGINE_FLAGS = (
     "max_model_len",
     "tensor_parallel_size",
     "quantization",
+    "deterministic",
 )
 
 
@@ -408,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="GPUs to split the model over, one process each (engine default 1); the disk tier of the KV "
         "cache is not supported above 1: use it with --no-disk-kv",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="batch- and cache-invariant inference: the same prompt and seed give the same tokens and logprobs "
+        "whatever shares the batch and whether its prefix came from the cache, host memory or disk (slower)",
     )
     p.add_argument(
         "--no-disk-kv", action="store_true", help="keep the KV cache in memory only (no disk tier under --data-dir)"

@@ -251,7 +251,7 @@ class ModelRunner:
         mc = self.model_config = loaded.config
         self.num_heads = split(mc.num_heads, self.group, "num_heads")  # this rank's
         self.num_kv_heads = kv_heads_per_rank(mc.num_kv_heads, self.group)
-        self.backend = get_backend(config.attention_backend, device.type)
+        self.backend = get_backend(config.attention_backend, device.type, config.deterministic)
         with torch.device("meta"):
             model = LlamaModel(mc, self.backend, max_model_len, self.group).to(dtype)
         model.to_empty(device=device)  # in the final dtype: no full-precision copy of the slice
@@ -264,6 +264,8 @@ class ModelRunner:
                 torch.cuda.empty_cache()  # the bf16 weights' memory goes back before the KV pool is sized
         elif self.quantization in CPU_QUANTIZATIONS:
             model.quantize_blocks(self.quantization)
+        if config.deterministic:
+            model.make_invariant()
         self.model = model.eval()
         self.model.build_rope()
         self.sampler = Sampler(device, config.seed)
@@ -335,6 +337,7 @@ class ModelRunner:
             self.max_model_len,
             self.config.max_num_batched_tokens,
             -(-self.max_num_pages // 16) * 16,  # an eager step's block-table width (_stage)
+            getattr(self.backend, "split_keys", 0),
         )
         log.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
 
@@ -558,13 +561,20 @@ class ModelRunner:
             logits = self.model(*args)
         return graph, logits
 
+    def _graph_splits(self) -> int | None:
+        """Invariant mode: a graph's split count, enough fixed-size splits for the whole context."""
+        keys = getattr(self.backend, "split_keys", 0)
+        return -(-self.max_model_len // keys) if keys else None
+
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         mc, sms, pool = self.model_config, paged_attention.num_sms(self.device), None
         for bs in reversed(self.graph_batch_sizes()):  # largest first: the others reuse its pool
             lay, *_ = self._stage([], [], pad_to=bs)  # all lanes padded: reads and writes nothing
             block_d = 1 << (mc.head_dim - 1).bit_length()  # the kernel's padded head_dim
-            splits = paged_attention._decode_splits(bs * self.num_kv_heads, self.max_model_len, sms, block_d)
+            splits = self._graph_splits() or paged_attention._decode_splits(
+                bs * self.num_kv_heads, self.max_model_len, sms, block_d
+            )
             self.graphs[bs] = self._capture(lay, bs, 1, splits, pool)
             pool = self.graphs[bs][0].pool()
         for Tp in reversed(self.prefill_graph_sizes()):
@@ -582,7 +592,7 @@ class ModelRunner:
                 h[off : off + n] = value
             off, _ = lay["cu_seqlens_q"]
             h[off : off + 2] = (0, Tp)
-            splits = paged_attention._prefill_splits(
+            splits = self._graph_splits() or paged_attention._prefill_splits(
                 1, Tp, self.num_heads // self.num_kv_heads, self.num_kv_heads, self.max_model_len, sms
             )
             self.prefill_graphs[Tp] = self._capture(lay, 1, Tp, splits, pool)

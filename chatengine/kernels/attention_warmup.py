@@ -78,13 +78,19 @@ def warm_up(
     max_model_len: int,
     max_num_tokens: int,
     max_num_pages: int,
+    split_keys: int = 0,
 ) -> int:
     """Compile every reachable variant for one layer's cache views (N, block_size, H_kv, D) and
     each sliding window in use (0: none), with block tables max_num_pages wide as an eager step's
-    (their row stride is a specialized int too). Returns the number of launches made."""
+    (their row stride is a specialized int too). `split_keys` > 0 (invariant mode): every step has
+    the one variant. Returns the number of launches made."""
     _, _, H_kv, D = k_cache.shape
     device, sms = k_cache.device, pa.num_sms(k_cache.device)
-    plans = reachable_plans(num_q_heads, H_kv, D, max_num_seqs, max_model_len, max_num_tokens, sms)
+    if split_keys:
+        plan = pa.launch_plan(2, 1, num_q_heads, H_kv, D, 2, 2, None, sms, split_keys)
+        plans = {(plan.attention_variant(), plan.merge_variant()): (2, 1, 2, 2, plan)}
+    else:
+        plans = reachable_plans(num_q_heads, H_kv, D, max_num_seqs, max_model_len, max_num_tokens, sms)
     n = 0
     block_size = k_cache.shape[1]  # every page is block 0: read, never written
     for T, B, max_q, max_k, plan in plans.values():
@@ -96,7 +102,18 @@ def warm_up(
         block_tables = torch.zeros(B, max_num_pages, dtype=torch.int32, device=device)
         for window in sorted(windows):
             pa.paged_attention_triton(
-                q, k_cache, v_cache, cu, seq_lens, block_tables, 1.0, max_q, max_k, plan.num_splits, window=window
+                q,
+                k_cache,
+                v_cache,
+                cu,
+                seq_lens,
+                block_tables,
+                1.0,
+                max_q,
+                max_k,
+                plan.num_splits,
+                window=window,
+                split_keys=split_keys,
             )
             n += 1
     if device.type == "cuda":
