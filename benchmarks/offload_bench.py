@@ -3,11 +3,15 @@ recomputing its prefill, and the effective host-to-device bandwidth of the resto
 a disk store: how long another user's token stream pauses while a returning conversation's prefix
 comes back from disk (its longest gap between tokens, against its median gap before).
 
+Each trial also checks that the restored conversation answers as its cold prefill did (greedy token
+and its logprobs): the table reports the agreement, in default mode and in deterministic mode
+(EngineConfig.deterministic), where it must be every trial; in bf16 default mode a near-tie may flip.
+
 On CUDA: dummy:llama-3.2-1b in bf16 (the issue's shape). On CPU: the default model in fp32.
 Saves JSON + markdown under benchmarks/results/ and prints the table last.
 
     python benchmarks/offload_bench.py [--model dummy:llama-3.2-1b] [--contexts 1024 4096] [--repeats 5]
-                                       [--disk-return 2048]
+                                       [--disk-return 2048] [--modes default deterministic]
 """
 
 import argparse
@@ -77,39 +81,18 @@ def disk_return_gaps(model, ctx: int, trials: int, engine_kw: dict) -> dict:
     }
 
 
-def main(argv=None):
+def restore_vs_recompute(args, engine_kw: dict, mode: str) -> list[dict]:
+    """Per context: cold prefill vs restore from host memory, timed, and whether they agree."""
     cuda = torch.cuda.is_available()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="dummy:llama-3.2-1b" if cuda else None)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one restore")
-    ap.add_argument(
-        "--disk-return",
-        type=int,
-        default=2048,
-        metavar="TOKENS",
-        help="context of the conversation returning from disk while another user streams (0: skip)",
-    )
-    ap.add_argument("--only-disk-return", action="store_true", help="skip the restore-vs-recompute table")
-    args = ap.parse_args(argv)
-
-    engine_kw = dict(
-        cpu_offload_gib=4.0 if cuda else 1.0,
-        max_num_batched_tokens=8192 if cuda else 2048,
-        max_model_len=8192,
-        **({} if cuda else {"kv_cache_gib": 1.0}),
-    )
-    llm = LLM(args.model, **engine_kw)
+    rows: list[dict] = []
+    llm = LLM(args.model, deterministic=mode == "deterministic", **engine_kw)
     engine, runner = llm.engine, llm.engine.runner
     vocab = min(engine.model_config.vocab_size, 10000)
     rng = random.Random(0)
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
     llm.generate([[rng.randrange(vocab) for _ in range(64)]], one)  # warm-up
-    rows = []
     for ctx in [] if args.only_disk_return else args.contexts:
-        recompute, restore, copy_s = [], [], []
+        recompute, restore, copy_s, agree, agree_lp = [], [], [], 0, 0
         for _ in range(args.repeats):
             prompt = [rng.randrange(vocab) for _ in range(ctx + 1)]
             sync()
@@ -125,7 +108,9 @@ def main(argv=None):
             back = llm.generate([prompt], one)[0]  # restored from host memory
             sync()
             restore.append(time.perf_counter() - t)
-            assert back.num_cached_tokens == ctx and back.outputs[0].token_ids == first.outputs[0].token_ids
+            assert back.num_cached_tokens == ctx  # the prefix came back from host memory
+            agree += back.outputs[0].token_ids == first.outputs[0].token_ids
+            agree_lp += back.outputs[0].logprobs == first.outputs[0].logprobs
             # the copy alone: the same pages host -> device
             n = ctx // engine.config.block_size
             pages = torch.empty((n, *runner.kv_cache.shape[1:]), dtype=runner.dtype, pin_memory=cuda)
@@ -166,7 +151,12 @@ def main(argv=None):
             engine.offload_cached_blocks()
         nbytes = (ctx // engine.config.block_size) * runner.block_bytes
         row = {
+            "model": engine.model_id,
+            "dtype": str(runner.dtype),
+            "mode": mode,
             "context": ctx,
+            "token_agreement": agree / args.repeats,
+            "logprob_agreement": agree_lp / args.repeats,
             "recompute_ms": 1e3 * statistics.median(recompute),
             "restore_ms": 1e3 * statistics.median(restore),
             "copy_ms": 1e3 * statistics.median(copy_s),
@@ -175,8 +165,44 @@ def main(argv=None):
         row["speedup"] = row["recompute_ms"] / row["restore_ms"]
         row["copy_gb_s"] = nbytes / (row["copy_ms"] / 1e3) / 1e9
         rows.append(row)
-    model_id, dtype = engine.model_id, str(runner.dtype)
     llm.shutdown()
+    return rows
+
+
+def main(argv=None):
+    cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="dummy:llama-3.2-1b" if cuda else None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one restore")
+    ap.add_argument(
+        "--disk-return",
+        type=int,
+        default=2048,
+        metavar="TOKENS",
+        help="context of the conversation returning from disk while another user streams (0: skip)",
+    )
+    ap.add_argument("--only-disk-return", action="store_true", help="skip the restore-vs-recompute table")
+    ap.add_argument("--modes", nargs="+", default=["default", "deterministic"], choices=["default", "deterministic"])
+    args = ap.parse_args(argv)
+
+    engine_kw = dict(
+        cpu_offload_gib=4.0 if cuda else 1.0,
+        max_num_batched_tokens=8192 if cuda else 2048,
+        max_model_len=8192,
+        **({} if cuda else {"kv_cache_gib": 1.0}),
+    )
+    rows = []
+    for mode in args.modes:
+        rows += restore_vs_recompute(args, engine_kw, mode)
+    if rows:
+        model_id, dtype = rows[0]["model"], rows[0]["dtype"]
+    else:  # only the disk return: the model's name and dtype
+        llm = LLM(args.model, **engine_kw)
+        model_id, dtype = llm.engine.model_id, str(llm.engine.runner.dtype)
+        llm.shutdown()
     disk = disk_return_gaps(args.model, args.disk_return, min(args.repeats, 3), engine_kw) if args.disk_return else None
     device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
     meta = {
@@ -199,12 +225,14 @@ def main(argv=None):
         "",
         f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, median of {args.repeats}",
         "",
-        "| context | recompute (prefill) ms | restore + 1 token ms | speedup | H2D copy ms | copy GB/s |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| mode | context | recompute (prefill) ms | restore + 1 token ms | speedup | H2D copy ms | copy GB/s "
+        "| same token | same logprobs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {r['context']} | {r['recompute_ms']:.1f} | {r['restore_ms']:.1f} | {r['speedup']:.1f}x | "
-        f"{r['copy_ms']:.2f} | {r['copy_gb_s']:.1f} |"
+        f"| {r['mode']} | {r['context']} | {r['recompute_ms']:.1f} | {r['restore_ms']:.1f} | {r['speedup']:.1f}x | "
+        f"{r['copy_ms']:.2f} | {r['copy_gb_s']:.1f} | {100 * r['token_agreement']:.0f}% | "
+        f"{100 * r['logprob_agreement']:.0f}% |"
         for r in rows
     ]
     if disk:

@@ -142,13 +142,14 @@ class AsyncTarget:
 
 
 class HttpTarget:
-    """The /v1 API of a server in a child process (this script with --serve), over loopback."""
+    """The /v1 API of a server in a child process (this script with --serve), over loopback. The
+    client is lean (raw HTTP/1.1 on asyncio streams, one connection per request, a chunk's JSON
+    parsed only when it carries usage) so that at 256 streams it measures the server, not itself;
+    its own CPU time is reported next to the server's."""
 
     name = "http"
 
     def __init__(self, model: str, options: dict):
-        import httpx
-
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", "--model", model, "--engine-options", json.dumps(options)],
             stdout=subprocess.PIPE,
@@ -159,48 +160,75 @@ class HttpTarget:
             self.proc.kill()
             raise RuntimeError(f"the server did not start: {line!r}")
         _, self.url, vocab = line.split()
+        self.host, port = self.url.split("//", 1)[1].rstrip("/").split(":")
+        self.port = int(port)
         self._vocab = int(vocab)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.client = httpx.AsyncClient(
-            base_url=self.url, limits=limits, timeout=None, headers={"Authorization": f"Bearer {BENCH_KEY}"}
-        )
 
     @property
     def vocab(self) -> int:
         return self._vocab
 
+    def server_cpu_s(self) -> float:
+        """User + system CPU seconds of the server process so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     async def stream(self, ids: list[int], max_tokens: int, rec: Record) -> None:
-        body = {
-            "model": "bench",
-            "prompt": ids,
-            "max_tokens": max_tokens,
-            "temperature": 0.6,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        async with self.client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        body = json.dumps(
+            {
+                "model": "bench",
+                "prompt": ids,
+                "max_tokens": max_tokens,
+                "temperature": 0.6,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Authorization: Bearer {BENCH_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            writer.write(head + body)
+            status = await reader.readline()
+            if b" 200 " not in status:
+                rec.error = f"HTTP {status.decode().strip()}: {(await reader.read(300))!r}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    rec.chunks.append(time.perf_counter())
-                usage = chunk.get("usage")
-                if usage:
+            while (await reader.readline()).strip():  # the headers (chunked or not: lines below)
+                pass
+            async for line in _sse_lines(reader):
+                if line == b"data: [DONE]":
+                    break
+                if b'"usage":{' in line:
+                    usage = json.loads(line[6:])["usage"]
                     rec.tokens = usage["completion_tokens"]
                     rec.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                if b'"text":"' in line and b'"text":""' not in line:
+                    rec.chunks.append(time.perf_counter())
+        finally:
+            writer.close()
 
     async def aclose(self) -> None:
-        await self.client.aclose()
         self.proc.terminate()
         try:
             await asyncio.to_thread(self.proc.wait, 60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+async def _sse_lines(reader: asyncio.StreamReader):
+    """The `data: ...` lines of a streamed body, chunked transfer encoding or not: a chunk's size
+    line is a bare hex number, never a `data:` line, and an SSE line never spans two chunks here
+    (the server writes whole events)."""
+    while True:
+        line = await reader.readline()
+        if not line:
+            return
+        if line.startswith(b"data: "):
+            yield line.rstrip(b"\r\n")
 
 
 def serve(model: str, options: dict) -> None:
@@ -300,11 +328,17 @@ async def closed_loop(target, workload: Workload, streams: int, n: int) -> dict:
             recs[i].scheduled = time.perf_counter()
             await target.stream(prompts[i][0], prompts[i][1], recs[i])
 
-    t0 = time.perf_counter()
+    server_cpu = getattr(target, "server_cpu_s", None)
+    t0, c0, s0 = time.perf_counter(), time.process_time(), server_cpu() if server_cpu else 0.0
     await asyncio.gather(*(worker() for _ in range(streams)))
     wall = time.perf_counter() - t0
     tokens = sum(r.tokens for r in recs)
-    return {"streams": streams, "requests": n, "seconds": wall, "output_tok_s": tokens / wall, "tokens": tokens}
+    out = {"streams": streams, "requests": n, "seconds": wall, "output_tok_s": tokens / wall, "tokens": tokens}
+    out["errors"] = sum(1 for r in recs if r.error)
+    if server_cpu:  # (in process, the engine's CPU is this process's too)
+        out["client_cpu_share"] = (time.process_time() - c0) / wall  # of one core: near 1, the client limits
+        out["server_cpu_share"] = (server_cpu() - s0) / wall
+    return out
 
 
 def engine_options(args, cache: str) -> dict:
@@ -332,7 +366,15 @@ async def bench_target(kind: str, cache: str, args) -> dict:
         result = {"rates": rows}
         if args.concurrency and cache == "on":
             result["closed_loop"] = await closed_loop(target, workload, args.concurrency, args.concurrency_requests)
-            log(f"[{kind}] {args.concurrency} streams: {result['closed_loop']['output_tok_s']:.0f} tok/s")
+            loop = result["closed_loop"]
+            log(
+                f"[{kind}] {args.concurrency} streams: {loop['output_tok_s']:.0f} tok/s, errors {loop['errors']}"
+                + (
+                    f", CPU client {loop['client_cpu_share']:.2f} server {loop['server_cpu_share']:.2f} cores"
+                    if "server_cpu_share" in loop
+                    else ""
+                )
+            )
         return result
     finally:
         await target.aclose()

@@ -40,6 +40,10 @@ class EngineConfig:
     quantization: str | None = None
     seed: int = 0  # seed of dummy weights and of unseeded sampling
     debug_checks: bool = False  # check block-manager invariants after every step
+    # batch- and cache-invariant inference: a request's tokens and logprobs do not depend on its
+    # neighbours in a batch, the step's token budget, or how much of its prompt came from a cache tier
+    # (kernels/invariant_matmul.py; paged_attention.py split_keys). Slower; weights unquantized, one device.
+    deterministic: bool = False
 
     def __post_init__(self):
         if not (
@@ -64,6 +68,10 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             known = ", ".join(QUANTIZATIONS)
             raise ValueError(f"quantization must be None or one of {known}, got {self.quantization!r}")
+        if self.deterministic and self.tensor_parallel_size > 1:
+            raise ValueError("deterministic mode runs on one device: tensor_parallel_size must be 1")
+        if self.deterministic and self.quantization not in (None, "none", "gguf"):  # gguf: then full precision
+            raise ValueError("deterministic mode runs unquantized weights: leave quantization unset (or 'none')")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
         if self.cpu_offload_gib < 0 or self.kv_store_gib <= 0:
@@ -71,8 +79,9 @@ class EngineConfig:
 
     def quantization_on(self, device_type: str, gguf_format: str | None = None) -> str:
         """The weight format on a device of this type: the setting ("gguf": the GGUF's own block
-        format `gguf_format` on the CPU, else none)."""
-        own = gguf_format if device_type == "cpu" and gguf_format in CPU_QUANTIZATIONS else "none"
+        format `gguf_format` on the CPU, else none; none in deterministic mode)."""
+        cpu = device_type == "cpu" and not self.deterministic  # deterministic: unquantized weights
+        own = gguf_format if cpu and gguf_format in CPU_QUANTIZATIONS else "none"
         quantization = own if self.quantization == "gguf" else self.quantization or "none"
         if quantization in CPU_QUANTIZATIONS and device_type != "cpu":
             raise ValueError(f"quantization={quantization!r} runs on the CPU only (use 'fp8' or 'none' on a GPU)")

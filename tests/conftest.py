@@ -10,6 +10,7 @@ if not torch.cuda.is_available():  # Triton kernels run under the interpreter on
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from chatengine import LLM  # noqa: E402
+from chatengine.app.store import ChatStore  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,10 +39,33 @@ def either(request):
     return request.getfixturevalue("llm" if request.param == "sync" else "llm_async")
 
 
+@pytest.fixture
+def store(tmp_path):
+    """An empty chat database of this test's own."""
+    s = ChatStore(tmp_path / "chat.db")
+    yield s
+    s.close()
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """A 2-layer random model with a 256-token vocabulary (token-id prompts only)."""
     return LLM("dummy:tiny", num_kv_blocks=64, max_num_batched_tokens=64)
+
+
+@pytest.fixture
+def row_exact_dot(monkeypatch):
+    """Under Triton's interpreter, tl.dot as one dot product per output element in k order (numpy's
+    einsum loops, no BLAS), as a GPU's tensor cores compute every row of a tile alike: numpy's
+    BLAS matmul may round a row by its place in the tile, which the compiled kernels do not."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = np.einsum("mk,kn->mn", a.data, b.data, optimize=False).astype(d.data.dtype)
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 @pytest.fixture(autouse=True)

@@ -31,6 +31,9 @@ class FakeEngine:
     def register_persona(self, name, prompt):
         self.registered[name] = prompt
 
+    def unregister_persona(self, name):
+        self.registered.pop(name, None)
+
     def get_tokenizer(self):
         return None
 
@@ -150,5 +153,9 @@ def test_an_admin_makes_a_public_persona_a_user_makes_a_private_one(admin_ui):
     assert all(v != diary for _, v in h.on_load(request("root"))[h.ui.c.persona]["choices"])
     # the admin's editor lists public personas and their own, never bob's private one
     assert all(v != diary for _, v in h.admin_personas("root", NEW)["choices"])
+    # a new chat named with bob's key (a direct call) opens on the default, with nothing of bob's
+    opened = h.ui.new_chat(diary, request("root"))[h.ui.c.persona]
+    assert opened["value"] == "assistant" and opened["info"] != "mine"
+    assert h.ui.new_chat(diary, request("bob"))[h.ui.c.persona]["info"] == "mine"
     with pytest.warns(UserWarning, match="may not contain"):
         assert h.create_private("<b>x</b>", "", "p", request("bob")) == [gr.skip()] * 4

@@ -188,6 +188,8 @@ def test_the_server_serves_a_gguf_in_its_own_blocks_by_default():
     default = EngineConfig(quantization=build_parser().parse_args([]).quantization)
     assert default.quantization_on("cpu", "q4_1") == "q4_1"  # the embedded model, on a laptop
     assert default.quantization_on("cuda", "q4_1") == default.quantization_on("cpu", None) == "none"
+    # --deterministic keeps working with the default: full-precision weights
+    assert EngineConfig(quantization="gguf", deterministic=True).quantization_on("cpu", "q4_1") == "none"
 
 
 def test_quantization_is_checked():

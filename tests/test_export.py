@@ -8,14 +8,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from chatengine.app.export import add_export_route, export, file_stem
-from chatengine.app.store import ChatStore, NotFound
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chat.db")
-    yield s
-    s.close()
+from chatengine.app.store import NotFound
 
 
 @pytest.fixture

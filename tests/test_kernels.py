@@ -20,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ imports triton
 
-from chatengine.kernels import cache_ops, fp8_ops, fused_ops, sampling  # noqa: E402
+from chatengine.kernels import cache_ops, fp8_ops, fused_ops, logprob_ops, sampling  # noqa: E402
 from chatengine.kernels import paged_attention as pa
 
 tl, triton = pa.tl, pa.triton  # (None without triton)
@@ -511,6 +511,51 @@ def test_copy_pages_from_host_pool_equals_scatter(device):
     assert torch.equal(kv, expected)
 
 
+# ---------------------------------------------------------------------------- invariant mode
+def invariant_launches(device, dtype, L, H_q, H_kv, split_keys, chunk, decode_at):
+    """One sequence of L keys attended in several launches with `split_keys`: cold (all L queries),
+    the queries `chunk` on their cached prefix, one decode, the chunk beside another sequence, and
+    with a graph's larger split count. Returns (cold output, [(rows, output)] of the others)."""
+    q, k_cache, v_cache, cu, lens, table = make_batch([L], [L], H_q, H_kv, 64, 16, dtype, device)
+    scale = 64**-0.5
+
+    def attend(q_rows, q_lens, seq_lens, tables, num_splits=None):
+        cu_q = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        return pa.paged_attention_triton(
+            q_rows, k_cache, v_cache, cu_q, sl, tables, scale, num_splits=num_splits, split_keys=split_keys
+        )
+
+    cold = attend(q, [L], [L], table)
+    torch.testing.assert_close(
+        cold, pa.paged_attention_ref(q, k_cache, v_cache, cu, lens, table, scale), **CLOSE[dtype]
+    )
+    c0, c1 = chunk
+    other = torch.randn(37, H_q, 64, device=device).to(dtype)
+    two = torch.cat([table, table])  # the other sequence: 37 new queries on the same pages
+    runs = [
+        (range(c0, c1), attend(q[c0:c1], [c1 - c0], [c1], table)),
+        (range(decode_at, decode_at + 1), attend(q[decode_at : decode_at + 1], [1], [decode_at + 1], table)),
+        (range(c0, c1), attend(torch.cat([other, q[c0:c1]]), [37, c1 - c0], [L, c1], two)[37:]),
+        (range(c0, c1), attend(q[c0:c1], [c1 - c0], [c1], table, num_splits=L // split_keys + 3)),
+    ]
+    return cold, runs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("H_q, H_kv, dtype", [(8, 2, torch.float32), (14, 2, torch.bfloat16)])
+def test_invariant_attention_rows_do_not_depend_on_the_launch(device, dtype, H_q, H_kv, request):
+    """split_keys: a query row's output is bit for bit the same in a cold prefill, a chunk on its
+    cached prefix (starting mid-tile), a decode, beside another sequence, and with more (empty)
+    splits."""
+    if device == "cpu":
+        request.getfixturevalue("row_exact_dot")
+    L, chunk = (1100, (333, 470)) if device == "cuda" else (150, (37, 83))
+    cold, runs = invariant_launches(device, dtype, L, H_q, H_kv, 128 if device == "cuda" else 64, chunk, L - 1)
+    for rows, out in runs:
+        assert torch.equal(out, cold[rows.start : rows.stop]), f"rows {rows} differ from the cold prefill"
+
+
 @pytest.mark.skipif(
     INTERPRETED or HAS_CUDA or pa.triton is None,
     reason="only when triton was imported, compiled, before this module on a CPU box",
@@ -526,6 +571,28 @@ def test_interpreter_in_subprocess():
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "needs TRITON_INTERPRET" not in run.stdout, run.stdout[-4000:]
+
+
+# ---------------------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("vocab", "k"), [(3001, 5), (1500, 0), (4097, 20), (7, 3)])
+def test_row_logprobs_kernel_matches_the_reference(device, dtype, vocab, k):
+    """Values as row_logprobs' (float rounding); each id's logprob is its value (bf16 ties may take
+    another id of the same value than torch.topk's), ids distinct, chosen tokens exact."""
+    from chatengine.engine.logprobs import row_logprobs
+
+    logits = (torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab)) * 3).to(device, dtype)
+    chosen = torch.tensor([0, vocab - 1, vocab // 2, 3 % vocab], device=device)
+    temps = [0.0, 0.7, 1.0, 1.3]
+    ref = row_logprobs(logits, chosen, k, temps).to_host(False).packed
+    got = logprob_ops.row_logprobs_triton(logits, chosen, k, torch.tensor(temps, device=device)).cpu()
+    assert torch.equal(got[:, 0], chosen.cpu().float())
+    torch.testing.assert_close(got[:, 1 : 2 + k], ref[:, 1 : 2 + k], atol=1e-5, rtol=1e-5)
+    x = logits.float().cpu() / torch.tensor([t or 1.0 for t in temps])[:, None]
+    ids = got[:, 2 + k :].long()
+    torch.testing.assert_close(torch.log_softmax(x, -1).gather(1, ids), got[:, 2 : 2 + k], atol=1e-5, rtol=1e-5)
+    assert all(len(set(row.tolist())) == k for row in ids)
 
 
 # ---------------------------------------------------------------------------- sampling

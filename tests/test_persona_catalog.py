@@ -5,10 +5,11 @@ import asyncio
 
 import pytest
 
-from chatengine import AsyncLLM
+from chatengine import AsyncLLM, SamplingParams
 from chatengine.app.chat import ChatService
 from chatengine.app.persona_catalog import PersonaCatalog
 from chatengine.app.store import ChatStore, NotFound
+from chatengine.engine.kv.hashing import hash_blocks
 from chatengine.personas import Persona, load_personas
 
 SEEDS = {
@@ -26,12 +27,8 @@ class FakeEngine:
     def register_persona(self, name, system_prompt):
         self.registered[name] = system_prompt
 
-
-@pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chat.db")
-    yield s
-    s.close()
+    def unregister_persona(self, name):
+        self.registered.pop(name, None)
 
 
 @pytest.fixture
@@ -83,6 +80,21 @@ def test_only_admins_make_or_change_public_personas(catalog):
         catalog.update("bob", "cook", "Mine", "", "x", public=False, admin=False)
     pub = catalog.create("root", "Pirate", "Arr", "You are a pirate.", public=True, admin=True)
     assert pub in catalog.visible("bob") and catalog.engine.registered[pub] == "You are a pirate."
+
+
+def test_a_public_persona_made_private_or_deleted_is_no_longer_shared(store, catalog):
+    pub = catalog.create("root", "Pirate", "Arr", "You are a pirate.", public=True, admin=True)
+    catalog.update("root", pub, "Pirate", "Arr", "You are a pirate.", public=False, admin=True)
+    assert pub not in catalog.engine.registered  # at once, not at the next restart
+    catalog.update("root", "cook", "Cook", "", "You are a cook.", public=True, admin=True)
+    catalog.delete("root", "cook", admin=True)
+    assert "cook" not in catalog.engine.registered
+    # the engine registers prompts/ at its start: the catalog takes back what is no longer public
+    catalog.update("root", "assistant", "A", "", "You are helpful.", public=False, admin=True)
+    engine = FakeEngine()
+    engine.registered.update(assistant="You are helpful.", cook="You are a cook.")
+    PersonaCatalog(store, engine, SEEDS)
+    assert engine.registered == {}
 
 
 @pytest.mark.parametrize(
@@ -148,6 +160,41 @@ def test_a_private_persona_is_salted_per_user_and_a_public_one_is_shared_and_war
     assert asyncio.run(catalog.warm(pub)) >= 32
     assert reply_stats(service, "carol", pub)["cached_tokens"] >= 32
     assert reply_stats(service, "dave", pub)["cached_tokens"] >= 32
+    store.close()
+
+
+# no leading block in common with LONG_PROMPT's personas (one of them stays registered as public)
+SOON_PRIVATE = "An archivist who keeps the guild's ledgers answers in riddles and never in plain words. " * 5
+
+
+def test_a_public_persona_made_private_stops_serving_its_prefix_to_other_users(engine, tmp_path):
+    """The attacker's view: carol chatted with a public persona, an admin made it private (its owner
+    alone sees it now), and dave sends the very same prompt: he must get no page of it, nor any
+    page of carol's (his cache misses entirely)."""
+    store = ChatStore(tmp_path / "chat.db")
+    catalog = PersonaCatalog(store, engine, load_personas())
+    service = ChatService(engine, store, catalog=catalog)
+    pub = catalog.create("root", "Soon private", "", SOON_PRIVATE, public=True, admin=True)
+    asyncio.run(catalog.warm(pub))
+    assert reply_stats(service, "carol", pub)["cached_tokens"] >= 32
+    ids = engine.apply_chat_template(
+        [{"role": "system", "content": SOON_PRIVATE}, {"role": "user", "content": "Say one word."}]
+    )
+    catalog.update("root", pub, "Soon private", "", SOON_PRIVATE, public=False, admin=True)
+    assert pub not in engine.engine.personas
+
+    async def dave():
+        out = None
+        async for out in engine.generate(ids, SamplingParams(max_tokens=1), user="dave"):
+            pass
+        return out
+
+    assert asyncio.run(dave()).num_cached_tokens == 0
+    # the engine thread dropped the shared pages before it took dave's request (one inbox, in order)
+    prefix = catalog.prefix_ids(engine, SOON_PRIVATE)
+    shared = hash_blocks(engine.engine.block_manager.root, prefix, engine.engine.config.block_size)
+    assert len(shared) >= 2 and not any(h in engine.engine.block_manager.cached for h in shared)
+    assert reply_stats(service, "root", pub)["cached_tokens"] == 0  # salted for its owner from now on
     store.close()
 
 

@@ -4,6 +4,7 @@ personas are shared across users while everything else stays private to its user
 import pytest
 
 from chatengine import LLM, SamplingParams
+from chatengine.engine.kv.hashing import hash_blocks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PERSONA = (
@@ -88,6 +89,35 @@ def test_a_persona_is_shared_across_users_but_conversations_are_not(llm):
     assert bob_copies_alice.num_cached_tokens == public_blocks * 16  # never alice's own blocks
     alice_again = llm.chat(alice, GREEDY, user="alice")[0]
     assert alice_again.num_cached_tokens > public_blocks * 16  # alice hits her own history
+
+
+def test_an_unregistered_persona_is_no_longer_shared_and_its_pages_leave_the_cache(llm):
+    prompt = "You are a pirate captain who answers every question in a sea shanty. " * 3
+    llm.register_persona("pirate", prompt)
+    chat = conversation(prompt, "Where is the treasure buried on the island?")
+    llm.chat(chat, GREEDY, user="alice")
+    ids = llm.engine.personas["pirate"]
+    public = hash_blocks(llm.engine.block_manager.root, ids, 16)
+    assert len(public) >= 2 and all(h in llm.engine.block_manager.cached for h in public)
+    llm.unregister_persona("pirate")
+    llm.unregister_persona("pirate")  # twice, or an unknown name: nothing happens
+    assert "pirate" not in llm.engine.personas
+    assert not any(h in llm.engine.block_manager.cached for h in public)  # unpublished
+    assert llm.chat(chat, GREEDY, user="bob")[0].num_cached_tokens == 0  # none of it, none of alice's
+    # alice's history now hashes salted from its first block: computed once more, then hers alone
+    llm.chat(chat, GREEDY, user="alice")
+    assert llm.chat(chat, GREEDY, user="alice")[0].num_cached_tokens > 0
+
+
+def test_unregistering_keeps_the_pages_that_a_registered_persona_shares(llm):
+    prompt = "You are a lighthouse keeper who answers calmly and briefly, always. " * 3
+    llm.register_persona("keeper", prompt)
+    llm.register_persona("keeper-copy", prompt)  # an admin's copy of the same public text
+    llm.chat(conversation(prompt, "Is a storm coming tonight?"), GREEDY, user="alice")
+    llm.unregister_persona("keeper")
+    out = llm.chat(conversation(prompt, "What do you do all day?"), GREEDY, user="bob")[0]
+    assert out.num_cached_tokens == len(llm.engine.personas["keeper-copy"]) // 16 * 16
+    llm.unregister_persona("keeper-copy")
 
 
 def test_a_private_system_prompt_is_private(llm):

@@ -10,13 +10,6 @@ from chatengine.app.sessions import KEY_FILE, LoginSessions, load_or_create_key
 from chatengine.app.store import ChatStore
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chat.db")
-    yield s
-    s.close()
-
-
 def test_a_cookie_signs_in_its_user_until_logout(store, tmp_path):
     sessions = LoginSessions(store, load_or_create_key(tmp_path))
     a1, a2, b = sessions.create("alice"), sessions.create("alice"), sessions.create("bob")

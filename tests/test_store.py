@@ -14,13 +14,6 @@ from chatengine.app.store import MAX_CONTENT_CHARS, MAX_TITLE_CHARS, ChatStore, 
 A, B = "alice", "bob"
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chat.db")
-    yield s
-    s.close()
-
-
 def ids(messages):
     return [m["id"] for m in messages]
 

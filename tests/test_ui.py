@@ -319,7 +319,8 @@ def test_the_api_is_rate_limited_per_user_when_users_sign_in(server):
 
 def test_a_sign_in_outlives_a_restart_and_logout_ends_it(server, tmp_path):
     """The session cookie works on a new server over the same data dir; after Log out it opens
-    nothing (the app, the export route, Gradio's config) on that server or the next."""
+    nothing (the app, the export route, Gradio's config) on that server or the next. Another
+    site's page can neither sign in, nor post UI events, nor log out."""
     import httpx
 
     engine = server.app.state.chat.engine
@@ -331,6 +332,9 @@ def test_a_sign_in_outlives_a_restart_and_logout_ends_it(server, tmp_path):
 
     with serve() as first:
         http = httpx.Client(base_url=first.url, timeout=30)
+        evil = {"origin": "https://evil.example"}  # another site's page posting the attacker's sign-in
+        assert http.post("/login", data={"username": "alice", "password": "pw-alice"}, headers=evil).status_code == 403
+        assert "chatengine-session" not in http.cookies
         assert http.post("/login", data={"username": "alice", "password": "wrong"}).status_code == 400
         assert http.post("/login", data={"username": "alice", "password": "pw-alice"}).status_code == 200
         cookie = http.cookies["chatengine-session"]
@@ -341,7 +345,12 @@ def test_a_sign_in_outlives_a_restart_and_logout_ends_it(server, tmp_path):
         again = httpx.Client(base_url=second.url, timeout=30, cookies=jar)
         assert 'id="signin"' not in again.get("/").text and again.get("/config").status_code == 200
         assert again.get(f"/export/{conv}.md").text.startswith("# kept")
-        assert again.get("/logout", follow_redirects=False).status_code == 302
+        assert again.get("/logout").status_code == 200  # a page with the button: a GET signs no one out
+        assert again.get(f"/export/{conv}.md").status_code == 200
+        body = {"data": [], "fn_index": 0, "session_hash": "alices-tab"}
+        assert again.post("/gradio_api/queue/join", json=body, headers=evil).status_code == 403
+        assert again.post("/logout", headers=evil).status_code == 403
+        assert again.post("/logout", follow_redirects=False).status_code == 303
         stale = httpx.Client(base_url=second.url, timeout=30, cookies=jar)  # the old cookie, kept by an attacker
         assert 'id="signin"' in stale.get("/").text
         assert stale.get(f"/export/{conv}.md").status_code == 401

@@ -14,13 +14,6 @@ FAST = 1000  # PBKDF2 iterations: the real work factor would take seconds per te
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chat.db")
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def accounts(store):
     return UserDirectory(store, iterations=FAST)
 

@@ -8,7 +8,9 @@ Cache isolation: a public persona's prefix is registered with the engine (regist
 engine does for prompts/ at start), so its KV pages are shared by every user, and it is warmed on
 save (one 1-token request, so the first user does not pay for its prefill). A private persona is
 never registered: its system prompt is private text, salted per user like every conversation, so
-its pages are never shared across users.
+its pages are never shared across users. A public persona made private or deleted is unregistered
+at once (unregister_persona: the engine drops its shared pages), and at start every persona that
+is not public is unregistered (the engine registers the files in prompts/ itself).
 
 Who may see and change what: public personas are visible to all; a private one only to its owner,
 and another user's private persona behaves as one that does not exist (NotFound), admins included.
@@ -76,6 +78,9 @@ class PersonaCatalog:
         self._seed(seeds)
         for row in self._query("public = 1"):
             self._register(_persona(row))
+        # the engine registered prompts/ at its start: a seed an admin made private or deleted is not shared
+        for row in self.store.db.query("SELECT key FROM personas WHERE public = 0 OR deleted = 1"):
+            self._unregister(row["key"])
         self.lookup = _Lookup(self)
 
     # ---- reading -------------------------------------------------------------------------------
@@ -146,6 +151,8 @@ class PersonaCatalog:
             )
         if public:
             self._register(self.get(key))
+        else:  # made private (or kept so): no other user may hit its prefix from now on
+            self._unregister(key)
 
     def delete(self, user: str, key: str, *, admin: bool) -> None:
         """Remove a persona (conversations made with it keep their system message)."""
@@ -159,6 +166,7 @@ class PersonaCatalog:
                 db.execute("UPDATE personas SET deleted = 1, updated_at = ? WHERE key = ?", [time.time(), key])
             else:
                 db.execute("DELETE FROM personas WHERE key = ?", [key])
+        self._unregister(key)
 
     # ---- the engine -----------------------------------------------------------------------------
     def _register(self, persona: Persona | None) -> None:
@@ -166,6 +174,11 @@ class PersonaCatalog:
         if persona is not None:
             for engine in self.engines:
                 engine.register_persona(persona.name, persona.system_prompt)
+
+    def _unregister(self, key: str) -> None:
+        """Stop sharing the persona's prefix across users (a no-op where it is not registered)."""
+        for engine in self.engines:
+            engine.unregister_persona(key)
 
     @staticmethod
     def prefix_ids(engine, system_prompt: str) -> list[int]:

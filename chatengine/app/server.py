@@ -30,6 +30,7 @@ from chatengine.app.login_page import LoginPageMiddleware
 from chatengine.app.login_routes import add_login_routes
 from chatengine.app.login_throttle import LoginThrottle, LoginThrottleMiddleware
 from chatengine.app.no_uploads import NoUploadsMiddleware
+from chatengine.app.same_origin import SameOriginMiddleware, check_trusted_origins
 from chatengine.app.session_guard import SessionOwnerMiddleware
 from chatengine.app.sessions import COOKIE, LoginSessions, load_or_create_key
 
@@ -53,6 +54,7 @@ ENGINE_FLAGS = (
     "max_model_len",
     "tensor_parallel_size",
     "quantization",
+    "deterministic",
 )
 
 
@@ -81,6 +83,8 @@ def create_app(
     api_rate_limit: int | None = API_RATE_LIMIT,
     cors_origins: list[str] | None = None,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    secure_cookies: bool = False,
+    trusted_origins: list[str] | None = None,
 ):
     """Build the ASGI app (FastAPI with the API routes and the Gradio UI mounted at "/").
 
@@ -91,7 +95,10 @@ def create_app(
     with ``users_file`` (None or 0: unlimited). ``users_file``: see ``auth.load_users``; None = a single
     local user without login. ``cors_origins``: origins whose pages may call the API (None: no CORS).
     ``default_max_tokens``: an API reply's cap when the request names no max_tokens (None or 0: the
-    context's room, or the model's own max_new_tokens).
+    context's room, or the model's own max_new_tokens). ``secure_cookies``: the sign-in cookie is
+    Secure even on requests that look like plain http (TLS ends at a proxy in front). A POST outside
+    the API must come from a page of the host it was sent to, or of one of ``trusted_origins`` (the
+    public origins of a proxy that rewrites Host): see same_origin.py.
     ``app.state.chat`` holds the engines (``models``; ``engine``: the default's), the store, the
     accounts (users.py) and the personas (persona_catalog.py).
     """
@@ -114,6 +121,7 @@ def create_app(
     users = auth.load_users(users_file) if users_file is not None else None
     if cors_origins:
         check_origins(cors_origins)
+    trusted = check_trusted_origins(trusted_origins or ())
     if default_max_tokens is not None and (isinstance(default_max_tokens, bool) or default_max_tokens < 0):
         raise ValueError(f"--default-max-tokens must be 0 (no cap) or a positive number, got {default_max_tokens}")
     names = model if isinstance(model, list) else [model]
@@ -170,7 +178,7 @@ def create_app(
         # a disabled user's cookies sign in no one, and disabling ends their sign-ins for good
         sessions = LoginSessions(store, load_or_create_key(data), is_active=accounts.is_active)
         accounts.on_disable.append(sessions.revoke_user)
-        auth_dependency = add_login_routes(app, sessions, _login_check(accounts))
+        auth_dependency = add_login_routes(app, sessions, _login_check(accounts), secure=secure_cookies)
         user_of = lambda cookies: sessions.user_of(cookies.get(COOKIE))  # noqa: E731
     add_export_route(app, store, auth_dependency or (lambda request: LOCAL_USER))
     app = gr.mount_gradio_app(
@@ -198,6 +206,8 @@ def create_app(
             too_large=f"This message is too long: this model reads at most about {chars:,} characters.",
         )
         app.add_middleware(LoginPageMiddleware, user_of=user_of, title=title, message="Sign in to chatengine")
+    # outermost: another site's POST is refused before it is throttled, read or checked
+    app.add_middleware(SameOriginMiddleware, trusted_origins=trusted)
     access_log.install()
     app.state.chat = SimpleNamespace(
         engine=engine, models=models, store=store, own_engine=own_engine, lock=lock, accounts=accounts, catalog=catalog
@@ -402,6 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
         "cache is not supported above 1: use it with --no-disk-kv",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="batch- and cache-invariant inference: the same prompt and seed give the same tokens and logprobs "
+        "whatever shares the batch and whether its prefix came from the cache, host memory or disk (slower)",
+    )
+    p.add_argument(
         "--no-disk-kv", action="store_true", help="keep the KV cache in memory only (no disk tier under --data-dir)"
     )
     p.add_argument(
@@ -419,6 +436,30 @@ def build_parser() -> argparse.ArgumentParser:
         "http://localhost:3000; '*' for any); only /v1 and /health, never with cookies. Default: off",
     )
     p.add_argument(
+        "--secure-cookies",
+        action="store_true",
+        help="mark the sign-in cookie Secure (sent over https only) whatever the scheme the server sees: "
+        "for TLS ending at a reverse proxy in front of it. Without it the cookie is Secure only on "
+        "requests that arrive as https (or that a trusted proxy forwards as https, --forwarded-allow-ips)",
+    )
+    p.add_argument(
+        "--forwarded-allow-ips",
+        metavar="IPS",
+        default=None,
+        help="comma-separated addresses of reverse proxies whose X-Forwarded-For/-Proto headers are "
+        "believed (client address, https); '*' trusts any. Default: uvicorn's (127.0.0.1, or the "
+        "FORWARDED_ALLOW_IPS environment variable)",
+    )
+    p.add_argument(
+        "--trusted-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        default=None,
+        help="origins of this server's own pages besides the host a request names (e.g. "
+        "https://chat.example.org behind a proxy that rewrites the Host header): sign-in, logout and "
+        "UI events from pages elsewhere are refused (403). Default: none",
+    )
+    p.add_argument(
         "--default-max-tokens",
         type=int,
         default=DEFAULT_MAX_TOKENS,
@@ -434,6 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
     )
     return p
+
+
+def uvicorn_proxy_options(forwarded_allow_ips: str | None) -> dict:
+    """uvicorn.run's proxy settings: its own defaults unless --forwarded-allow-ips names the proxies."""
+    if forwarded_allow_ips is None:
+        return {}
+    return {"proxy_headers": True, "forwarded_allow_ips": forwarded_allow_ips}
 
 
 EMBEDDED = "default"  # --model default: the embedded model, to serve it beside others
@@ -469,12 +517,21 @@ def main(argv=None) -> None:
             cors_origins=[o for arg in args.cors_origins or () for o in arg.split(",") if o] or None,
             default_max_tokens=args.default_max_tokens,
             engine_options=engine_options,
+            secure_cookies=args.secure_cookies,
+            trusted_origins=[o for arg in args.trusted_origins or () for o in arg.split(",") if o] or None,
         )
     except ValueError as e:  # a bad flag value, users file or model path
         sys.exit(f"error: {e}")
     print(f"chatengine: open http://{args.host}:{args.port}/  (API at /v1)", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            **uvicorn_proxy_options(args.forwarded_allow_ips),
+        )
     finally:
         close_app(app)
 

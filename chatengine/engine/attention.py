@@ -26,7 +26,8 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self):
+    def __init__(self, deterministic: bool = False):
+        self.deterministic = deterministic  # attention one query row at a time (invariant mode)
         self._meta = self._positions = None  # the current step's metadata and positions (begin_step)
         self._plans: dict = {}  # window -> (geometry, its TorchAttentionPlan), built at the first layer
         self._store = None  # its (cache rows, keep mask) for store_kv
@@ -71,6 +72,10 @@ class TorchBackend:
 
     def attention(self, q, k_cache, v_cache, meta, scale, window=0):
         """Each query over its sequence's cached keys: all before it, or its last `window`."""
+        if self.deterministic:
+            return paged_attention.paged_attention_rows_torch(
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale, window
+            )
         if not paged_attention.torch_attention_supported(k_cache, v_cache):
             return paged_attention.paged_attention_ref(
                 q,
@@ -157,6 +162,10 @@ class TorchBackend:
 class TritonBackend:
     name = "triton"
 
+    def __init__(self, deterministic: bool = False):
+        # invariant mode: attention splits at fixed key positions (paged_attention_triton's split_keys)
+        self.split_keys = paged_attention.INVARIANT_SPLIT_KEYS if deterministic else 0
+
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         cache_ops.store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
 
@@ -174,6 +183,7 @@ class TritonBackend:
             meta.max_seqlen_k,
             getattr(meta, "num_splits", None),
             window=window,
+            split_keys=self.split_keys,
         )
 
     def rms_norm(self, x, weight, eps, residual=None):
@@ -192,7 +202,7 @@ class TritonBackend:
         return fused_ops.gelu_tanh_mul_triton(gate_up)
 
 
-def get_backend(name: str, device_type: str):
+def get_backend(name: str, device_type: str, deterministic: bool = False):
     if name == "auto":
         name = "triton" if device_type == "cuda" else "torch"
-    return {"torch": TorchBackend, "triton": TritonBackend}[name]()
+    return {"torch": TorchBackend, "triton": TritonBackend}[name](deterministic)

@@ -102,7 +102,18 @@ class EngineFacade:
 
     # ---- personas and figures -------------------------------------------------------------------
     def register_persona(self, name: str, system_prompt: str) -> None:
+        """Share the KV pages of conversations opening with this system prompt across users."""
         self.engine.register_persona(name, system_prompt)
+
+    def unregister_persona(self, name: str) -> None:
+        """Stop sharing a registered persona's prefix (a no-op for an unknown name): requests made
+        after this call never hit its shared pages, and those pages leave every tier of the cache."""
+        ids = self.engine.unregister_persona(name)
+        if ids is not None:
+            self._drop_public_prefix(ids)
+
+    def _drop_public_prefix(self, prefix_ids: list[int]) -> None:
+        self.engine.drop_public_prefix(prefix_ids)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -92,6 +92,7 @@ class LLMEngine:
         self._grammars = None  # chatengine.engine.structured.Grammars, made on the first grammar
         self._grammars_lock = threading.Lock()
         self.personas: dict[str, list[int]] = {}  # name -> token ids of its public prefix
+        self._personas_lock = threading.Lock()  # app threads register and unregister at once
         self.num_generated_tokens = 0
         self.num_steps = 0
         self.num_forks = 0
@@ -185,9 +186,37 @@ class LLMEngine:
             raise ValueError("a persona needs a non-empty name")
         if not isinstance(system_prompt, str) or not system_prompt.strip():
             raise ValueError(f"persona {name!r} needs a non-empty system prompt")
+        ids = self.persona_prefix_ids(system_prompt)
         # a new dict, not an insert: the app registers from its threads while the engine thread
         # iterates the personas (public_prefix_len)
-        self.personas = {**self.personas, name: self.persona_prefix_ids(system_prompt)}
+        with self._personas_lock:
+            self.personas = {**self.personas, name: ids}
+
+    def unregister_persona(self, name: str) -> list[int] | None:
+        """Stop sharing this persona's prefix (it became private, or was deleted): requests added
+        from now on salt it per user like any other text, so they never hit its public pages.
+        Returns its prefix ids (None: no such persona); drop_public_prefix unpublishes the pages.
+        Safe from any thread."""
+        with self._personas_lock:
+            ids = self.personas.get(name)
+            if ids is not None:
+                self.personas = {k: v for k, v in self.personas.items() if k != name}
+        return ids
+
+    def drop_public_prefix(self, prefix_ids: list[int]) -> int:
+        """Unpublish the unsalted KV pages of a prefix that is no longer public, from every tier,
+        except pages that a still-registered persona shares (the same leading blocks). Only
+        requests that claim a registered public prefix (or user=None ones) hash blocks unsalted,
+        so pages left behind (in use by a running request now) can no longer be matched by any
+        other user either. Engine thread only. Returns the number of blocks dropped."""
+        root, bs = self.block_manager.root, self.config.block_size
+        hashes = set(hash_blocks(root, prefix_ids, bs))  # its full blocks: all public, all unsalted
+        for ids in self.personas.values():
+            hashes.difference_update(hash_blocks(root, ids, bs))
+        if not hashes:
+            return 0
+        n = self.block_manager.drop_hashes(hashes)
+        return n + (self.tiers.drop_hashes(hashes) if self.tiers is not None else 0)
 
     def public_prefix_len(self, prompt_ids: list[int]) -> int:
         """Length of the registered persona prefix this prompt starts with (0: none, all private)."""

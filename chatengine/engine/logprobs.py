@@ -27,7 +27,7 @@ class RowLogprobs:
         """One non-blocking copy into (pinned, on CUDA) host memory: read after the step's event."""
         columns = [self.token_ids[:, None], self.chosen[:, None], self.top_vals, self.top_ids]
         packed = torch.cat([c.float() for c in columns], dim=1)
-        return HostLogprobs(_host_copy(packed, pin), self.top_vals.shape[1])
+        return HostLogprobs.of(packed, self.top_vals.shape[1], pin)
 
 
 @dataclass
@@ -37,6 +37,11 @@ class HostLogprobs:
 
     packed: torch.Tensor
     k: int
+
+    @staticmethod
+    def of(packed: torch.Tensor, k: int, pin: bool) -> "HostLogprobs":
+        """From a packed (R, 2 + 2k) float32 tensor of the device (logprob_ops): one copy."""
+        return HostLogprobs(_host_copy(packed, pin), k)
 
     def as_dicts(self, ks: list[int]) -> list[dict[int, float]]:
         """Row r: {token: logprob} of its ks[r] best, then its token if it is not among them."""

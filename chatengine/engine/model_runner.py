@@ -27,6 +27,7 @@ import logging
 import math
 import mmap
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +47,12 @@ from chatengine.engine.parallel.group import TPGroup
 from chatengine.engine.parallel.plan import Op, PlanSender
 from chatengine.engine.sampler import Sampler, position_key
 from chatengine.engine.sequence import Sequence
-from chatengine.kernels import cache_ops, paged_attention
+from chatengine.kernels import attention_warmup, cache_ops, logprob_ops, paged_attention
 from chatengine.kernels import sampling as sampling_ops
 from chatengine.sampling_params import SamplingParams
 
 log = logging.getLogger("chatengine")
+_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton kernel's (KV as the queries)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EAGER, DECODE_GRAPH, PREFILL_GRAPH = range(3)  # how a step's forward runs (the same on every rank)
 ALIGN = 32  # staging regions start at multiples of 32 int32 (128 bytes)
@@ -259,7 +261,7 @@ class ModelRunner:
         mc = self.model_config = loaded.config
         self.num_heads = split(mc.num_heads, self.group, "num_heads")  # this rank's
         self.num_kv_heads = kv_heads_per_rank(mc.num_kv_heads, self.group)
-        self.backend = get_backend(config.attention_backend, device.type)
+        self.backend = get_backend(config.attention_backend, device.type, config.deterministic)
         with torch.device("meta"):
             model = LlamaModel(mc, self.backend, max_model_len, self.group).to(dtype)
         model.to_empty(device=device)  # in the final dtype: no full-precision copy of the slice
@@ -275,6 +277,8 @@ class ModelRunner:
         elif self.quantization in CPU_QUANTIZATIONS:
             model.quantize_blocks(self.quantization)
             release_freed_heap()  # the fp32 weights and quantizing temporaries, freed: back to the OS
+        if config.deterministic:
+            model.make_invariant()
         self.model = model.eval()
         self.model.build_rope()
         self.sampler = Sampler(device, config.seed)
@@ -325,11 +329,30 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(self.num_blocks, *page, dtype=dtype, device=device)
         self.host_slice: torch.Tensor | None = None  # ranks > 0: their slices of the host tier's pages
+        if device.type == "cuda" and self.backend.name == "triton" and self.kv_cache.dtype in _ATTENTION_DTYPES:
+            self._warm_up_attention()
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.name == "triton":
                 self._capture_graphs()
             else:  # the torch reference syncs (boolean masks, data-dependent shapes): not capturable
                 log.info("CUDA graphs are off: the %r attention backend cannot be captured", self.backend.name)
+
+    def _warm_up_attention(self) -> None:
+        """Compile the attention variants eager steps can reach now, not in the middle of serving."""
+        t0 = time.perf_counter()
+        windows = set(self.model_config.layer_windows or [0])
+        n = attention_warmup.warm_up(
+            self.kv_cache[:, 0, 0],
+            self.kv_cache[:, 0, 1],
+            self.num_heads,
+            windows,
+            self.config.max_num_seqs,
+            self.max_model_len,
+            self.config.max_num_batched_tokens,
+            -(-self.max_num_pages // 16) * 16,  # an eager step's block-table width (_stage)
+            getattr(self.backend, "split_keys", 0),
+        )
+        log.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
 
     def _num_blocks_from_budget(self) -> int:
         if self.device.type == "cpu":
@@ -551,13 +574,20 @@ class ModelRunner:
             logits = self.model(*args)
         return graph, logits
 
+    def _graph_splits(self) -> int | None:
+        """Invariant mode: a graph's split count, enough fixed-size splits for the whole context."""
+        keys = getattr(self.backend, "split_keys", 0)
+        return -(-self.max_model_len // keys) if keys else None
+
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         mc, sms, pool = self.model_config, paged_attention.num_sms(self.device), None
         for bs in reversed(self.graph_batch_sizes()):  # largest first: the others reuse its pool
             lay, *_ = self._stage([], [], pad_to=bs)  # all lanes padded: reads and writes nothing
             block_d = 1 << (mc.head_dim - 1).bit_length()  # the kernel's padded head_dim
-            splits = paged_attention._decode_splits(bs * self.num_kv_heads, self.max_model_len, sms, block_d)
+            splits = self._graph_splits() or paged_attention._decode_splits(
+                bs * self.num_kv_heads, self.max_model_len, sms, block_d
+            )
             self.graphs[bs] = self._capture(lay, bs, 1, splits, pool)
             pool = self.graphs[bs][0].pool()
         for Tp in reversed(self.prefill_graph_sizes()):
@@ -575,7 +605,7 @@ class ModelRunner:
                 h[off : off + n] = value
             off, _ = lay["cu_seqlens_q"]
             h[off : off + 2] = (0, Tp)
-            splits = paged_attention._prefill_splits(
+            splits = self._graph_splits() or paged_attention._prefill_splits(
                 1, Tp, self.num_heads // self.num_kv_heads, self.num_kv_heads, self.max_model_len, sms
             )
             self.prefill_graphs[Tp] = self._capture(lay, 1, Tp, splits, pool)
@@ -698,16 +728,21 @@ class ModelRunner:
         process_logits(out, seqs, self.eos_token_ids)
         return out
 
-    def _logprobs(self, logits, seqs, tokens) -> tuple[list[tuple[int, int]] | None, HostLogprobs | None]:
-        """The logprobs of the rows that asked for them, copied to the host (non-blocking)."""
+    def _logprobs(self, logits, seqs, tokens, temps) -> tuple[list[tuple[int, int]] | None, HostLogprobs | None]:
+        """The logprobs of the rows that asked for them, copied to the host (non-blocking). On CUDA
+        one kernel computes and packs them (logprob_ops); elsewhere the torch reference."""
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not rows:
             return None, None
         idx = None if len(rows) == len(seqs) else on_device(rows, torch.long, logits.device)
         sub, chosen = (logits, tokens) if idx is None else (logits[idx], tokens[idx])
         k = max(seqs[i].params.logprobs for i in rows)
-        lp = row_logprobs(sub, chosen, k, [seqs[i].params.temperature for i in rows])
         meta = [(seqs[i].seq_id, seqs[i].params.logprobs) for i in rows]
+        if self.fused_sampling:
+            temps = temps.view(torch.float32)[: len(seqs)]  # staged with the step's inputs
+            packed = logprob_ops.row_logprobs_triton(sub, chosen, k, temps if idx is None else temps[idx])
+            return meta, HostLogprobs.of(packed, k, pin=True)
+        lp = row_logprobs(sub, chosen, k, [seqs[i].params.temperature for i in rows])
         return meta, lp.to_host(self._token_host is not None)
 
     def _prompt_logprobs(self, prompt) -> tuple[list[tuple[int, int, int, int]] | None, HostLogprobs | None]:
@@ -740,7 +775,7 @@ class ModelRunner:
             tokens = self._sample(logits, sampling, d["temperatures"])
             self._last_tokens = tokens  # the next step's placeholders read these
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(sampling)}
-            step.logprob_rows, step.logprobs = self._logprobs(logits, sampling, tokens)
+            step.logprob_rows, step.logprobs = self._logprobs(logits, sampling, tokens, d["temperatures"])
             step.token_ids = tokens
             if self._token_host is not None:
                 host = self._token_host[self._flip][: len(sampling)]

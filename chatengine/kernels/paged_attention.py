@@ -103,6 +103,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per step; may span several pages
     PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1
+    SPLIT_KEYS: tl.constexpr,  # > 0: split s covers keys [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS) (invariant)
     PDL: tl.constexpr,  # programmatic dependent launch (see launcher)
     DOT_DTYPE: tl.constexpr,  # tl.dot operand dtype: the input's, but see launcher
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no TF32), else None
@@ -139,7 +140,11 @@ def _paged_attention_kernel(
     # keys of this program: its split of [lo, seq_len), cut at the block's last query (causal); lo is
     # the first key the block's first query sees (0 without a window)
     lo = tl.where(window > 0, tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0), 0)
-    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    if SPLIT_KEYS > 0:  # fixed absolute boundaries: a key falls in the same split in every launch
+        lo = lo // SPLIT_KEYS * SPLIT_KEYS
+        split_len = SPLIT_KEYS
+    else:
+        split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     kv_start = lo + split * split_len
     kv_end = tl.minimum(tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q), kv_start + split_len)
     q_low = tl.where(window > 0, q_pos - window, -1)  # keys must be past it
@@ -238,6 +243,45 @@ def _merge_splits_kernel(
     )
 
 
+@_jit_splits
+def _merge_splits_in_order_kernel(
+    Out,
+    PartialOut,
+    PartialLse,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    BLOCK_H: tl.constexpr,  # the next power of two >= num_q_heads: every head of token t
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """`_merge_splits_kernel`'s sum for token t, added split after split in order: an empty split
+    (weight 0) adds exactly 0 wherever it stands, so the result does not depend on how many
+    trailing splits a launch had (invariant mode)."""
+    t = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < num_q_heads
+    hd_ok = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = (t * num_q_heads + offs_h).to(tl.int64) * num_splits  # (H,) split 0 of each head
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(PartialLse + rows + s, mask=h_ok, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)  # a padded lane: every split empty
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    w_sum = tl.zeros([BLOCK_H], tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(PartialLse + rows + s, mask=h_ok, other=float("-inf")) - m)
+        part = tl.load(PartialOut + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=hd_ok, other=0.0)
+        acc += w[:, None] * part
+        w_sum += w
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    tl.store(
+        Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=hd_ok
+    )
+
+
 def _merge_heads(num_tokens: int, num_q_heads: int, sms: int = 132) -> int:
     """Query heads per merge program: up to 8, while that still leaves ~2 programs per
     multiprocessor. One head per program made 4096 programs of one (S, D) tile for a 128-token
@@ -311,6 +355,7 @@ def _prefill_splits(B: int, max_seqlen_q: int, group: int, num_kv_heads: int, ma
 
 
 MAX_PREFILL_SPLITS = 16
+INVARIANT_SPLIT_KEYS = 1024  # invariant mode: keys per split, a multiple of every launch's BLOCK_N
 MIN_SPLIT_KEYS = 128
 MAX_SPLITS = 64
 # Launch parameters, (BLOCK_N, num_warps, num_stages) by kind and padded head_dim; BLOCK_N keys per
@@ -350,6 +395,82 @@ def _decode_launch(
     return DECODE_LAUNCH[64], False
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one paged-attention call launches, from its shapes alone (no tensor read): each distinct
+    (attention_variant, merge_variant) is one Triton compile (attention_warmup.py compiles them all
+    at start)."""
+
+    num_splits: int
+    block_d: int  # head_dim padded to a power of two
+    block_m: int  # rows per program: BLOCK_Q query tokens x the GQA group
+    block_q: int
+    launch: tuple[int, int, int]  # (BLOCK_N, num_warps, num_stages)
+    pdl: bool  # by the rule; the caller drops it where the device lacks it
+    merge_heads: int  # query heads per merge program (num_splits > 1)
+    split_keys: int = 0  # > 0: invariant mode (splits at fixed key positions, the in-order merge)
+
+    def attention_variant(self) -> tuple:
+        split = self.num_splits > 1 or self.split_keys > 0
+        return (self.block_d, self.block_m, self.block_q, self.launch, split, self.pdl, self.split_keys)
+
+    def merge_variant(self) -> tuple | None:
+        """None without a merge. The split count is a specialized int there (== 1, % 16); not in
+        the in-order merge."""
+        if self.split_keys:
+            return ("in order", self.block_d)
+        if self.num_splits == 1:
+            return None
+        return (
+            self.block_d,
+            triton.next_power_of_2(self.num_splits),
+            self.num_splits % 16 == 0,
+            self.merge_heads,
+            self.pdl,
+        )
+
+
+def launch_plan(
+    T: int,
+    B: int,
+    H_q: int,
+    H_kv: int,
+    D: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int | None,
+    num_splits: int | None,
+    sms: int,
+    split_keys: int = 0,
+) -> LaunchPlan:
+    """The rules of `paged_attention_triton` for T query tokens of B sequences (max_seqlen_k may be
+    None only with num_splits given)."""
+    group = H_q // H_kv
+    block_d = triton.next_power_of_2(D)
+    if split_keys:  # invariant: the prefill tiles for every launch, splits at fixed key positions
+        assert split_keys % 64 == 0, "split_keys must be a multiple of every BLOCK_N"
+        block_m = max(64, triton.next_power_of_2(group))
+        if num_splits is None:
+            assert max_seqlen_k is not None
+            num_splits = max(1, -(-max_seqlen_k // split_keys))
+        launch = _launch(PREFILL_LAUNCH, block_d)
+        return LaunchPlan(num_splits, block_d, block_m, block_m // group, launch, False, 1, split_keys)
+    if max_seqlen_q == 1:  # decode: one token, the GQA group in the rows
+        block_m, block_q = max(16, triton.next_power_of_2(group)), 1  # tl.dot needs M >= 16
+        if num_splits is None:
+            assert max_seqlen_k is not None
+            num_splits = _decode_splits(B * H_kv, max_seqlen_k, sms, block_d)
+        launch, pdl = _decode_launch(B * H_kv, num_splits, max_seqlen_k, block_d, sms)
+    else:  # prefill chunks (mixed with decodes)
+        block_m = max(64, triton.next_power_of_2(group))
+        block_q = block_m // group
+        if num_splits is None:
+            assert max_seqlen_k is not None
+            num_splits = _prefill_splits(B, max_seqlen_q, group, H_kv, max_seqlen_k, sms)
+        launch, pdl = _launch(PREFILL_LAUNCH, block_d), False
+    heads = _merge_heads(T, H_q, sms) if num_splits > 1 else 1
+    return LaunchPlan(num_splits, block_d, block_m, block_q, launch, pdl, heads)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -365,8 +486,15 @@ def paged_attention_triton(
     launch: tuple[int, int, int] | None = None,
     pdl: bool | str | None = None,
     window: int = 0,
+    split_keys: int = 0,
 ) -> torch.Tensor:
     """Triton varlen paged attention, same contract as `paged_attention_ref`; writes `out` if given.
+
+    `split_keys` > 0: the invariant mode (deterministic engines). Every launch, decode or prefill,
+    runs one tile configuration (the prefill one), and split s holds keys [s * split_keys,
+    (s + 1) * split_keys), merged in order: a query row reduces its keys tile by tile from key 0 in
+    the same order whatever the batch, its chunk, or the launch's split count (num_splits: enough
+    splits for max_seqlen_k; more only add empty ones).
 
     Decode-only batches (max_seqlen_q == 1) put the GQA group of one KV head in one program and
     split long contexts over `num_splits` programs (default: a heuristic on max_seqlen_k); other
@@ -389,29 +517,20 @@ def paged_attention_triton(
         out = torch.empty(T, H_q, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    group = H_q // H_kv
-    block_d = triton.next_power_of_2(D)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # host sync
-    if max_seqlen_q == 1:  # decode: one token, the GQA group in the rows
-        block_m, block_q = max(16, triton.next_power_of_2(group)), 1  # tl.dot needs M >= 16
-        if num_splits is None:
-            max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
-            num_splits = _decode_splits(B * H_kv, max_seqlen_k, num_sms(q.device), block_d)
-        rule_launch, rule_pdl = _decode_launch(B * H_kv, num_splits, max_seqlen_k, block_d, num_sms(q.device))
-    else:  # prefill chunks (mixed with decodes)
-        block_m = max(64, triton.next_power_of_2(group))
-        block_q = block_m // group
-        if num_splits is None:
-            max_seqlen_k = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
-            num_splits = _prefill_splits(B, max_seqlen_q, group, H_kv, max_seqlen_k, num_sms(q.device))
-        rule_launch, rule_pdl = _launch(PREFILL_LAUNCH, block_d), False
-    block_n, num_warps, num_stages = launch or rule_launch
-    pdl = (rule_pdl if pdl is None else pdl) if pdl_supported(q.device) else False
+    if num_splits is None and max_seqlen_k is None:
+        max_seqlen_k = int(seq_lens.max())  # host sync
+    plan = launch_plan(T, B, H_q, H_kv, D, max_seqlen_q, max_seqlen_k, num_splits, num_sms(q.device), split_keys)
+    group, block_d, num_splits = H_q // H_kv, plan.block_d, plan.num_splits
+    block_m, block_q = plan.block_m, plan.block_q
+    block_n, num_warps, num_stages = launch or plan.launch
+    pdl = (plan.pdl if pdl is None else pdl) if pdl_supported(q.device) else False
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q.dtype]
     if interpreting() and q.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # triton 3.9's interpreter multiplies bf16 bit patterns
-    if num_splits > 1:
+    split = num_splits > 1 or split_keys > 0  # invariant mode: always partials + the ordered merge
+    if split:
         partial = torch.empty(T, H_q, num_splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, H_q, num_splits, dtype=torch.float32, device=q.device)
     else:
@@ -449,7 +568,8 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         PAGE_SIZE=page_size,
-        SPLIT=num_splits > 1,
+        SPLIT=split,
+        SPLIT_KEYS=split_keys,
         PDL=bool(pdl),
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
@@ -457,8 +577,21 @@ def paged_attention_triton(
         num_stages=num_stages,
         **({"launch_pdl": True} if pdl is True else {}),
     )
-    if num_splits > 1:
-        heads = _merge_heads(T, H_q, num_sms(q.device))
+    if split_keys:
+        _merge_splits_in_order_kernel[(T,)](
+            out,
+            partial,
+            lse,
+            H_q,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            BLOCK_H=triton.next_power_of_2(H_q),
+            HEAD_DIM=D,
+            BLOCK_D=block_d,
+        )
+    elif num_splits > 1:
+        heads = plan.merge_heads
         _merge_splits_kernel[(T, triton.cdiv(H_q, heads))](
             out,
             partial,
@@ -717,4 +850,50 @@ def paged_attention_torch(
     out = q.new_empty(T, H_q, D)
     for rows, o in outs:
         out.index_copy_(0, rows, o)
+    return out
+
+
+# ---------------------------------------------------------------------------- invariant torch (CPU)
+def paged_attention_rows_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """`paged_attention_ref`'s function with each query row computed alone, over exactly the keys it
+    sees, in fp32 (invariant mode on the torch backend). Every op's shape then depends on the row's
+    position only, so its result does not depend on the batch, its chunk or the cached prefix
+    (SDPA and BLAS choose their blocking by the whole call's shape). One row at a time: slow for
+    long prompts, meant for tests and small models. Returns [T, H_q, D]."""
+    T, H_q, D = q.shape
+    _, bs, H_kv, _ = k_cache.shape
+    G = H_q // H_kv
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    tables = block_tables.long()
+    paged = torch_attention_supported(k_cache, v_cache)
+    out = q.new_zeros(T, H_q, D)
+    for b, seq_len in enumerate(lens):
+        q_len = cu[b + 1] - cu[b]
+        if q_len == 0 or seq_len == 0:
+            continue
+        pages = tables[b, : -(-seq_len // bs)]
+        if paged:  # whole pages by index_select (advanced indexing of the strided view is slow)
+            k = _page_view(k_cache).index_select(0, pages).view(-1, H_kv, D)[:seq_len].float()  # (S, H_kv, D)
+            v = _page_view(v_cache).index_select(0, pages).view(-1, H_kv, D)[:seq_len].float()
+        else:
+            pos = torch.arange(seq_len, device=q.device)
+            k, v = (c[pages[pos // bs], pos % bs].float() for c in (k_cache, v_cache))
+        k, v = k.permute(1, 0, 2)[:, None], v.permute(1, 0, 2)[:, None]  # (H_kv, 1, S, D)
+        for i in range(q_len):
+            p = seq_len - q_len + i
+            lo = max(0, p - window + 1) if window > 0 else 0
+            qi = q[cu[b] + i].float().view(H_kv, G, 1, D)
+            s = (qi * k[:, :, lo : p + 1]).sum(-1) * scale  # (H_kv, G, L)
+            w = torch.softmax(s, dim=-1)
+            o = (w[..., None] * v[:, :, lo : p + 1]).sum(-2)  # (H_kv, G, D)
+            out[cu[b] + i] = o.reshape(H_q, D).to(q.dtype)
     return out

@@ -57,72 +57,89 @@ class Job:
 
 
 # ---- engine outputs -----------------------------------------------------------------------------
-async def watch_disconnect(engine: AsyncLLM, request: Request, request_ids: list[str]) -> None:
-    """Wait for the client to go away, then abort its engine requests at once (frees their blocks
-    even while nobody is iterating the outputs, e.g. a stream blocked in a send)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            for request_id in request_ids:
-                await engine.abort(request_id)
-            return
-        await asyncio.sleep(0.05)
+_DISCONNECTED, _STOPPED = -1, -2  # what the watcher puts in the inbox in place of a job's index
 
 
 async def engine_outputs(engine: AsyncLLM, request: Request, jobs: list[Job]):
     """(job, output) pairs from the engine until every job has finished, in the order they come.
     ClientDisconnected when the client goes away, 503 when the engine stops; any early exit aborts
-    the unfinished engine requests (AsyncLLM frees their blocks)."""
-    agens = [engine.generate(j.prompt_token_ids, j.params, request_id=j.rid, user=j.user) for j in jobs]
-    watcher = asyncio.ensure_future(watch_disconnect(engine, request, [j.rid for j in jobs]))
-    pending: dict[asyncio.Future, int] = {}
+    the unfinished engine requests (AsyncLLM frees their blocks).
+
+    One task per job moves its outputs into one inbox, and a watcher adds the client's disconnect
+    and the engine's stop: a token costs one queue hand-off, not a wait on every job. Outputs are
+    cumulative, so of several waiting for the same job only the newest is relayed."""
+    inbox: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(engine, job, k, inbox)) for k, job in enumerate(jobs)]
+    watcher = asyncio.ensure_future(_watch(engine, request, [j.rid for j in jobs], inbox))
     unfinished = set(range(len(jobs)))
     try:
-        for k, agen in enumerate(agens):
-            pending[asyncio.ensure_future(agen.__anext__())] = k
-        while pending:
-            done = await _wait_for(engine, set(pending), watcher)
-            for task in sorted(done, key=pending.__getitem__):
-                k = pending.pop(task)
-                try:
-                    out = task.result()
-                except StopAsyncIteration:
+        while unfinished:
+            batch = [await inbox.get()]
+            while not inbox.empty():
+                batch.append(inbox.get_nowait())
+            newest = {k: i for i, (k, _) in enumerate(batch)}
+            for i, (k, out) in enumerate(batch):
+                if k == _DISCONNECTED:
+                    raise ClientDisconnected()
+                if k == _STOPPED:
+                    raise APIError(503, "the engine has stopped", type="server_error")
+                if isinstance(out, BaseException):
+                    raise out
+                if out is None or out.finished:
                     unfinished.discard(k)
+                if out is None or (not out.finished and newest[k] != i):
                     continue
-                if out.finished:
-                    unfinished.discard(k)
-                else:
-                    pending[asyncio.ensure_future(agens[k].__anext__())] = k
                 yield jobs[k], out
     finally:
         # synchronous first: under cancellation every await below may raise at once
         watcher.cancel()
-        for task in pending:
+        for task in pumps:
             task.cancel()
         for k in sorted(unfinished):
             await engine.abort(jobs[k].rid)  # posts to the engine thread; does not suspend
-        for task in list(pending):
+        for task in [*pumps, watcher]:
             await _quietly(task)
-        for agen in agens:
-            await _quietly(agen.aclose())
+
+
+async def _pump(engine: AsyncLLM, job: Job, k: int, inbox: asyncio.Queue) -> None:
+    """Job k's outputs into the inbox as (k, output), then (k, None); an error as (k, error).
+    Cancelled, it closes the request's stream (which aborts an unfinished request)."""
+    try:
+        async for out in engine.generate(job.prompt_token_ids, job.params, request_id=job.rid, user=job.user):
+            inbox.put_nowait((k, out))
+    except Exception as e:
+        inbox.put_nowait((k, e))
+    else:
+        inbox.put_nowait((k, None))
+
+
+async def _watch(engine: AsyncLLM, request: Request, request_ids: list[str], inbox: asyncio.Queue) -> None:
+    """Wait for the client to go away (then abort its engine requests at once: frees their blocks
+    even while nobody reads the outputs, e.g. a stream blocked in a send) or for the engine to stop;
+    checks the engine every second."""
+    receive = asyncio.ensure_future(request.receive())
+    try:
+        while True:
+            done, _ = await asyncio.wait({receive}, timeout=1.0)
+            if done:
+                if receive.result()["type"] == "http.disconnect":
+                    for request_id in request_ids:
+                        await engine.abort(request_id)
+                    inbox.put_nowait((_DISCONNECTED, None))
+                    return
+                await asyncio.sleep(0.05)
+                receive = asyncio.ensure_future(request.receive())
+            if not engine.is_running:
+                inbox.put_nowait((_STOPPED, None))
+                return
+    finally:
+        receive.cancel()
 
 
 async def _quietly(awaitable) -> None:
     """Await for its side effect only: it was cancelled, or the request is over and its end moot."""
     with suppress(BaseException):
         await awaitable
-
-
-async def _wait_for(engine: AsyncLLM, pending: set[asyncio.Future], watcher: asyncio.Future) -> set:
-    """The futures of `pending` done once any is; checks every second that the engine still runs."""
-    while True:
-        done, _ = await asyncio.wait({*pending, watcher}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-        if done & pending:
-            return done & pending
-        if watcher in done:
-            raise ClientDisconnected()
-        if not engine.is_running:
-            raise APIError(503, "the engine has stopped", type="server_error")
 
 
 def failure(out: RequestOutput) -> APIError | None:
@@ -282,7 +299,7 @@ class Chunks:
         finish_reason: str | None,
         *,
         role=False,
-        usage_of=None,
+        usage_of=None,  # () -> the usage object, called only when usage goes out on every chunk
         logprobs=None,
         delta: dict | None = None,
     ) -> str:
@@ -292,7 +309,7 @@ class Chunks:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
-        extra = {"usage": usage_of} if self.continuous_usage and usage_of is not None else {}
+        extra = {"usage": usage_of()} if self.continuous_usage and usage_of is not None else {}
         return _event(self._data([choice], **extra))
 
     def opening(self) -> list[str]:
@@ -301,7 +318,7 @@ class Chunks:
             return []
         prompt = len(self.job.prompt_token_ids)
         opening_usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
-        return [self.chunk(i, "", None, role=True, usage_of=opening_usage) for i in range(self.job.params.n)]
+        return [self.chunk(i, "", None, role=True, usage_of=lambda: opening_usage) for i in range(self.job.params.n)]
 
     def deltas(self, job: Job, out: RequestOutput, failed: bool) -> list[str]:
         events = []
@@ -317,7 +334,9 @@ class Chunks:
                     self.done[i] = True
                     logprobs = _text_logprobs(job, [], None, out, 0)
                     text = job.echo or ""
-                    events.append(self.chunk(i, text, "length", usage_of=usage([out], [job]), logprobs=logprobs))
+                    events.append(
+                        self.chunk(i, text, "length", usage_of=lambda: usage([out], [job]), logprobs=logprobs)
+                    )
                 continue
             if not finished and (failed or not delta):
                 continue
@@ -330,7 +349,7 @@ class Chunks:
             logprobs = self._logprobs(job, c, i, echo_of)
             self.done[i] = finished
             reason = c.finish_reason if finished else None
-            events.append(self.chunk(i, delta, reason, usage_of=usage([out], [job]), logprobs=logprobs))
+            events.append(self.chunk(i, delta, reason, usage_of=lambda: usage([out], [job]), logprobs=logprobs))
         return events
 
     def _tool_chunks(self, job: Job, out: RequestOutput, c: CompletionOutput, i: int, text: str, finished: bool):
@@ -350,7 +369,7 @@ class Chunks:
                 i,
                 "",
                 reason if k == len(deltas) - 1 else None,
-                usage_of=usage([out], [job]) if k == len(deltas) - 1 else None,
+                usage_of=(lambda: usage([out], [job])) if k == len(deltas) - 1 else None,
                 logprobs=logprobs if k == 0 else None,
                 delta=d,
             )

@@ -120,10 +120,8 @@ def _sidebar(title: str) -> dict:
     gr.Markdown(f"### {html.escape(title)}")
     c: dict[str, Any] = dict(
         who_md=gr.Markdown("", elem_id="who"),
-        # a link button in this tab (a markdown link opened a new tab and left this one signed in)
-        logout_btn=gr.Button(
-            "Log out", link="/logout", link_target="_self", size="sm", visible=False, elem_id="logout"
-        ),
+        # posts to /logout in this tab (layout.py's LOG_OUT): a link's GET is what any page can make
+        logout_btn=gr.Button("Log out", size="sm", visible=False, elem_id="logout"),
         new_btn=gr.Button("+ New chat", variant="primary", elem_id="new-chat"),
         search=gr.Textbox(placeholder="Search chats…", show_label=False, elem_id="search", container=False),
         conv_list=gr.Radio(choices=[], value=None, show_label=False, elem_id="conv-list", container=False),

@@ -180,10 +180,11 @@ class ChatUI:
         self.viewing.pop(_session(request), None)
 
     def new_chat(self, persona_name, request: gr.Request) -> dict:
-        self.who(request)
+        user = self.who(request)
         self.show(_session(request), None)
-        name = persona_name if persona_name in self.personas else self.default_persona
-        p = self.personas.get(name or "")
+        visible = self.service.default.personas_for(user)  # never another user's private one by key
+        name = persona_name if persona_name in visible else self.default_persona
+        p = visible.get(name or "")
         c = self.c
         return {
             **self.blank(),

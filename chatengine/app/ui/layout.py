@@ -189,6 +189,17 @@ JS_MOBILE = f"""
 """
 # an event's js: closes the drawer, then hands the event's inputs on unchanged
 CLOSE_SIDEBAR = f"(...args) => {{ {_CLOSE} closeSidebar(); return args.length === 1 ? args[0] : args; }}"
+# Log out is a form POST in this tab (a GET would let any page sign the user out); relative, so it
+# stays under a path prefix; the server answers with the sign-in page
+LOG_OUT = """
+() => {
+  const form = document.createElement("form");
+  form.method = "post";
+  form.action = "logout";
+  document.body.appendChild(form);
+  form.submit();
+}
+"""
 # the address bar keeps the open chat (?c=<id>): a reload or a shared link reopens it
 SET_URL = """
 (cid) => {
@@ -292,6 +303,7 @@ def _wire_sidebar(ui: ChatUI, c: Components) -> None:
     )
     # the address bar names the open chat, and the chat's menu follows it
     c.url_cid.change(None, [c.url_cid], None, js=SET_URL, queue=False)
+    c.logout_btn.click(None, None, None, js=LOG_OUT, queue=False)
     c.url_cid.change(ui.chat_menu, [c.url_cid], c.menu_parts, **QUIET)
     c.search.change(
         ui.on_search, [c.search, c.cid], [c.conv_list], api_name="search", queue=False, show_progress="hidden"

@@ -253,6 +253,12 @@ class LlamaModel(nn.Module):
         for linear in [m for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]:
             linear.quantize_fp8()
 
+    def make_invariant(self) -> None:
+        """Deterministic mode: every projection and the LM head through the batch-invariant matmul."""
+        for linear in self.modules():
+            if isinstance(linear, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+                linear.invariant = True
+
     def quantize_blocks(self, fmt: str) -> None:
         """CPU: the attention and MLP projections to GGML-style blocks in `fmt` (q8_0, q4_0, q4_1), the
         LM head to q8_0 (as a GGUF keeps its output or tied embedding table), and a tied embedding

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from chatengine.engine.models.fp8 import fp8_linear, quantize_rows
 from chatengine.engine.parallel.group import TPGroup
-from chatengine.kernels import cpu_quant
+from chatengine.kernels import cpu_quant, invariant_matmul
 
 
 def split(n: int, group: TPGroup, what: str) -> int:
@@ -61,6 +61,7 @@ class _QuantizableWeight:
     on the CPU for blocks of 32 weights in GGML's q8_0 / q4_0 / q4_1 (kernels/cpu_quant.py)."""
 
     fp8 = False
+    invariant = False  # deterministic mode: the batch-invariant matmul (kernels/invariant_matmul.py)
     weight_fp8: torch.Tensor  # buffers once quantized (annotations only: register_buffer makes them)
     weight_scale: torch.Tensor
     qweight: cpu_quant.QuantWeight | None = None
@@ -84,6 +85,8 @@ class _QuantizableWeight:
         self.fp8 = True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.invariant:
+            return invariant_matmul.linear(x, self.weight, bias)  # type: ignore[attr-defined]
         if self.qweight is not None:
             return cpu_quant.linear(x, self.qweight, bias)
         if self.fp8:

@@ -1,0 +1,294 @@
+"""Determinism: does a request's answer depend on its neighbours, the cache, a tier or the budget?
+
+Per model and mode (default, then deterministic: EngineConfig.deterministic), `--prompts` target
+prompts of random ids, lengths uniform in [--min-len, --max-len], each answered with --new-tokens
+tokens greedily and seeded (temperature 1, seed per prompt), with logprobs. Each target's answer in
+case (a) is the reference; the other cases count the targets whose tokens, or logprobs, differ:
+  a  cold, alone
+  b  cold, in one batch with --neighbours other prompts of lengths in the same range
+  c  its prefix cached on the device (a's pages)
+  d  restored from host memory (every cached page offloaded first)
+  e  restored from the disk store after a restart (a new engine on the same store)
+  f  cold, with the step's token budget lowered to --budget-f (chunk boundaries moved)
+Runs stay cold where they should by running as other users (a user's pages are salted with its
+name), so one engine serves a-d and f, and a second one (the restart) e. Cases c-f run the targets
+together in one batch; --alone runs them one at a time too.
+
+    python benchmarks/determinism_bench.py [--models dummy:llama-3.2-1b dummy:qwen2.5-0.5b]
+        [--modes default deterministic] [--prompts 200] [--neighbours 255] [--new-tokens 64]
+
+Saves JSON + markdown under --out (device and commit named) and prints the table last.
+
+    python benchmarks/determinism_bench.py --gemm   # CUDA: the invariant matmul's tile configs vs cuBLAS
+"""
+
+import argparse
+import json
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import commit  # noqa: E402
+from chatengine import LLM, SamplingParams  # noqa: E402
+from chatengine.engine.loader import DUMMY_SHAPES  # noqa: E402
+
+CASES = {
+    "b": "cold, in a batch",
+    "c": "prefix cached on the device",
+    "d": "restored from host memory",
+    "e": "restored from disk after a restart",
+    "f": "another token budget",
+}
+
+
+def kv_gib(model: str, tokens: int) -> float:
+    """GiB of bf16 KV for `tokens` tokens of a dummy shape (8 for other models)."""
+    c = DUMMY_SHAPES.get(model.removeprefix("dummy:"))
+    if c is None:
+        return 8.0
+    return tokens * c["num_layers"] * 2 * c["num_kv_heads"] * c["head_dim"] * 2 / 2**30
+
+
+def answers(outs) -> list[tuple[list[int], list]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def compare(ref, got) -> dict:
+    """Targets whose tokens differ from the reference; whose logprobs differ (tokens or not)."""
+    tokens = sum(a[0] != b[0] for a, b in zip(ref, got))
+    logprobs = sum(a[1] != b[1] for a, b in zip(ref, got))
+    first = [next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), None) for a, b in zip(ref, got)]
+    return {
+        "tokens_differ": tokens,
+        "logprobs_differ": logprobs,
+        "first_token_diffs": [f for f in first if f is not None],
+    }
+
+
+def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_kw) -> dict:
+    store = tempfile.mkdtemp(prefix="det-kv-")
+    kw = dict(engine_kw, deterministic=deterministic, kv_store_dir=store)
+    kinds = {
+        "greedy": [SamplingParams(temperature=0, max_tokens=args.new_tokens, logprobs=5, ignore_eos=True)]
+        * len(targets),
+        "seeded": [
+            SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=args.new_tokens, logprobs=5, ignore_eos=True)
+            for i in range(len(targets))
+        ],
+    }
+    out: dict = {}
+    t0 = time.perf_counter()
+    llm = LLM(model, **kw)
+    startup = time.perf_counter() - t0
+    engine = llm.engine
+    runs: dict = {kind: {} for kind in kinds}
+    cached: dict = {kind: {} for kind in kinds}
+
+    def batch(prompts, params, user):
+        return llm.generate(prompts, params, user=user)
+
+    def each(prompts, params, user):
+        return [llm.generate([p], sp, user=user)[0] for p, sp in zip(prompts, params)]
+
+    together = each if args.alone else batch
+    for kind, params in kinds.items():
+        user = f"a-{kind}"
+        runs[kind]["a"] = answers(each(targets, params, user))
+        outs = together(targets, params, user)
+        runs[kind]["c"], cached[kind]["c"] = answers(outs), sum(o.num_cached_tokens for o in outs)
+        engine.offload_cached_blocks()
+        outs = together(targets, params, user)
+        runs[kind]["d"], cached[kind]["d"] = answers(outs), sum(o.num_cached_tokens for o in outs)
+    for kind, params in kinds.items():
+        # the targets among the neighbours, at random places
+        rng = random.Random(kind)
+        order = list(range(len(targets) + len(neighbours)))
+        rng.shuffle(order)
+        mixed = [targets[i] if i < len(targets) else neighbours[i - len(targets)] for i in order]
+        other = SamplingParams(temperature=params[0].temperature, max_tokens=args.new_tokens, ignore_eos=True)
+        mixed_params = [params[i] if i < len(targets) else other for i in order]
+        outs = llm.generate(mixed, mixed_params, user=f"b-{kind}")
+        at = {i: j for j, i in enumerate(order) if i < len(targets)}
+        runs[kind]["b"] = answers([outs[at[i]] for i in range(len(targets))])
+        budget = engine.scheduler.max_num_batched_tokens
+        engine.scheduler.max_num_batched_tokens = args.budget_f  # chunk boundaries move
+        runs[kind]["f"] = answers(together(targets, params, f"f-{kind}"))
+        engine.scheduler.max_num_batched_tokens = budget
+    llm.shutdown()  # flushes the cached pages to the disk store
+    llm = LLM(model, **kw)  # the restart
+    engine = llm.engine
+    for kind, params in kinds.items():
+        outs = together(targets, params, f"a-{kind}")
+        runs[kind]["e"], cached[kind]["e"] = answers(outs), sum(o.num_cached_tokens for o in outs)
+    llm.shutdown()
+    shutil.rmtree(store, ignore_errors=True)
+    for kind in kinds:
+        ref = runs[kind]["a"]
+        out[kind] = {case: compare(ref, runs[kind][case]) for case in CASES}
+        for case, hit in cached[kind].items():
+            out[kind][case]["cached_tokens"] = hit
+    out["seconds"] = time.perf_counter() - t0
+    out["startup_s"] = startup
+    return out
+
+
+GEMM_CONFIGS = [
+    (64, 64, 64, 4, 4),  # NARROW
+    (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (128, 128, 64, 8, 3),  # WIDE
+    (128, 256, 64, 8, 3),
+]
+
+
+def gemm_table(model: str) -> list[str]:
+    """us per call of the invariant matmul in each tile config against cuBLAS (F.linear), on the
+    model's projection shapes at decode and prefill sizes (CUDA)."""
+    import triton.testing
+
+    from chatengine.kernels import invariant_matmul as im
+
+    c = DUMMY_SHAPES[model.removeprefix("dummy:")]
+    H, D, I = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    shapes = {
+        "qkv": (H, (c["num_heads"] + 2 * c["num_kv_heads"]) * D),
+        "o": (c["num_heads"] * D, H),
+        "gate_up": (H, 2 * I),
+        "down": (I, H),
+        "lm_head": (H, c["vocab_size"]),
+    }
+    lines = [
+        f"## {model}: invariant matmul, us per call (cuBLAS, then each (BM, BN, BK, warps, stages))",
+        "",
+        "| layer | M | cuBLAS | " + " | ".join(str(cfg) for cfg in GEMM_CONFIGS) + " |",
+        "|---|---:|---:|" + "---:|" * len(GEMM_CONFIGS),
+    ]
+    for name, (K, N) in shapes.items():
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        for M in (1, 64, 256, 2048, 8192):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            bench = triton.testing.do_bench
+            times = [bench(lambda: torch.nn.functional.linear(x, w))]
+            times += [bench(lambda cfg=cfg: im.linear_triton(x, w, config=cfg)) for cfg in GEMM_CONFIGS]
+            lines.append(f"| {name} | {M} | " + " | ".join(f"{1e3 * t:.1f}" for t in times) + " |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def summary(r: dict) -> str:
+    """One line: per sampling, case -> (tokens differ, logprobs differ), and the cached tokens of c-e."""
+    if "error" in r:
+        return r["error"]
+    parts = []
+    for kind in ("greedy", "seeded"):
+        cells = " ".join(f"{c}:{r[kind][c]['tokens_differ']}/{r[kind][c]['logprobs_differ']}" for c in CASES)
+        hits = "/".join(str(r[kind][c].get("cached_tokens", 0)) for c in "cde")
+        parts.append(f"{kind} {cells} (cached tokens c/d/e {hits})")
+    return "; ".join(parts) + f"; {r['seconds']:.0f} s"
+
+
+def markdown(meta, results, args) -> str:
+    lines = [
+        f"# Determinism — {meta['device']}, commit {meta['commit']}, {meta['date']}",
+        "",
+        f"{args.prompts} target prompts of {args.min_len}-{args.max_len} tokens, {args.new_tokens} new tokens, "
+        f"{args.neighbours} neighbours in case b, budget {args.max_num_batched_tokens} (f: {args.budget_f}); "
+        f"cases c-f {'one at a time' if args.alone else 'in one batch'}. Targets whose tokens (logprobs) differ "
+        "from their cold run alone:",
+        "",
+        "| model | mode | sampling | " + " | ".join(f"{k}: {v}" for k, v in CASES.items()) + " | s |",
+        "|---|---|---|" + "---:|" * (len(CASES) + 1),
+    ]
+    for model, modes in results.items():
+        for mode, r in modes.items():
+            if "error" in r:
+                lines.append(f"| {model} | {mode} | error: {r['error'][:80]} |")
+                continue
+            for kind in ("greedy", "seeded"):
+                cells = [f"{r[kind][c]['tokens_differ']} ({r[kind][c]['logprobs_differ']})" for c in CASES]
+                lines.append(f"| {model} | {mode} | {kind} | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--models", nargs="+", default=["dummy:llama-3.2-1b", "dummy:qwen2.5-0.5b"] if cuda else ["dummy:tiny"]
+    )
+    ap.add_argument("--modes", nargs="+", default=["default", "deterministic"], choices=["default", "deterministic"])
+    ap.add_argument("--prompts", type=int, default=200, help="target prompts (the issue: 200)")
+    ap.add_argument("--neighbours", type=int, default=255, help="other prompts beside the targets in case b")
+    ap.add_argument("--min-len", type=int, default=100 if cuda else 20)
+    ap.add_argument("--max-len", type=int, default=3000 if cuda else 200)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192 if cuda else 64)
+    ap.add_argument("--budget-f", type=int, default=1000 if cuda else 40, help="case f's token budget")
+    ap.add_argument("--alone", action="store_true", help="cases c-f one target at a time (slower)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--gemm", action="store_true", help="only time the invariant matmul's configs (CUDA)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    if args.gemm:
+        for model in args.models:
+            print("\n".join(gemm_table(model)), flush=True)
+        return
+
+    rng = random.Random(0)
+    vocab = 256 if not cuda else 10000
+
+    def prompt():
+        return [rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+
+    targets = [prompt() for _ in range(args.prompts)]
+    neighbours = [prompt() for _ in range(args.neighbours)]
+    results: dict = {}
+    for model in args.models:
+        tokens = sum(map(len, targets)) + len(targets) * args.new_tokens
+        engine_kw = dict(
+            dtype=args.dtype,
+            max_num_seqs=256,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_len + args.new_tokens + 16,
+            register_personas=False,
+            cpu_offload_gib=2 * kv_gib(model, tokens) + 0.5,  # every target's pages, with room
+            kv_store_gib=2 * kv_gib(model, tokens) + 0.5,
+            **({} if cuda else {"num_kv_blocks": 4096}),
+        )
+        for mode in args.modes:
+            try:
+                r = run_mode(model, mode == "deterministic", targets, neighbours, args, engine_kw)
+            except Exception as e:  # report the others
+                r = {"error": f"{type(e).__name__}: {e}"}
+            results.setdefault(model, {})[mode] = r
+            print(f"[determinism] {model} {mode}: {summary(r)}", flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
+    meta = {
+        "benchmark": "determinism",
+        "device": device,
+        "commit": commit(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "command": "python benchmarks/determinism_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"determinism-{'cuda' if cuda else 'cpu'}-{meta['date'][:10]}-{meta['commit']}"
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "args": vars(args), "results": results}, indent=1))
+    md = markdown(meta, results, args)
+    stem.with_suffix(".md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

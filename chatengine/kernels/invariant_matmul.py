@@ -1,0 +1,154 @@
+"""Batch-invariant linear layers: y = x W^T (+ b) where row i of y depends on row i of x only, never
+on how many rows share the call (deterministic mode, EngineConfig.deterministic).
+
+cuBLAS picks its algorithm by the shape: a decode step of 3 rows and a prefill of 2048 may reduce
+the same row's dot products in different orders (split-K, other tiles, other instructions), and in
+bf16 a near-tie between two tokens then flips. Here every call of a layer runs one configuration:
+- CUDA: one Triton kernel with fixed tiles per layer (BLOCK_M x BLOCK_N by the layer's width, K
+  walked from 0 in BLOCK_K steps, never split), the same compiled code for every M: a row's sums
+  are the same instructions in the same order whatever its tile's other rows hold (zeros past M
+  included).
+- CPU: `linear_tiled_torch`, the rows in tiles of TILE_ROWS (the last one padded with zeros), one
+  BLAS call of that fixed shape per tile: BLAS chooses by shape, so every call chooses the same.
+`linear_ref` (F.linear) is what both compute, up to the summation order.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .paged_attention import check_device, jit, tl, triton
+
+# A layer's one configuration, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), chosen by its
+# output width N: any rule of (N, K) keeps rows invariant, as long as M never enters it. Narrow
+# layers (q/k/v, o, down) take small tiles, so that a decode step of a few hundred rows still makes
+# enough programs (N / 64 per 64 rows); wide ones (gate/up, the LM head) have programs enough with
+# large tiles, which reuse each loaded tile twice as often in a long prefill.
+# `benchmarks/determinism_bench.py --gemm` times others against cuBLAS.
+NARROW = (64, 64, 64, 4, 4)
+WIDE = (128, 128, 64, 8, 3)
+WIDE_FROM = 8192  # output features
+TILE_ROWS = 16  # CPU: rows per BLAS call
+
+
+def config_for(N: int) -> tuple[int, int, int, int, int]:
+    return WIDE if N >= WIDE_FROM else NARROW
+
+
+# M is never specialized (Triton compiles a variant for M == 1 and for M % 16 == 0 otherwise): one
+# compiled kernel per layer for every batch size, and no compile in the middle of serving
+_jit_rows = triton.jit(do_not_specialize=["M"]) if triton is not None else jit
+
+
+@_jit_rows
+def _matmul_kernel(
+    X,
+    W,
+    B,
+    Y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grouped order (as the Triton matmul tutorial): GROUP_M row tiles share a column tile of W in L2;
+    # the order moves no arithmetic
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    x_ptr = X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    w_ptr = W + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # (K, N): W^T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # in order from 0, never split: the one reduction order
+        k_ok = k0 + ks < K
+        x = tl.load(x_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:  # added in fp32 before the one rounding (a fixed order too)
+        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptr = Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)^T (+ bias (N,)) with one tile configuration for every M (`config_for`
+    N). `config`: another (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for benchmarks."""
+    check_device(x)
+    *lead, K = x.shape
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    assert weight.stride(-1) == 1 and weight.shape[1] == K and weight.dtype == x.dtype
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.view(*lead, N)
+    block_m, block_n, block_k, warps, stages = config or config_for(N)
+    dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
+    if x.device.type != "cuda" and x.dtype == torch.bfloat16:
+        dot_dtype = tl.float32  # the interpreter multiplies bf16 bit patterns
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _matmul_kernel[grid](
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=8,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return y.view(*lead, N)
+
+
+def linear_tiled_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in tiles of TILE_ROWS rows, one BLAS call of that shape each (CPU)."""
+    *lead, K = x.shape
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    pad = -M % TILE_ROWS
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, K)])
+    tiles = [F.linear(t, weight, bias) for t in x2.split(TILE_ROWS)]
+    y = torch.cat(tiles) if len(tiles) > 1 else tiles[0]
+    return y[:M].view(*lead, weight.shape[0])
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The batch-invariant linear of x's device: Triton on CUDA, fixed tiles elsewhere."""
+    if x.device.type == "cuda":
+        return linear_triton(x, weight, bias)
+    return linear_tiled_torch(x, weight, bias)

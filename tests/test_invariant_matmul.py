@@ -1,0 +1,65 @@
+"""The batch-invariant linear (kernels/invariant_matmul.py): a row's result is bit for bit the same
+whatever the number of rows in the call, and close to F.linear. The Triton kernel runs under the
+interpreter on CPU (TRITON_INTERPRET=1, set by tests/conftest.py before triton loads) and compiled on
+CUDA; the CPU tiles run on the CPU. Under the interpreter tl.dot is made row-exact (tests/conftest.py
+`row_exact_dot`), as the GPU's is."""
+
+import pytest
+import torch
+
+from chatengine.kernels import invariant_matmul as im
+from chatengine.kernels import paged_attention as pa
+
+INTERPRETED = pa.interpreting()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")),
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs compiled CUDA")
+    ),
+]
+CLOSE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def rows_invariant(linear, x, w, b, counts):
+    """linear(x[:m]) for each m in counts: every row equal to its row in linear(x), bit for bit, and
+    rows that sit at other places of their tile."""
+    full = linear(x, w, b)
+    for m in counts:
+        part = linear(x[:m], w, b)
+        assert torch.equal(part, full[:m]), f"rows of a {m}-row call differ from the {x.shape[0]}-row call"
+    shifted = linear(torch.cat([x[5:9], x[:3]]), w, b)  # other rows before them
+    assert torch.equal(shifted[4:], full[:3])
+    return full
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("config", [im.NARROW, im.WIDE])
+def test_triton_linear_rows_do_not_depend_on_the_batch(device, dtype, bias, config, request):
+    if device == "cpu":
+        request.getfixturevalue("row_exact_dot")
+    torch.manual_seed(0)
+    M, K, N = (2048, 2048, 3072) if device == "cuda" else (70, 96, 80)  # K, N not multiples of the tiles
+    x = torch.randn(M, K, device=device).to(dtype)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    b = torch.randn(N, device=device).to(dtype) if bias else None
+    counts = [1, 2, 3, 17, 64, 65, 256, 1000] if device == "cuda" else [1, 3, 17, 64, 65]
+    full = rows_invariant(lambda *args: im.linear_triton(*args, config=config), x, w, b, counts)
+    torch.testing.assert_close(full.float(), im.linear_ref(x, w, b).float(), **CLOSE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_torch_linear_rows_do_not_depend_on_the_batch(dtype):
+    """The CPU path: plain F.linear is not invariant in fp32 (BLAS picks by M); the tiles are."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(150, 576).to(dtype), torch.randn(1536, 576).to(dtype), torch.randn(1536).to(dtype)
+    full = rows_invariant(im.linear_tiled_torch, x, w, b, [1, 2, 15, 16, 17, 33, 100])
+    torch.testing.assert_close(full, im.linear_ref(x, w, b), **CLOSE[dtype])
+
+
+def test_linear_keeps_leading_dims():
+    x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
+    assert im.linear(x, w).shape == (2, 5, 3)
+    assert im.config_for(2048) == im.NARROW and im.config_for(128256) == im.WIDE
+    torch.testing.assert_close(im.linear(x, w), im.linear_ref(x, w))
