@@ -165,3 +165,25 @@ def test_a_repo_id_resolves_from_the_local_hf_cache(hf_dir, tmp_path, monkeypatc
     assert loaded.config.vocab_size == 128 and loaded.config.attention_bias
     with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
         load_model("acme/not-cached")
+
+
+def test_safetensors_are_read_whole_without_a_memory_map(tmp_path):
+    # plain reads: a mapping's pages would count in RSS for the whole (quantizing) load
+    from safetensors.torch import load_file, save_file
+
+    from chatengine.engine.loader import _safetensors_weights
+
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(4, 2).to(torch.bfloat16),
+        "c": torch.tensor(7, dtype=torch.int64),
+        "d": torch.zeros(0, 3, dtype=torch.float16),
+        "e": torch.tensor([True, False]),
+    }
+    save_file(tensors, tmp_path / "x.safetensors")
+    got = _safetensors_weights([tmp_path / "x.safetensors"])
+    want = load_file(tmp_path / "x.safetensors")
+    assert sorted(got) == sorted(want)
+    for name in list(got):
+        t = got.pop(name)
+        assert t.dtype == want[name].dtype and torch.equal(t, want[name])

@@ -471,7 +471,7 @@ def _safetensors_weights(shards: list[Path]) -> LazyWeights:
 
 def _read_tensor(shard: Path, start: int, end: int, dtype: str, shape: list[int]) -> torch.Tensor:
     out = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype])
-    buf = memoryview(out.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+    buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     if len(buf) != end - start:
         raise ValueError(f"{shard}: tensor of {end - start} bytes for shape {shape} {dtype}")
     with open(shard, "rb", buffering=0) as f:
