@@ -4,7 +4,12 @@ embedded SmolLM2-135M-Instruct Q4_1 (issue #23). Each engine runs in its own pro
 against llama.cpp measured in the same run. Saves JSON + a markdown table under benchmarks/results/.
 
     python benchmarks/cpu_bench.py [--rounds 5] [--threads 2] [--max-tokens 128] [--streams 8]
-                                   [--engines ours ours-q4_0 llamacpp llamacpp-q4_0 hf]
+                                   [--engines ours ours-none ours-q4_0 llamacpp llamacpp-q4_0 hf]
+
+Engines: ours (the GGUF's own blocks, q4_1: what `chatengine serve` runs by default), ours-<fmt>
+(quantization=<fmt>: none is fp32, q4_0 re-quantizes at load), llamacpp (the same Q4_1 file),
+llamacpp-q4_0, hf (transformers, fp32). The decode GEMV's arithmetic follows
+CHATENGINE_CPU_ACTIVATIONS (fp32 by default, q8: llama.cpp's), inherited by the workers.
 
 Per engine and round: single-stream greedy decode tok/s (`--max-tokens` new tokens, EOS ignored,
 prefill excluded: time of the first token subtracted), TTFT on a ~1k-token prompt, aggregate tok/s
@@ -301,7 +306,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--agree-tokens", type=int, default=64)
-    ap.add_argument("--engines", nargs="+", default=["ours", "ours-q4_0", "llamacpp", "llamacpp-q4_0", "hf"])
+    ap.add_argument("--engines", nargs="+", default=["ours", "ours-none", "llamacpp", "llamacpp-q4_0", "hf"])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
