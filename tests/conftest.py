@@ -3,9 +3,15 @@ every test leaves all KV blocks free, and real servers on loopback."""
 
 import os
 
-import pytest
-import torch
+# One torch thread per test process: CI runs two xdist workers on two cores, and with a thread per
+# core each worker's parallel regions wait at barriers for threads the other worker holds (a small
+# linear ran 3-6x slower). Servers and CLIs the tests start inherit it through the environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():  # Triton kernels run under the interpreter on CPU (set before triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
