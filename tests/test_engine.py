@@ -355,7 +355,8 @@ def test_a_closed_caller_loop_aborts_only_its_own_requests():
 
         outs = asyncio.run(live())
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
-        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+        lengths = [len(o.outputs[0].token_ids) for o in outs]  # a caller behind takes the newest
+        assert lengths == sorted(set(lengths)) and lengths[-1] == 8
         for _ in range(100):
             if not engine.engine.requests:
                 break

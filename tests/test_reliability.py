@@ -712,7 +712,10 @@ def test_sigkill_mid_generation_then_restart(tmp_path):
         else:
             assert after[mid] == row
 
-    engine = AsyncLLM(**engine_kwargs(data, kv_cache_gib=0.1, max_num_batched_tokens=256, debug_checks=True))
+    # app.py's own engine settings (its default --quantization gguf: the KV files of those numerics)
+    engine = AsyncLLM(
+        **engine_kwargs(data, kv_cache_gib=0.1, max_num_batched_tokens=256, debug_checks=True, quantization="gguf")
+    )
     try:
         disk = engine.engine.tiers.disk
         assert not tmp.exists() and not bad_magic.exists()

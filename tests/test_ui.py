@@ -243,6 +243,24 @@ def test_rename_and_delete(alice, server):
         server.app.state.chat.store.get_conversation("alice", conv)
 
 
+def test_a_loopback_server_answers_only_its_own_host_names(server, tmp_path):
+    """DNS rebinding: a page whose name the attacker points at 127.0.0.1 sends its own name as Host
+    (and Origin): a server bound to loopback refuses it; its own names and a trusted origin's pass."""
+    import httpx
+
+    from chatengine.app.server import loopback_hosts
+
+    assert loopback_hosts("0.0.0.0", None) is None  # bound elsewhere: the operator names the hosts
+    hosts = loopback_hosts("127.0.0.1", ["https://chat.example.org"])
+    app = create_app(data_dir=tmp_path, engine=server.app.state.chat.engine, allowed_hosts=hosts)
+    with ServerThread(app) as local:
+        port = local.url.rsplit(":", 1)[1]
+        for host, status in (("evil.example", 400), ("localhost", 200), ("127.0.0.1", 200), ("chat.example.org", 200)):
+            r = httpx.get(local.url + "/health", headers={"host": f"{host}:{port}"})
+            assert r.status_code == status, host
+    close_app(app)
+
+
 def test_local_mode_without_login(server, tmp_path):
     """Without a users file: one local user and no login page (the engine is shared here)."""
     engine = server.app.state.chat.engine

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -22,6 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Self
+from urllib.parse import urlsplit
+
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from chatengine.app import access_log, auth
 from chatengine.app.datadir import check_data_dir, create_private_file, lock_data_dir, warn_if_shared
@@ -85,6 +89,7 @@ def create_app(
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     secure_cookies: bool = False,
     trusted_origins: list[str] | None = None,
+    allowed_hosts: list[str] | None = None,
 ):
     """Build the ASGI app (FastAPI with the API routes and the Gradio UI mounted at "/").
 
@@ -208,6 +213,8 @@ def create_app(
         app.add_middleware(LoginPageMiddleware, user_of=user_of, title=title, message="Sign in to chatengine")
     # outermost: another site's POST is refused before it is throttled, read or checked
     app.add_middleware(SameOriginMiddleware, trusted_origins=trusted)
+    if allowed_hosts:  # before everything: a page on a name rebound to this address gets a 400
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
     access_log.install()
     app.state.chat = SimpleNamespace(
         engine=engine, models=models, store=store, own_engine=own_engine, lock=lock, accounts=accounts, catalog=catalog
@@ -496,14 +503,28 @@ def model_names(flags: list[str] | None) -> str | list[str | None] | None:
     return names if len(names) > 1 else names[0]
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def loopback_hosts(bind: str, trusted_origins: list[str] | None) -> list[str] | None:
+    """The Host names a server bound to loopback answers (None: any, it is bound elsewhere). A page
+    of another site whose name the attacker rebinds to 127.0.0.1 (DNS rebinding) sends its own name
+    as Host and Origin, and passes the same-origin check: the Host check refuses it."""
+    if bind not in LOOPBACK:
+        return None
+    names = ["localhost", "127.0.0.1", "[::1]", "::1"]
+    return names + [urlsplit(o).hostname or "" for o in trusted_origins or ()]
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.users is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if args.users is None and args.host not in LOOPBACK:
         log.warning("listening on %s without --users: anyone who can reach it is the local user", args.host)
     import uvicorn
 
     engine_options = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    trusted_origins = [o for arg in args.trusted_origins or () for o in arg.split(",") if o] or None
     try:
         app = create_app(
             data_dir=args.data_dir,
@@ -518,10 +539,15 @@ def main(argv=None) -> None:
             default_max_tokens=args.default_max_tokens,
             engine_options=engine_options,
             secure_cookies=args.secure_cookies,
-            trusted_origins=[o for arg in args.trusted_origins or () for o in arg.split(",") if o] or None,
+            trusted_origins=trusted_origins,
+            allowed_hosts=loopback_hosts(args.host, trusted_origins),
         )
     except ValueError as e:  # a bad flag value, users file or model path
         sys.exit(f"error: {e}")
+    # the process lives as long as what start-up built (models, libraries): out of the cyclic
+    # collector's sight, a full collection while serving walks only what serving makes
+    gc.collect()
+    gc.freeze()
     print(f"chatengine: open http://{args.host}:{args.port}/  (API at /v1)", flush=True)
     try:
         uvicorn.run(

@@ -1,7 +1,6 @@
 """AsyncLLM: the engine on a background thread, streaming to many asyncio callers at once."""
 
 import asyncio
-import gc
 import logging
 import threading
 import time
@@ -27,11 +26,6 @@ class AsyncLLM(EngineFacade):
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._stats, self._stats_time = self.engine.stats(), time.monotonic()
-        # a server lives long: what start-up built (model, tokenizer, libraries) leaves the cyclic
-        # collector's sight, so a full collection mid-serving walks only what serving makes instead
-        # of pausing every stream for tens of milliseconds
-        gc.collect()
-        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="chatengine-loop", daemon=True)
         self._thread.start()
 

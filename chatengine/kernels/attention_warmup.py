@@ -43,11 +43,10 @@ def reachable_plans(
     ks, block_d, seen = _key_lengths(max_model_len), pa.triton.next_power_of_2(D), set()
     for B in range(1, max_num_seqs + 1):  # decode
         # what the batch size changes in a plan: the splits it wants, the tile rule, the merge width
-        shape = (
-            pa._decode_splits(B * H_kv, _K_SATURATES, sms, block_d),
-            B * H_kv < 4 * sms,
-            pa._merge_heads(B, H_q, sms),
-        )
+        wants = pa._decode_splits(B * H_kv, _K_SATURATES, sms, block_d)
+        # (_decode_launch gives PDL to the split counts s with programs x s <= 4 per multiprocessor)
+        pdl_upto = min(wants, 4 * sms // (B * H_kv))
+        shape = (wants, B * H_kv < 4 * sms, pdl_upto, pa._merge_heads(B, H_q, sms))
         if shape in seen:
             continue
         seen.add(shape)

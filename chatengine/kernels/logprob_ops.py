@@ -60,6 +60,7 @@ def _row_logprobs_kernel(
     tl.store(out, chosen.to(tl.float32))
     tl.store(out + 1, x_chosen - lse)
     if K > 0:
+        top_i = tl.where(top_i == 2147483647, chosen.to(tl.int32), top_i)  # a row of -inf only: never merged
         tl.store(out + 2 + slots, top_v - lse, mask=slots < K)
         tl.store(out + 2 + K + slots, top_i.to(tl.float32), mask=slots < K)
 
@@ -70,7 +71,7 @@ def row_logprobs_triton(logits: torch.Tensor, chosen: torch.Tensor, k: int, temp
     check_device(logits)
     R, V = logits.shape
     assert logits.stride(1) == 1 and chosen.shape == (R,) and temperatures.shape == (R,)
-    assert 0 <= k <= 20, "top logprobs: at most 20"
+    assert 0 <= k <= min(20, V), "top logprobs: at most 20, and no more than the vocabulary"
     out = torch.empty(R, 2 + 2 * k, dtype=torch.float32, device=logits.device)
     if R == 0:
         return out

@@ -415,8 +415,7 @@ class LaunchPlan:
         return (self.block_d, self.block_m, self.block_q, self.launch, split, self.pdl, self.split_keys)
 
     def merge_variant(self) -> tuple | None:
-        """None without a merge. The split count is a specialized int there (== 1, % 16); not in
-        the in-order merge."""
+        """None without a merge (the split count is a runtime argument there too: never a key)."""
         if self.split_keys:
             return ("in order", self.block_d)
         if self.num_splits == 1:
@@ -424,12 +423,12 @@ class LaunchPlan:
         return (
             self.block_d,
             triton.next_power_of_2(self.num_splits),
-            self.num_splits % 16 == 0,
             self.merge_heads,
             self.pdl,
         )
 
 
+@functools.lru_cache(maxsize=4096)  # per layer of every eager step: the same few shapes
 def launch_plan(
     T: int,
     B: int,

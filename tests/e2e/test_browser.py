@@ -502,6 +502,7 @@ def test_a_chat_link_reopens_it_with_its_settings_and_is_nothing_to_others(serve
     page.wait_for_timeout(1000)  # the save is its own quick event
     page.reload()
     expect(page.locator("#chat")).to_contain_text("Name a colour, please.")
+    page.wait_for_function("() => new URLSearchParams(location.search).get('c')")  # set once it opens
     assert url_cid(page) == cid
     settings_shown(page)
     expect(page.locator("#max-tokens input[type=number]")).to_have_value("9")

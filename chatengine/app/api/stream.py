@@ -79,6 +79,8 @@ async def engine_outputs(engine: AsyncLLM, request: Request, jobs: list[Job]):
                 batch.append(inbox.get_nowait())
             newest = {k: i for i, (k, _) in enumerate(batch)}
             for i, (k, out) in enumerate(batch):
+                if not unfinished:  # all done: a disconnect or a stop after the last output is moot
+                    break
                 if k == _DISCONNECTED:
                     raise ClientDisconnected()
                 if k == _STOPPED:
