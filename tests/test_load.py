@@ -25,6 +25,7 @@ def load_module():
     return sys.modules["load_test"]
 
 
+@pytest.mark.slow  # loads a whole server: `pytest -m slow`, not CI (README)
 def test_quick_load_test(tmp_path):
     threads = torch.get_num_threads()
     try:

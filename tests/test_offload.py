@@ -3,6 +3,7 @@ store survives restarts, ignores damage and other models; memory pressure comple
 
 import os
 
+import pytest
 import torch
 
 from chatengine import LLM, SamplingParams
@@ -265,6 +266,7 @@ def test_another_model_ignores_the_directory(tmp_path):
     assert same.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4))[0].num_cached_tokens == 32
 
 
+@pytest.mark.slow  # a long run under memory pressure: `pytest -m slow`, not CI (README)
 def test_memory_pressure_completes_correctly(llm):
     topics = ["owls", "deserts", "bridges", "pianos", "lighthouses", "coral reefs", "trains", "honey"]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
