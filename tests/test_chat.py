@@ -405,7 +405,7 @@ def fill_disk(store, monkeypatch):
     monkeypatch.setattr(sqlite3, "connect", limited)
 
 
-@pytest.mark.slow  # fills a disk image: `pytest -m slow`, not CI (README)
+@pytest.mark.slow  # fills a disk image: left out of CI, run with the whole suite (README)
 def test_a_full_disk_refuses_a_message_in_words_and_keeps_nothing(svc, monkeypatch):
     from chatengine.app.store import StoreWriteError
 

@@ -106,7 +106,7 @@ def _start(tmp_path, data_dir):
     return proc.returncode, proc.stderr.strip().splitlines(), time.monotonic() - t
 
 
-@pytest.mark.slow  # restarts or loads a whole server: `pytest -m slow`, not CI (README)
+@pytest.mark.slow  # restarts or loads a whole server: left out of CI, run with the whole suite (README)
 def test_a_damaged_database_or_unusable_dir_stops_the_server_with_one_line(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

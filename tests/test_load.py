@@ -25,7 +25,7 @@ def load_module():
     return sys.modules["load_test"]
 
 
-@pytest.mark.slow  # loads a whole server: `pytest -m slow`, not CI (README)
+@pytest.mark.slow  # loads a whole server: left out of CI, run with the whole suite (README)
 def test_quick_load_test(tmp_path):
     threads = torch.get_num_threads()
     try:

@@ -266,7 +266,7 @@ def test_another_model_ignores_the_directory(tmp_path):
     assert same.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4))[0].num_cached_tokens == 32
 
 
-@pytest.mark.slow  # a long run under memory pressure: `pytest -m slow`, not CI (README)
+@pytest.mark.slow  # a long run under memory pressure: left out of CI, run with the whole suite (README)
 def test_memory_pressure_completes_correctly(llm):
     topics = ["owls", "deserts", "bridges", "pianos", "lighthouses", "coral reefs", "trains", "honey"]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

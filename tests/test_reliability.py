@@ -582,7 +582,7 @@ def _header(path: Path) -> dict:
     return json.loads(data[PREFIX.size : PREFIX.size + n])
 
 
-@pytest.mark.slow  # restarts or loads a whole server: `pytest -m slow`, not CI (README)
+@pytest.mark.slow  # restarts or loads a whole server: left out of CI, run with the whole suite (README)
 def test_sigkill_mid_generation_then_restart(tmp_path):
     """`python app.py` is killed with SIGKILL while it streams a reply. The restart finds every
     finished message as it was, marks the streaming one interrupted, checks the database, drops a

@@ -24,7 +24,7 @@ def run(llm, prompt, spec, **kw):
     return llm.chat([{"role": "user", "content": prompt}], params)[0].outputs[0]
 
 
-@pytest.mark.slow  # every grammar kind through both schedulers: `pytest -m slow` (the API tests cover each kind in CI)
+@pytest.mark.slow  # every grammar kind, both schedulers: out of CI (README); the API tests cover each kind
 def test_each_kind_holds_in_both_schedulers(either):
     out = run(either, "Give the capital of France as JSON.", StructuredOutputs(json=SCHEMA))
     assert out.finish_reason == "stop"

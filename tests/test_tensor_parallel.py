@@ -260,7 +260,7 @@ def test_a_rank_that_dies_is_a_clear_error_not_a_hang():
         assert time.monotonic() - t < 15
 
 
-@pytest.mark.slow  # idles past a collective timeout: `pytest -m slow`, not CI (README)
+@pytest.mark.slow  # idles past a collective timeout: left out of CI, run with the whole suite (README)
 def test_an_idle_engine_outlives_the_collective_timeout(monkeypatch):
     """Idle ranks wait on their plan pipe, not in a collective that would time out."""
     monkeypatch.setenv("CHATENGINE_TP_TIMEOUT_S", "3")  # the spawned rank reads it at import

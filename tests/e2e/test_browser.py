@@ -365,7 +365,7 @@ def test_a_reply_outlives_its_tab_and_follows_the_open_chat(server, chat_page, b
     browser_ctx.clear_cookies()
 
 
-@pytest.mark.slow  # restarts or loads a whole server: `pytest -m slow`, not CI (README)
+@pytest.mark.slow  # restarts or loads a whole server: left out of CI, run with the whole suite (README)
 def test_reload_and_sigkill_mid_reply(server, chat_page, browser_ctx):
     page = chat_page
     login(page, server.url, "alice", "pw-alice")
@@ -521,7 +521,7 @@ def test_a_chat_link_reopens_it_with_its_settings_and_is_nothing_to_others(serve
     browser_ctx.clear_cookies()
 
 
-@pytest.mark.slow  # restarts the server: `pytest -m slow`, not CI (README)
+@pytest.mark.slow  # restarts the server: left out of CI, run with the whole suite (README)
 def test_a_restart_keeps_the_sign_in_and_logout_ends_the_cookie(server, browser_ctx):
     browser_ctx.clear_cookies()
     page = browser_ctx.new_page()

@@ -45,7 +45,7 @@ def pick(page, elem_id: str, label: str) -> None:
     expect(page.locator(f"#{elem_id} input")).to_have_value(label)
 
 
-@pytest.mark.slow  # a server of two models in a browser: `pytest -m slow`, not CI (README)
+@pytest.mark.slow  # a server of two models in a browser: left out of CI, run with the whole suite (README)
 def test_the_picker_switches_the_model_of_a_new_chat(models_server, two_models, browser_ctx):
     a, b = two_models
     la, lb = "tiny-a", "tiny-b"  # the picker's labels: the directories' names
