@@ -576,15 +576,10 @@ def paged_attention_triton(
         num_stages=num_stages,
         **({"launch_pdl": True} if pdl is True else {}),
     )
+    merge_args = (out, partial, lse, H_q, out.stride(0), out.stride(1), num_splits)  # both merges'
     if split_keys:
         _merge_splits_in_order_kernel[(T,)](
-            out,
-            partial,
-            lse,
-            H_q,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
+            *merge_args,
             BLOCK_H=triton.next_power_of_2(H_q),
             HEAD_DIM=D,
             BLOCK_D=block_d,
@@ -592,13 +587,7 @@ def paged_attention_triton(
     elif num_splits > 1:
         heads = plan.merge_heads
         _merge_splits_kernel[(T, triton.cdiv(H_q, heads))](
-            out,
-            partial,
-            lse,
-            H_q,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
+            *merge_args,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_H=heads,
             HEAD_DIM=D,
