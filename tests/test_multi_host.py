@@ -90,7 +90,7 @@ def cached(reply: dict) -> int:
     return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.mark.slow  # two servers and a router start (~20 s each on 2 busy cores): left out of CI (README)
+@pytest.mark.slow  # two servers and a router (~1 min on 2 busy cores): out of CI, run with the whole suite (README)
 def test_turns_land_where_their_pages_are(tmp_path):
     """Two hosts with their own data directories behind `sglang_router.launch_router --policy
     cache_aware`. Four conversations of two users (their own API keys, which the router passes on)
