@@ -20,6 +20,7 @@ from chatengine.app.store import ChatStore
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16  # the engine's default block size: only full blocks are cached
 USERS = {"alice": {"api_key": "sk-alice"}, "bob": {"api_key": "sk-bob"}}
+ADMIN_KEY = "sk-router-admin"  # the router's control plane (its worker list); users' keys pass through it
 # Each conversation opens with its own system prompt, starting with its own letter: no block of one
 # is a block of another, and the router's prefix tree (over the messages' text) finds nothing of one
 # in another, so only the host that served a conversation holds its pages.
@@ -131,6 +132,9 @@ def test_turns_land_where_their_pages_are(tmp_path):
                 *hosts,
                 "--policy",
                 "cache_aware",
+                # without it anyone who reaches the router may add a worker and receive the traffic
+                "--control-plane-api-keys",
+                f"ops:operator:admin:{ADMIN_KEY}",
                 # its metrics server would take port 29000 of every interface
                 "--prometheus-host",
                 "127.0.0.1",
@@ -144,10 +148,12 @@ def test_turns_land_where_their_pages_are(tmp_path):
         procs.append(router)
 
         def both_registered() -> bool:
-            workers = httpx.get(router_url + "/workers", timeout=2).json().get("workers", [])
+            answer = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=2)
+            workers = answer.json().get("workers", []) if answer.status_code == 200 else []
             return sum(w.get("is_healthy", False) for w in workers) == 2
 
         wait_for("the router", router, both_registered, timeout=60)
+        assert httpx.get(router_url + "/workers", timeout=2).status_code == 401  # the worker list wants the key
 
         def converse(conversation):
             user, system, question = conversation
