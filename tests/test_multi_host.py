@@ -74,31 +74,42 @@ def wait_for(what: str, proc: Process, ready, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-def chat(url: str, user: str, messages: list[dict], max_tokens: int = 8) -> dict:
+def chat(url: str, user: str, messages: list[dict], max_tokens: int = 8, stream: bool = False) -> dict:
+    """A chat completion as `user`; streamed (with the usage chunk), it is put together into the
+    shape of a whole one."""
     import httpx
 
-    r = httpx.post(
-        url + "/v1/chat/completions",
-        headers={"Authorization": f"Bearer {USERS[user]['api_key']}"},
-        json={"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    headers = {"Authorization": f"Bearer {USERS[user]['api_key']}"}
+    if not stream:
+        r = httpx.post(url + "/v1/chat/completions", headers=headers, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    text, usage = "", None
+    with httpx.stream("POST", url + "/v1/chat/completions", headers=headers, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+            usage = chunk.get("usage") or usage
+    return {"choices": [{"message": {"content": text}}], "usage": usage}
 
 
 def cached(reply: dict) -> int:
     return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.mark.slow  # two servers and a router (~1 min on 2 busy cores): out of CI, run with the whole suite (README)
+@pytest.mark.slow  # two servers and a router (30-70 s on 2 shared cores): out of CI, run with the whole suite (README)
 def test_turns_land_where_their_pages_are(tmp_path):
     """Two hosts with their own data directories behind `sglang_router.launch_router --policy
     cache_aware`. Four conversations of two users (their own API keys, which the router passes on)
     start at once, so the router spreads them over both hosts (a new conversation goes to the host
-    with fewer requests in flight); each one's second turn then comes back with its first turn's
-    pages cached, and asking each host directly shows that exactly one host holds each
-    conversation's pages, and that both hosts hold some."""
+    with fewer requests in flight); each one's second turn, streamed, then comes back with its
+    first turn's pages cached, and asking each host directly shows that exactly one host holds
+    each conversation's pages, and that both hosts hold some."""
     if importlib.util.find_spec("sglang_router") is None:
         pytest.skip("sglang-router is not installed (pip install sglang-router, the test extra)")
     import httpx
@@ -161,7 +172,7 @@ def test_turns_land_where_their_pages_are(tmp_path):
             one = chat(router_url, user, first)
             answer = one["choices"][0]["message"]["content"]
             follow_up = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Name another."}]
-            return first, one, chat(router_url, user, follow_up)
+            return first, one, chat(router_url, user, follow_up, stream=True)  # as a chat client asks
 
         with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
             turns = list(pool.map(converse, CONVERSATIONS))
