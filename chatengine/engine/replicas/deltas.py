@@ -29,7 +29,7 @@ class Delta:
 class DeltaEncoder:
     """The replica's end: remembers what it sent of each running request."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._sent: dict[str, dict[int, tuple[int, str]]] = {}  # request -> index -> (tokens, text)
 
     def encode(self, out: RequestOutput) -> Delta:

@@ -36,7 +36,7 @@ STATS_EVERY_S = 0.2
 class ReplicaSpec:
     index: int
     config: EngineConfig
-    cuda_devices: tuple[int, ...] | None = None  # the GPUs this replica sees (CUDA_VISIBLE_DEVICES)
+    cuda_devices: tuple[str, ...] | None = None  # the GPUs this replica sees (CUDA_VISIBLE_DEVICES entries)
     num_threads: int | None = None  # CPU: torch threads (the replicas split the cores)
 
 
@@ -111,13 +111,15 @@ class ReplicaLoop(EngineLoop):
         self.post(("add", req, None))
 
     def warm(self, prefix_ids: list[int]) -> None:
-        """Compute a public persona's pages now, so its first conversation here hits them."""
+        """Compute a public persona's pages now, so its first conversation here hits them. On the
+        loop's thread, straight into the engine: ahead of requests that arrived after it."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
         try:
             req = self.engine.make_request(prefix_ids, params, request_id=WARM + uuid.uuid4().hex)
         except ValueError:  # a prefix that does not fit the context: nothing to warm
             return
-        self.post(("add", req, None))
+        req.stream = False  # nobody reads it
+        self.engine.add(req)
 
     def _handle(self, item: tuple) -> None:
         if item[0] == "persona":

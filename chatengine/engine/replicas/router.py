@@ -4,8 +4,9 @@ Each replica keeps its own prefix cache, so a conversation's next turn is fastes
 that ran its last one. The router remembers, for the private block hashes of every prompt it sent
 (and of every answer that came back), which replica got them last (an LRU of hashes: an
 approximation of each replica's cache, as cache-aware routers keep one). A request goes to the
-replica holding the longest run of its blocks, unless that replica's queue runs far ahead of the
-least loaded one's; a request that matches nothing (a new conversation) goes to the least loaded.
+replica holding the longest run of its blocks when that run is most of the request (a next turn:
+its history) and that replica's queue does not run far ahead of the least loaded one's; anything
+else (a new conversation, even one opening like the user's others) goes to the least loaded.
 
 Public persona blocks are left out of the match: every replica holds them (they are warmed on
 each), so they say nothing about where a conversation lives.
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 # (recomputing a prefix costs less than waiting behind a long queue).
 BALANCE_ABS = 8
 BALANCE_REL = 1.5
+# A match counts when it covers more than this share of the request's private blocks: a next turn
+# matches nearly all of them, a new conversation of the same user at most its opening block or two.
+CACHE_THRESHOLD = 0.5
 MAX_TRACKED_BLOCKS = 1 << 20  # ~100 MB of hashes at most: far more blocks than replicas hold
 
 
@@ -34,6 +38,7 @@ class Router:
     num_replicas: int
     balance_abs: int = BALANCE_ABS
     balance_rel: float = BALANCE_REL
+    cache_threshold: float = CACHE_THRESHOLD
     max_tracked_blocks: int = MAX_TRACKED_BLOCKS
     load: list[int] = field(init=False)  # requests in flight per replica
     alive: list[bool] = field(init=False)
@@ -53,7 +58,7 @@ class Router:
         counts it as in flight there and remembers that the replica now holds those blocks."""
         least = self.least_loaded()
         owner, matched = self.match(block_hashes)
-        if owner is None:
+        if owner is None or matched <= self.cache_threshold * len(block_hashes):
             route = Route(least, 0, "least_loaded")
         elif self._far_ahead(owner, least):
             route = Route(least, 0, "rebalanced")
