@@ -15,7 +15,8 @@ growing histories. TTFT counts from the scheduled arrival.
 
 Targets: `async` drives AsyncLLM in this process; `http` drives the OpenAI-compatible API
 (/v1/completions with token-id prompts, streamed as SSE) of a server in a child process (engine and
-uvicorn there, as deployed; the client here). Each (target, cache) pair gets a fresh engine, warmed
+uvicorn there, as deployed; the client here); with --engine-process that server's engine runs in a
+process of its own (`serve --engine-process`), so HTTP and the engine's Python work never share a GIL. Each (target, cache) pair gets a fresh engine, warmed
 (CUDA graphs captured, each persona seen once), then runs every rate in turn.
 
 Reports per rate: TTFT, ITL (gaps between streamed chunks), TPOT ((end - first token) / (tokens - 1))
@@ -124,7 +125,7 @@ class AsyncTarget:
 
     @property
     def vocab(self) -> int:
-        return self.llm.engine.model_config.vocab_size
+        return self.llm.vocab_size
 
     async def stream(self, ids: list[int], max_tokens: int, rec: Record) -> None:
         from chatengine import SamplingParams
@@ -149,9 +150,10 @@ class HttpTarget:
 
     name = "http"
 
-    def __init__(self, model: str, options: dict):
+    def __init__(self, model: str, options: dict, engine_process: bool = False):
+        extra = ["--engine-process"] if engine_process else []
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--model", model, "--engine-options", json.dumps(options)],
+            [sys.executable, __file__, "--serve", "--model", model, "--engine-options", json.dumps(options), *extra],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -231,17 +233,18 @@ async def _sse_lines(reader: asyncio.StreamReader):
             yield line.rstrip(b"\r\n")
 
 
-def serve(model: str, options: dict) -> None:
-    """--serve: an AsyncLLM and the /v1 routes under uvicorn on loopback; prints READY url vocab."""
-    from chatengine import AsyncLLM
+def serve(model: str, options: dict, engine_process: bool) -> None:
+    """--serve: an AsyncLLM (or, with --engine-process, the engine in a process of its own: a
+    DataParallelLLM of one replica) and the /v1 routes under uvicorn on loopback; prints READY url vocab."""
+    from chatengine import AsyncLLM, DataParallelLLM
     from chatengine.app.api.routes import build_api
     from chatengine.app.server import ServerThread
 
-    llm = AsyncLLM(model, **options)
+    llm = DataParallelLLM(model, data_parallel_size=1, **options) if engine_process else AsyncLLM(model, **options)
     server = ServerThread(build_api(llm, {"bench": {"api_key": BENCH_KEY}}, model_name="bench"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print("READY", server.url, llm.engine.model_config.vocab_size, flush=True)
+    print("READY", server.url, llm.vocab_size, flush=True)
     stop.wait()
     server.stop()
     llm.shutdown()
@@ -348,8 +351,10 @@ def engine_options(args, cache: str) -> dict:
 
 
 async def bench_target(kind: str, cache: str, args) -> dict:
-    cls = AsyncTarget if kind == "async" else HttpTarget
-    target = await asyncio.to_thread(cls, args.model, engine_options(args, cache))
+    if kind == "async":
+        target = await asyncio.to_thread(AsyncTarget, args.model, engine_options(args, cache))
+    else:
+        target = await asyncio.to_thread(HttpTarget, args.model, engine_options(args, cache), args.engine_process)
     try:
         workload = Workload(target.vocab, args.personas, args.persona_len, args.seed, args.quick)
         await warm(target, workload)
@@ -470,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="short messages and replies (a smoke run)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="the http target's server runs its engine in a process of its own (serve --engine-process)",
+    )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     return ap
 
@@ -483,7 +493,7 @@ def device_name() -> str:
 def main(argv=None) -> dict | None:
     args = build_parser().parse_args(argv)
     if args.serve:
-        serve(args.model, json.loads(args.engine_options))
+        serve(args.model, json.loads(args.engine_options), args.engine_process)
         return None
     results = {}
     for kind in args.targets:
@@ -497,7 +507,16 @@ def main(argv=None) -> dict | None:
         "command": "python benchmarks/serve_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         **{
             k: getattr(args, k)
-            for k in ("arrivals", "requests", "personas", "persona_len", "slo_ttft_ms", "slo_tpot_ms", "rates")
+            for k in (
+                "arrivals",
+                "requests",
+                "personas",
+                "persona_len",
+                "slo_ttft_ms",
+                "slo_tpot_ms",
+                "rates",
+                "engine_process",
+            )
         },
     }
     report = {"meta": meta, "results": results}

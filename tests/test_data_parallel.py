@@ -173,3 +173,15 @@ def test_a_dead_replica_fails_only_its_own_requests(dp):
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     assert dp.is_running and not victim.alive
     assert dp.router.alive == [True, False]
+
+
+def test_settings_are_checked_before_any_process_starts():
+    from chatengine.app.server import ENGINE_FLAGS, build_parser
+
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer"):
+        DataParallelLLM("dummy:tiny", data_parallel_size=0)
+    with pytest.raises(ValueError, match="unknown engine settings"):
+        DataParallelLLM("dummy:tiny", data_parallel_size=2, no_such_setting=1)
+    args = build_parser().parse_args(["--data-parallel-size", "2", "--engine-process"])
+    assert (args.data_parallel_size, args.engine_process) == (2, True)
+    assert {"data_parallel_size", "engine_process"} <= set(ENGINE_FLAGS)

@@ -58,6 +58,7 @@ ENGINE_FLAGS = (
     "max_model_len",
     "tensor_parallel_size",
     "data_parallel_size",
+    "engine_process",
     "quantization",
     "deterministic",
 )
@@ -234,10 +235,10 @@ def _load_models(names: list, fractions: list[float], data: Path, disk_kv: bool,
     try:
         for name, options in zip(names, split_options(engine_options or {}, fractions)):
             kwargs = engine_kwargs(data, disk_kv=disk_kv, **options)
-            replicas = kwargs.pop("data_parallel_size", 1)
+            replicas, own_process = kwargs.pop("data_parallel_size", 1), kwargs.pop("engine_process", False)
             engine = (
                 DataParallelLLM(name, data_parallel_size=replicas, **kwargs)
-                if replicas > 1
+                if replicas > 1 or own_process
                 else AsyncLLM(name, **kwargs)
             )
             engines.append(engine)
@@ -433,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine replicas, each in its own process on its own GPUs (tensor-parallel-size of them), behind "
         "this one server: a conversation goes to the replica that holds its pages, a new one to the least loaded "
         "(default 1: one engine in this process)",
+    )
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        default=None,
+        help="run the engine in a process of its own even with one replica: HTTP, SSE and tokenizing then never "
+        "wait for the engine's Python work (always so with --data-parallel-size above 1)",
     )
     p.add_argument(
         "--deterministic",
