@@ -11,6 +11,7 @@ itself (``conversations.user_id = ?``). An id that does not exist and an id owne
 raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is written.
 
     store = ChatStore(path)                     # WAL, synchronous=FULL, foreign keys, busy timeout
+    store = open_store(path_or_postgresql_url)  # the same interface on PostgreSQL (store_postgres.py)
     store.ensure_user(user); store.delete_user(user)                      # delete cascades
     cid = store.create_conversation(user, title="New chat", persona=None, settings=None, model=None)
     store.list_conversations(user, query=None) -> list[dict]              # newest update first
@@ -197,6 +198,21 @@ def write_failure(e: sqlite3.Error) -> StoreWriteError | None:
     return StoreWriteError(f"{reason}: nothing was saved. Tell whoever runs this server.") if reason else None
 
 
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def open_store(target: str | os.PathLike) -> ChatStore:
+    """The store at ``target``: a PostgreSQL URL (postgresql://USER@HOST:PORT/DATABASE; see
+    store_postgres.py), or else the path of an SQLite file (the default setup)."""
+    if isinstance(target, str) and target.startswith(POSTGRES_SCHEMES):
+        try:
+            from chatengine.app.store_postgres import PostgresChatStore
+        except ImportError:
+            raise ValueError("a PostgreSQL database needs psycopg: pip install 'chatengine[postgres]'") from None
+        return PostgresChatStore(target)
+    return ChatStore(target)
+
+
 class ChatStore:
     # The SQL that differs between SQLite and PostgreSQL (store_postgres.py has the other side):
     # updated_at strictly increases per user, so the sidebar order is the write order even when two
@@ -253,7 +269,7 @@ class ChatStore:
             db.close()
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite_utils.Database]:
+    def _write(self) -> Iterator[Any]:  # this thread's connection (as db), in a transaction
         db = self.db
         try:
             db.execute("BEGIN IMMEDIATE")
