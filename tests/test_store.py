@@ -268,13 +268,14 @@ def test_delete_conversation_and_user_cascade(store):
     ca2 = store.create_conversation(A, "deep")
     # a chain deeper than SQLite's trigger recursion limit (1000), written in one transaction
     chain = [f"deep-{i}" for i in range(1500)]
-    with store._write() as db:
-        for i, mid in enumerate(chain):
-            db.execute(
-                "INSERT INTO messages (id, conversation_id, parent_id, role, content, stats, settings, status,"
-                " created_at, updated_at) VALUES (?, ?, ?, 'user', ?, '{}', '{}', 'done', 0, 0)",
-                [mid, ca2, chain[i - 1] if i else None, str(i)],
-            )
+    with store._write() as db:  # deep-i answers deep-(i-1); one statement that both databases read
+        db.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 1499)"
+            " INSERT INTO messages (id, conversation_id, parent_id, role, content, stats, settings, status,"
+            " created_at, updated_at) SELECT 'deep-' || i, ?, CASE WHEN i > 0 THEN 'deep-' || (i - 1) END,"
+            " 'user', CAST(i AS TEXT), '{}', '{}', 'done', 0, 0 FROM n",
+            [ca2],
+        )
     parent = store.add_message(A, ca2, "assistant", "last", chain[-1])
     assert ids(store.active_path(A, ca2)) == chain + [parent]
     store.delete_conversation(A, ca2)
