@@ -199,7 +199,7 @@ class PostgresChatStore(ChatStore):
 
     def __init__(self, url: str):
         """Connect, check the server, create the tables a new database lacks. ValueError (naming the
-        database without its password) for a URL that cannot be read or connected to."""
+        database without its password) for a URL that cannot be read, connected to or written."""
         self.where = describe(url)
         self._conninfo = _with_defaults(url)
         self._local = threading.local()
@@ -213,12 +213,13 @@ class PostgresChatStore(ChatStore):
                 db.execute(SCHEMA)
         except BaseException as e:
             self.close()
-            if not isinstance(e, (psycopg.OperationalError, StoreWriteError)):
+            if not isinstance(e, (psycopg.Error, StoreWriteError)):
                 raise
             cause = " ".join(_without_password(str(e.__cause__ or e), url).split())
             raise ValueError(
                 f"cannot use the chat database {self.where} ({cause}): check that PostgreSQL runs there and "
-                "accepts this host, and the user, password and database name of --database-url"
+                "accepts this host, the user, password and database name of --database-url, and that the user "
+                "may create tables in that database"
             ) from None
 
     def _check_server(self) -> None:
