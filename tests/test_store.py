@@ -193,6 +193,26 @@ def test_search_titles_and_contents_per_user(store):
     assert ids(store.list_conversations(A, "")) == [c3, c2, c1]
 
 
+# text that means something to SQL, sqlite3 or psycopg, as a value it must be taken for what it says
+HOSTILE = ["'; DROP TABLE messages; --", "%s", "%(user)s", ":user", "?", "' OR '1'='1", "\\", '"', "$1", "%"]
+
+
+def test_values_are_never_sql(store):
+    convs = {text: store.create_conversation(A, text) for text in HOSTILE}
+    for text, cid in convs.items():
+        store.add_message(A, cid, "user", f"body {text}")
+        assert store.get_conversation(A, cid)["title"] == text
+        assert [m["content"] for m in store.messages(A, cid)] == [f"body {text}"]
+        assert cid in ids(store.list_conversations(A, text))
+        for op in (lambda: store.get_conversation(B, cid), lambda: store.get_conversation(A, text)):
+            with pytest.raises(NotFound):
+                op()
+    assert ids(store.list_conversations(A, "' OR '1'='1")) == [convs["' OR '1'='1"]]
+    assert store.list_conversations("%") == [] and store.list_conversations(B, "%") == []  # users by those names
+    store.delete_user("' OR '1'='1")
+    assert (count(store, "conversations"), count(store, "messages")) == (len(HOSTILE), len(HOSTILE))
+
+
 def test_prompt_token_ids_follow_the_branch(store):
     c = store.create_conversation(A, "ids")
     u = store.add_message(A, c, "user", "a", token_ids=range(5))
