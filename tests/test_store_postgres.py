@@ -118,6 +118,32 @@ def test_a_lost_connection_fails_one_write_and_reconnects(store, postgres):
     assert store.get_conversation(A, c)["title"] == "after"
 
 
+def test_a_write_that_loses_a_race_with_a_deletion_is_not_found(store, url):
+    """A reply saved while its conversation is being deleted elsewhere: NotFound, as on SQLite."""
+    import psycopg
+
+    c = store.create_conversation(A, "going")
+    u = store.add_message(A, c, "user", "q")
+    results = []
+
+    def add_reply():
+        try:
+            results.append(store.add_message(A, c, "assistant", "late", u))
+        except NotFound as e:
+            results.append(e)
+
+    with psycopg.connect(url) as other:  # deletes in a transaction held open until the insert waits on it
+        other.execute("DELETE FROM conversations WHERE id = %s", [c])
+        writer = threading.Thread(target=add_reply)
+        writer.start()
+        writer.join(timeout=0.5)
+        assert writer.is_alive()  # waiting on the deleted row's lock
+    writer.join(timeout=10)
+    assert [type(r) for r in results] == [NotFound]
+    with pytest.raises(NotFound):
+        store.get_conversation(A, c)
+
+
 def _admin(postgres):
     import psycopg
 

@@ -17,9 +17,10 @@ PostgreSQL text cannot hold the NUL character: in message contents and titles (w
 output lands) it becomes U+FFFD; anywhere else (ids, names) it is a ValueError, nothing written.
 
 Threads: each thread has its own connection (autocommit; a write is one transaction), opened on first
-use and again after a connection broke (a server restart costs one failed call per thread). Writes
-are not serialized across servers as SQLite serializes them: each statement checks ownership
-itself, and a lost race surfaces as NotFound or as a StoreWriteError to try again.
+use and again after it broke (after a database restart a read retries on a new connection, a write
+fails once with StoreWriteError). Writes are not serialized as SQLite serializes them (servers share
+the database): each statement checks ownership itself, a write that lost a race with a deletion is
+NotFound, a deadlock or lock timeout a StoreWriteError to try again.
 
 The URL's password is never shown: messages name the database by ``describe(url)``. Prefer a URL
 without one, and the password in PGPASSWORD or ~/.pgpass: a command line is visible in ``ps``.
@@ -39,7 +40,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 from psycopg.types.string import StrDumper
 
-from chatengine.app.store import BUSY_TIMEOUT_S, ChatStore, StoreWriteError
+from chatengine.app.store import BUSY_TIMEOUT_S, ChatStore, NotFound, StoreWriteError
 
 CONNECT_TIMEOUT_S = 10
 SCHEMA_LOCK = 0x63686174  # pg_advisory_xact_lock key: one server at a time creates the tables
@@ -263,6 +264,10 @@ class PostgresChatStore(ChatStore):
             db = self.db
             with db.conn.transaction():
                 yield db
+        except psycopg.errors.ForeignKeyViolation:
+            # every insert checks what it refers to in its own statement: only a concurrent deletion
+            # (another thread or server) gets here
+            raise NotFound("the conversation or message was deleted meanwhile: not found") from None
         except (psycopg.OperationalError, psycopg.errors.ReadOnlySqlTransaction) as e:
             raise StoreWriteError(f"{_failure(e)}: nothing was saved. Tell whoever runs this server.") from e
 
