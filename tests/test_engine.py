@@ -348,7 +348,7 @@ def test_a_closed_caller_loop_aborts_only_its_own_requests():
             req = engine.engine.make_request(
                 [1, 2, 3, i], SamplingParams(max_tokens=500, ignore_eos=True), request_id=f"gone{i}"
             )
-            engine._post(("add", req, closed, asyncio.Queue()))
+            engine.post(("add", req, (closed, asyncio.Queue())))
 
         async def live():
             return [out async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))]

@@ -57,6 +57,7 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "max_model_len",
     "tensor_parallel_size",
+    "data_parallel_size",
     "quantization",
     "deterministic",
 )
@@ -228,14 +229,21 @@ def create_app(
 def _load_models(names: list, fractions: list[float], data: Path, disk_kv: bool, engine_options: dict | None):
     """ServedModels of one engine per model name, each with its share of the memory; the engines
     already started stop again if a later one fails (its error names the model)."""
-    from chatengine import AsyncLLM
+    from chatengine import AsyncLLM, DataParallelLLM
     from chatengine.app.memory_split import split_options
     from chatengine.app.models import ServedModels
 
     engines: list = []
     try:
         for name, options in zip(names, split_options(engine_options or {}, fractions)):
-            engines.append(AsyncLLM(name, **engine_kwargs(data, disk_kv=disk_kv, **options)))
+            kwargs = engine_kwargs(data, disk_kv=disk_kv, **options)
+            replicas = kwargs.pop("data_parallel_size", 1)
+            engine = (
+                DataParallelLLM(name, data_parallel_size=replicas, **kwargs)
+                if replicas > 1
+                else AsyncLLM(name, **kwargs)
+            )
+            engines.append(engine)
         return ServedModels.of(engines)
     except BaseException:
         for e in engines:
@@ -442,6 +450,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="GPUs to split the model over, one process each (engine default 1); the disk tier of the KV "
         "cache is not supported above 1: use it with --no-disk-kv",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=None,
+        help="engine replicas, each in its own process on its own GPUs (tensor-parallel-size of them), behind "
+        "this one server: a conversation goes to the replica that holds its pages, a new one to the least loaded "
+        "(default 1: one engine in this process)",
     )
     p.add_argument(
         "--deterministic",

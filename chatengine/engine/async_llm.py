@@ -4,15 +4,15 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 
+from chatengine.engine.engine_loop import EngineLoop
 from chatengine.engine.facade import EngineFacade
 from chatengine.outputs import RequestOutput
 
 log = logging.getLogger("chatengine")
 
 
-class AsyncLLM(EngineFacade):
+class AsyncLLM(EngineFacade, EngineLoop):
     """The engine on a background thread; many asyncio callers stream from it at once.
 
     Callers validate in their own thread (ValueError raised at once), then hand the request to the
@@ -20,13 +20,12 @@ class AsyncLLM(EngineFacade):
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        super().__init__(model, **kwargs)
-        self._inbox: deque = deque()  # ("add", req, loop, queue) | ("abort", request_id)
-        self._wake = threading.Condition()
+        EngineFacade.__init__(self, model, **kwargs)
+        EngineLoop.__init__(self, self.engine)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._stats, self._stats_time = self.engine.stats(), time.monotonic()
-        self._thread = threading.Thread(target=self._loop, name="chatengine-loop", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="chatengine-loop", daemon=True)
         self._thread.start()
 
     async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None, user: str | None = None):
@@ -42,7 +41,7 @@ class AsyncLLM(EngineFacade):
         if self._stopped:
             raise RuntimeError("the engine has shut down")
         queue: asyncio.Queue = asyncio.Queue()
-        self._post(("add", req, asyncio.get_running_loop(), queue))
+        self.post(("add", req, (asyncio.get_running_loop(), queue)))
         finished = False
         try:
             while True:
@@ -58,7 +57,7 @@ class AsyncLLM(EngineFacade):
                     return
         finally:
             if not finished:
-                self._post(("abort", req.request_id))
+                self.post(("abort", req.request_id))
 
     async def chat(self, messages, sampling_params=None, *, request_id=None, user=None):
         ids = self.apply_chat_template(messages)
@@ -66,7 +65,7 @@ class AsyncLLM(EngineFacade):
             yield out
 
     async def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+        self.post(("abort", request_id))
 
     @property
     def is_running(self) -> bool:
@@ -83,33 +82,25 @@ class AsyncLLM(EngineFacade):
             self._stats, self._stats_time = self.engine.stats(), now
 
     def forget_user(self, user: str) -> None:
-        self._post(("forget", user))
+        self.post(("forget", user))
 
     def forget_prompts(self, user: str, prompts: list[list[int]]) -> None:
         """Drop the user's private KV pages of these token sequences (a deleted conversation's
         branches) from every tier, on the engine's thread, soon."""
-        self._post(("forget_prompts", user, [list(p) for p in prompts]))
+        self.post(("forget_prompts", user, [list(p) for p in prompts]))
 
     def _drop_public_prefix(self, prefix_ids: list[int]) -> None:
         # the block manager belongs to the engine thread; the persona itself is unregistered already
-        self._post(("drop_public_prefix", list(prefix_ids)))
+        self.post(("drop_public_prefix", list(prefix_ids)))
 
     def shutdown(self) -> None:
         """Abort what runs, stop the loop and flush the KV cache to the disk store (if any)."""
         if self._stopped:
             return
         self._stopped = True
-        self._post(("stop",))
+        self.post(("stop",))
         self._thread.join(timeout=60)
         self.engine.close()
-
-    def _post(self, item) -> None:
-        with self._wake:
-            self._inbox.append(item)
-            self._wake.notify()
-
-    def _deliver(self, out: RequestOutput | Exception, request_id: str) -> None:
-        self._deliver_many([(request_id, out)])
 
     def _deliver_many(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
         """Hand outputs to their callers' queues with one wake-up per event loop, not one per
@@ -131,60 +122,18 @@ class AsyncLLM(EngineFacade):
                     if not isinstance(out, Exception) and not out.finished:
                         self.engine.abort(request_id)
 
-    def _loop(self) -> None:
-        engine = self.engine
-        while True:
-            idle_s = engine.config.idle_offload_s
-            if not self._inbox and not engine.has_unfinished_requests():
-                self._publish_stats(force=True)  # the picture at rest is exact
-            with self._wake:
-                while not self._inbox and not engine.has_unfinished_requests():
-                    if not self._wake.wait(timeout=idle_s) and idle_s is not None:
-                        if engine.offload_cached_blocks(idle_for_s=idle_s):  # idle conversations move out
-                            self._publish_stats(force=True)
-                inbox, self._inbox = self._inbox, deque()
-            for item in inbox:
-                if item[0] == "stop":
-                    for request_id in list(engine.requests):
-                        out = engine.abort(request_id)
-                        if out is not None:
-                            self._deliver(out, request_id)
-                    return
-                if item[0] == "forget":
-                    engine.forget_user(item[1])
-                    continue
-                if item[0] == "forget_prompts":
-                    engine.forget_prompts(item[1], item[2])
-                    continue
-                if item[0] == "drop_public_prefix":
-                    engine.drop_public_prefix(item[1])
-                    continue
-                if item[0] == "add":
-                    _, req, loop, queue = item
-                    if req.request_id in self._queues:  # a duplicate id must not take over the running stream
-                        try:
-                            loop.call_soon_threadsafe(
-                                queue.put_nowait, ValueError(f"request id {req.request_id!r} is already running")
-                            )
-                        except RuntimeError:  # that caller's loop has closed
-                            pass
-                        continue
-                    self._queues[req.request_id] = (loop, queue)
-                    try:
-                        engine.add(req)
-                    except ValueError as e:
-                        self._deliver(e, req.request_id)
-                else:
-                    out = engine.abort(item[1])
-                    if out is not None:
-                        self._deliver(out, item[1])
+    def _accept(self, req, target) -> bool:
+        loop, queue = target
+        if req.request_id in self._queues:  # a duplicate id must not take over the running stream
             try:
-                outputs = engine.step()
-            except Exception as e:  # a bug outside the forward: fail everything in flight, keep serving
-                log.exception("engine step failed")
-                outputs = engine._fail(set(engine.requests), f"{type(e).__name__}: {e}")
-            self._deliver_many([(out.request_id, out) for out in outputs])
-            self._publish_stats()
+                loop.call_soon_threadsafe(
+                    queue.put_nowait, ValueError(f"request id {req.request_id!r} is already running")
+                )
+            except RuntimeError:  # that caller's loop has closed
+                pass
+            return False
+        self._queues[req.request_id] = target
+        return True
 
 
 def _put_all(batch: list[tuple[str, asyncio.Queue, object]]) -> None:

@@ -9,14 +9,12 @@ scheduled on placeholders for N's tokens (their ids stay on the device); a seque
 them stops (EOS, a stop string) is found one step later, at the cost of one wasted lane.
 """
 
-import dataclasses
 import logging
 import secrets
-import threading
 import time
-import uuid
 
 from chatengine.config import EngineConfig
+from chatengine.engine.front import EngineFront
 from chatengine.engine.kv.block_manager import BlockManager, owner_tag
 from chatengine.engine.kv.disk_store import drop_owner_files
 from chatengine.engine.kv.hashing import (
@@ -36,9 +34,8 @@ from chatengine.engine.request import Request
 from chatengine.engine.sampler import seed_key
 from chatengine.engine.scheduler import Scheduler
 from chatengine.engine.sequence import Sequence
-from chatengine.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode
+from chatengine.engine.tokenizer import IncrementalDetokenizer
 from chatengine.outputs import CompletionOutput, RequestOutput
-from chatengine.sampling_params import SamplingParams
 
 log = logging.getLogger("chatengine")
 KV_LAYOUT = "page-first/v1"
@@ -89,10 +86,8 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._history_requests: set[str] = set()  # running ids whose sampling reads the last token (no overlap)
-        self._grammars = None  # chatengine.engine.structured.Grammars, made on the first grammar
-        self._grammars_lock = threading.Lock()
-        self.personas: dict[str, list[int]] = {}  # name -> token ids of its public prefix
-        self._personas_lock = threading.Lock()  # app threads register and unregister at once
+        # validation, tokenizing, grammars and personas: what admits a request (safe from any thread)
+        self.front = EngineFront(config, mc, self.model_id, self.tokenizer, self.max_model_len, self.runner.num_blocks)
         self.num_generated_tokens = 0
         self.num_steps = 0
         self.num_forks = 0
@@ -171,37 +166,19 @@ class LLMEngine:
             self.ranks.stop(getattr(self, "runner", None))
             self.ranks = None
 
-    # ---- personas -------------------------------------------------------------------------------
-    def persona_prefix_ids(self, system_prompt: str) -> list[int]:
-        """Token ids that every conversation starting with this system prompt begins with."""
-        system = [{"role": "system", "content": system_prompt}]
-        a = apply_chat_template(self.tokenizer, system + [{"role": "user", "content": "a"}])
-        b = apply_chat_template(self.tokenizer, system + [{"role": "user", "content": "Zz 9"}])
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        return a[:n]
+    # ---- personas (kept by the front: see EngineFront) --------------------------------------------
+    @property
+    def personas(self) -> dict[str, list[int]]:
+        return self.front.personas
 
     def register_persona(self, name: str, system_prompt: str) -> None:
         """Make conversations that open with this system prompt share its KV pages across users."""
-        if not isinstance(name, str) or not name:
-            raise ValueError("a persona needs a non-empty name")
-        if not isinstance(system_prompt, str) or not system_prompt.strip():
-            raise ValueError(f"persona {name!r} needs a non-empty system prompt")
-        ids = self.persona_prefix_ids(system_prompt)
-        # a new dict, not an insert: the app registers from its threads while the engine thread
-        # iterates the personas (public_prefix_len)
-        with self._personas_lock:
-            self.personas = {**self.personas, name: ids}
+        self.front.register_persona(name, system_prompt)
 
     def unregister_persona(self, name: str) -> list[int] | None:
-        """Stop sharing this persona's prefix (it became private, or was deleted): requests added
-        from now on salt it per user like any other text, so they never hit its public pages.
-        Returns its prefix ids (None: no such persona); drop_public_prefix unpublishes the pages.
-        Safe from any thread."""
-        with self._personas_lock:
-            ids = self.personas.get(name)
-            if ids is not None:
-                self.personas = {k: v for k, v in self.personas.items() if k != name}
-        return ids
+        """Stop sharing this persona's prefix; returns its prefix ids (None: no such persona), whose
+        pages drop_public_prefix unpublishes. Safe from any thread."""
+        return self.front.unregister_persona(name)
 
     def drop_public_prefix(self, prefix_ids: list[int]) -> int:
         """Unpublish the unsalted KV pages of a prefix that is no longer public, from every tier,
@@ -219,72 +196,15 @@ class LLMEngine:
         return n + (self.tiers.drop_hashes(hashes) if self.tiers is not None else 0)
 
     def public_prefix_len(self, prompt_ids: list[int]) -> int:
-        """Length of the registered persona prefix this prompt starts with (0: none, all private)."""
-        return max((len(p) for p in self.personas.values() if prompt_ids[: len(p)] == p), default=0)
+        return self.front.public_prefix_len(prompt_ids)
 
     # ---- requests -------------------------------------------------------------------------------
-    def make_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        user: str | None = None,
-    ) -> Request:
+    def make_request(self, prompt, params=None, *, request_id=None, user=None) -> Request:
         """Validate and tokenize without touching engine state (safe from any thread)."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate(
-            self.config.max_n, self.config.max_tokens_limit or self.max_model_len, self.model_config.vocab_size
-        )
-        if 0 < params.temperature < 1e-5:  # logits / T would overflow (a denormal T is 0 in fp32): greedy, as vLLM
-            params = dataclasses.replace(params, temperature=0.0)
-        if isinstance(prompt, str):
-            text, ids = prompt, encode(self.tokenizer, prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            # plain ints (the common case) are checked at C speed; anything else one by one
-            if (
-                min(ids, default=0) < 0 or max(ids, default=0) >= vocab
-                if set(map(type, ids)) <= {int}
-                else any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids)
-            ):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but the context (max_model_len) is "
-                f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} tokens"
-            )
-        need = self.block_manager.num_blocks_for(min(len(ids) + params.max_tokens, self.max_model_len))
-        if need > self.block_manager.num_blocks:
-            raise ValueError(
-                f"this request needs {need} KV blocks but the pool has {self.block_manager.num_blocks}; "
-                "lower max_tokens or give the engine more KV memory"
-            )
-        if user is not None and (not isinstance(user, str) or not user):
-            raise ValueError("user must be a non-empty string or None")
-        request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
-        req = Request(request_id, text, ids, params, user)
-        if params.structured_outputs is not None:
-            req.grammar = self.grammars().compile(params.structured_outputs)
-        return req
+        return self.front.make_request(prompt, params, request_id=request_id, user=user)
 
     def grammars(self):
-        """The structured-output compiler of this model's tokenizer (made once, on first use)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                if self.tokenizer is None:
-                    raise ValueError("structured outputs need the model's tokenizer (dummy weights have none)")
-                from chatengine.engine.structured import Grammars  # xgrammar loads only when used
-
-                self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-            return self._grammars
+        return self.front.grammars()
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:

@@ -275,10 +275,12 @@ def _block_files(kv_dir: Path) -> list[Path]:
 
 
 def drop_owner_files(kv_dir: str | Path, owner: bytes) -> int:
-    """Delete every block file salted for one user, under every root (for a server that is not
-    running: a running one keeps its own index). Unreadable files are left to the next start's scan."""
+    """Delete every block file salted for one user, under every root and every data-parallel
+    replica's directory (for a server that is not running: a running one keeps its own index).
+    Unreadable files are left to the next start's scan."""
     n = 0
-    for path in _block_files(Path(kv_dir)):
+    dirs = [Path(kv_dir), *Path(kv_dir).glob("replica*")]  # and its data-parallel replicas' stores
+    for path in (p for d in dirs for p in _block_files(d)):
         try:
             with open(path, "rb") as f:
                 magic, version, size, _ = PREFIX.unpack(f.read(PREFIX.size))

@@ -1,0 +1,300 @@
+"""DataParallelLLM: N engine replicas, each in its own process on its own GPUs, behind one API.
+
+It offers what AsyncLLM offers (generate / chat / abort / stats / personas / forget), so the app
+serves it the same way. Requests are validated and tokenized here (EngineFront: the tokenizer
+and the model's limits, no weights), routed (router.py: to the replica that holds the
+conversation's pages, else the least loaded), and streamed back as deltas that are put together
+into the cumulative RequestOutputs AsyncLLM gives. Public personas are registered and warmed on
+every replica. A replica that dies fails only its own requests; the others serve on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import os
+import secrets
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from chatengine.config import EngineConfig
+from chatengine.engine.facade import EngineFacade
+from chatengine.engine.front import EngineFront
+from chatengine.engine.kv.hashing import hash_blocks, load_or_create_secret, salt_start_block, user_salt
+from chatengine.engine.loader import load_model
+from chatengine.engine.model_runner import context_len, resolve_device_dtype
+from chatengine.engine.replicas.deltas import Delta, OutputAssembler
+from chatengine.engine.replicas.handle import ReplicaHandle
+from chatengine.engine.replicas.replica import ReplicaSpec
+from chatengine.engine.replicas.router import Router
+from chatengine.outputs import RequestOutput
+
+MAX_REPLICAS = 64
+ROUTER_ROOT = b"chatengine/router"  # the router's own hash chains: never compared with a replica's
+
+
+@dataclass
+class _Running:
+    """A request in flight: where it went, who waits for it, what has come back."""
+
+    replica: int
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    assembler: OutputAssembler
+    user: str | None
+    first_private_block: int
+
+
+class DataParallelLLM(EngineFacade):
+    def __init__(self, model: str | None = None, *, data_parallel_size: int = 2, **kwargs):
+        if not isinstance(data_parallel_size, int) or not 1 <= data_parallel_size <= MAX_REPLICAS:
+            raise ValueError(
+                f"data_parallel_size must be an integer in [1, {MAX_REPLICAS}], got {data_parallel_size!r}"
+            )
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        device, _ = resolve_device_dtype(config.device, config.dtype)
+        self.size = data_parallel_size
+        specs = _placement(config, device, data_parallel_size)
+        # the tokenizer and the model's shape, not its weights (they are read only when taken)
+        loaded = load_model(config.model, seed=config.seed, device="cpu")
+        self.front = EngineFront(
+            config, loaded.config, loaded.model_id, loaded.tokenizer, context_len(config, loaded.config), 0
+        )
+        del loaded
+        if config.data_dir:  # made once here, before the replicas race to make it: they salt alike
+            load_or_create_secret(config.data_dir)
+        self._router_secret = secrets.token_bytes(32)
+        self.router = Router(data_parallel_size)
+        self._lock = threading.Lock()  # the router and the running table: event loops and listeners
+        self._running: dict[str, _Running] = {}
+        self._stopped = False
+        self.replicas = [ReplicaHandle(spec) for spec in specs]  # they load in parallel
+        try:
+            facts = [r.wait_ready() for r in self.replicas]
+        except BaseException:
+            for r in self.replicas:
+                r.kill()
+            raise
+        self.front.num_blocks = min(f["num_blocks"] for f in facts)
+        if config.register_personas and self.front.tokenizer is not None:
+            from chatengine.personas import load_personas
+
+            for persona in load_personas().values():  # the replicas registered (and warm) them too
+                self.front.register_persona(persona.name, persona.system_prompt)
+        for r in self.replicas:
+            r.listen(self._on_out, self._on_exit)
+        # the replicas are no daemons (a tensor-parallel one has processes of its own): at exit
+        # they stop before the interpreter waits for them
+        me = weakref.ref(self)
+        atexit.register(lambda: (lambda s: s.shutdown() if s is not None else None)(me()))
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None, user: str | None = None):
+        """As AsyncLLM.generate: cumulative RequestOutputs until finished; closing the generator
+        aborts the request."""
+        if getattr(sampling_params, "structured_outputs", None) is not None:  # a compile: off the event loop
+            req = await asyncio.to_thread(
+                self.front.make_request, prompt, sampling_params, request_id=request_id, user=user
+            )
+        else:
+            req = self.front.make_request(prompt, sampling_params, request_id=request_id, user=user)
+        if self._stopped:
+            raise RuntimeError("the engine has shut down")
+        ids = req.prompt_token_ids
+        first = salt_start_block(self.front.public_prefix_len(ids), self.front.config.block_size)
+        hashes = self._hashes(ids, user, first)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if req.request_id in self._running:
+                raise ValueError(f"request id {req.request_id!r} is already running")
+            route = self.router.route(hashes)
+            running = _Running(
+                route.replica,
+                asyncio.get_running_loop(),
+                queue,
+                OutputAssembler(req.request_id, req.prompt, ids),
+                user,
+                first,
+            )
+            self._running[req.request_id] = running
+        message = ("add", req.request_id, req.prompt, ids, req.params, user)
+        if not self.replicas[route.replica].send(message):
+            self._finish(req.request_id)
+            raise RuntimeError(f"replica {route.replica} has stopped: try again")
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                while not queue.empty() and not isinstance(item, Exception) and not item.finished:
+                    item = queue.get_nowait()  # cumulative: a caller that fell behind takes the newest
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self.abort(req.request_id)
+
+    async def chat(self, messages, sampling_params=None, *, request_id=None, user=None):
+        ids = self.apply_chat_template(messages)
+        async for out in self.generate(ids, sampling_params, request_id=request_id, user=user):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        running = self._running.get(request_id)
+        if running is not None:
+            self.replicas[running.replica].send(("abort", request_id))
+
+    def _hashes(self, token_ids: list[int], user: str | None, first: int) -> list[bytes]:
+        """The router's keys of a sequence's private full blocks (public persona blocks left out)."""
+        salt = user_salt(self._router_secret, user)
+        return hash_blocks(ROUTER_ROOT, token_ids, self.front.config.block_size, first, salt)[first:]
+
+    # ---- what comes back (listener threads) -----------------------------------------------------
+    def _on_out(self, replica: int, deltas: list[Delta], refused: list[tuple[str, str]]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for delta in deltas:
+            running = self._running.get(delta.request_id)
+            if running is None:
+                continue
+            out = running.assembler.apply(delta)
+            if out.finished:
+                self._finish(delta.request_id, out)
+            batches.setdefault(running.loop, []).append((running.queue, out))
+        for request_id, message in refused:
+            running = self._finish(request_id)
+            if running is not None:
+                batches.setdefault(running.loop, []).append((running.queue, ValueError(message)))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's loop has closed: nobody is listening any more
+                for queue, out in batch:
+                    if isinstance(out, RequestOutput) and not out.finished:
+                        self.replicas[replica].send(("abort", out.request_id))
+
+    def _finish(self, request_id: str, out: RequestOutput | None = None) -> _Running | None:
+        """The request is done: its replica now holds its prompt and answer (the router learns so)."""
+        with self._lock:
+            running = self._running.pop(request_id, None)
+            if running is None:
+                return None
+            held = []
+            if out is not None and out.outputs:
+                ids = out.prompt_token_ids + out.outputs[0].token_ids
+                held = self._hashes(ids, running.user, running.first_private_block)
+            self.router.finished(running.replica, held)
+        return running
+
+    def _on_exit(self, replica: int, reason: str) -> None:
+        """A replica has gone: the router stops sending to it; its requests fail (not when stopping)."""
+        with self._lock:
+            self.router.mark_dead(replica)
+            lost = [rid for rid, r in self._running.items() if r.replica == replica]
+        for request_id in lost:
+            running = self._finish(request_id)
+            if running is not None:
+                error = RuntimeError(reason or f"replica {replica} stopped")
+                running.loop.call_soon_threadsafe(running.queue.put_nowait, error)
+
+    # ---- the rest of AsyncLLM's surface ---------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        """True while the engine accepts requests (at least one replica lives)."""
+        return not self._stopped and any(r.alive for r in self.replicas)
+
+    def stats(self) -> dict:
+        """Every replica's figures summed (their last snapshots), each replica's own, the router's."""
+        each = [dict(r.stats) for r in self.replicas]
+        total = _sum_stats([s for s in each if s])
+        with self._lock:
+            total["router"] = {**self.router.counts, "load": list(self.router.load)}
+        total["replicas"] = each
+        total["data_parallel_size"] = self.size
+        return total
+
+    def register_persona(self, name: str, system_prompt: str) -> None:
+        """Share the persona's pages across users, on every replica (each computes them now)."""
+        self.front.register_persona(name, system_prompt)
+        self._broadcast(("persona", name, system_prompt))
+
+    def unregister_persona(self, name: str) -> None:
+        if self.front.unregister_persona(name) is not None:
+            self._broadcast(("unpersona", name))
+
+    def forget_user(self, user: str) -> None:
+        self._broadcast(("forget", user))
+
+    def forget_prompts(self, user: str, prompts: list[list[int]]) -> None:
+        self._broadcast(("forget_prompts", user, [list(p) for p in prompts]))
+
+    def _broadcast(self, message: tuple) -> None:
+        for r in self.replicas:
+            r.send(message)
+
+    def shutdown(self) -> None:
+        """Abort what runs; each replica flushes its KV store and exits."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for r in self.replicas:
+            r.send(("stop",))
+        for r in self.replicas:
+            r.stop()
+
+
+def _placement(config: EngineConfig, device: torch.device, size: int) -> list[ReplicaSpec]:
+    """Each replica's settings: its own GPUs (tensor_parallel_size of them) or its share of the cores,
+    and its own directory of the disk tier (replicas never write each other's files)."""
+    tp = config.tensor_parallel_size
+    specs = []
+    if device.type == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g for g in visible.split(",") if g] if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < size * tp:
+            raise ValueError(
+                f"data_parallel_size={size} x tensor_parallel_size={tp} needs {size * tp} GPUs; this machine "
+                f"shows {len(gpus)}"
+            )
+    for i in range(size):
+        replica_config = dataclasses.replace(config, device=device.type)
+        if config.kv_store_dir and size > 1:
+            replica_config = dataclasses.replace(
+                replica_config, kv_store_dir=os.path.join(config.kv_store_dir, f"replica{i}")
+            )
+        if device.type == "cuda":
+            specs.append(ReplicaSpec(i, replica_config, cuda_devices=tuple(gpus[i * tp : (i + 1) * tp])))
+        else:
+            specs.append(ReplicaSpec(i, replica_config, num_threads=max(1, (os.cpu_count() or 1) // size)))
+    return specs
+
+
+def _sum_stats(each: list[dict]) -> dict:
+    """Numbers summed, settings (strings, block size, context) from the first replica, the hit rate
+    recomputed from the summed counts."""
+    if not each:
+        return {}
+    total = dict(each[0])
+    for key, value in each[0].items():
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and key not in ("block_size", "max_model_len")
+        ):
+            total[key] = sum(s.get(key, 0) for s in each)
+    queried = total.get("prefix_cache_queried_tokens", 0)
+    total["prefix_cache_hit_rate"] = total.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
+    return total
+
+
+def _put_all(batch: list) -> None:
+    """Runs on a caller's event loop."""
+    for queue, out in batch:
+        queue.put_nowait(out)

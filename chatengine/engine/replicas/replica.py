@@ -1,0 +1,151 @@
+"""A data-parallel replica's process: one LLMEngine (itself possibly tensor parallel) on its own
+GPUs (or its share of the CPU cores), run by an EngineLoop that takes requests from a pipe to the
+API process and sends back what each step added (deltas.py).
+
+The pipe carries, API process -> replica:
+  ("add", request_id, prompt text or None, prompt ids, SamplingParams, user)
+  ("abort", request_id) ("forget", user) ("forget_prompts", user, prompts)
+  ("persona", name, system_prompt) ("unpersona", name) ("stop",)
+and replica -> API process:
+  ("ready", facts) ("out", [Delta], [(request_id, refusal message)]) ("stats", dict)
+  ("stopped",) ("error", traceback text)
+End of file on the pipe (the API process is gone) stops the replica as ("stop",) does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from chatengine.config import EngineConfig
+from chatengine.engine.engine_loop import Delivery, EngineLoop
+from chatengine.engine.llm_engine import LLMEngine
+from chatengine.engine.replicas.deltas import DeltaEncoder
+from chatengine.sampling_params import SamplingParams
+
+WARM = "\x00warm:"  # request ids of persona warm-ups: never sent to the API process
+STATS_EVERY_S = 0.2
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    index: int
+    config: EngineConfig
+    cuda_devices: tuple[str, ...] | None = None  # the GPUs this replica sees (CUDA_VISIBLE_DEVICES entries)
+    num_threads: int | None = None  # CPU: torch threads (the replicas split the cores)
+
+
+def main(spec: ReplicaSpec, conn: Connection) -> None:
+    """The replica process (spawned by the API process)."""
+    try:
+        if spec.cuda_devices is not None:  # before anything touches CUDA
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.cuda_devices))
+        import torch
+
+        if spec.num_threads is not None:
+            torch.set_num_threads(spec.num_threads)
+        engine = LLMEngine(spec.config)
+    except BaseException:
+        _send_error(conn)
+        os._exit(1)
+    loop = ReplicaLoop(engine, conn)
+    try:
+        loop.send(("ready", {"num_blocks": engine.block_manager.num_blocks, "model_id": engine.model_id}))
+        for ids in engine.personas.values():
+            loop.warm(ids)
+        threading.Thread(target=loop.read, name="chatengine-replica-pipe", daemon=True).start()
+        loop.run()
+        engine.close()
+        loop.send(("stopped",))
+    except BaseException:
+        _send_error(conn)
+        os._exit(1)
+
+
+def _send_error(conn: Connection) -> None:
+    try:
+        conn.send(("error", traceback.format_exc(limit=-8)))
+    except OSError:
+        pass
+
+
+class ReplicaLoop(EngineLoop):
+    def __init__(self, engine: LLMEngine, conn: Connection):
+        super().__init__(engine)
+        self.conn = conn
+        self._send_lock = threading.Lock()  # the pipe reader refuses bad requests from its own thread
+        self._encoder = DeltaEncoder()
+        self._stats_time = 0.0
+
+    def send(self, message: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def read(self) -> None:
+        """The pipe reader: requests are validated here, off the engine's thread, then posted."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):  # the API process is gone: stop (the KV store is flushed)
+                self.post(("stop",))
+                return
+            if message[0] == "add":
+                self._add(*message[1:])
+            else:
+                self.post(message)
+                if message[0] == "stop":
+                    return
+
+    def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, user) -> None:
+        try:
+            req = self.engine.make_request(ids, params, request_id=request_id, user=user)
+        except ValueError as e:  # the API process checked it already; a replica with less room may not fit it
+            self.send(("out", [], [(request_id, str(e))]))
+            return
+        req.prompt = text
+        self.post(("add", req, None))
+
+    def warm(self, prefix_ids: list[int]) -> None:
+        """Compute a public persona's pages now, so its first conversation here hits them. On the
+        loop's thread, straight into the engine: ahead of requests that arrived after it."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        try:
+            req = self.engine.make_request(prefix_ids, params, request_id=WARM + uuid.uuid4().hex)
+        except ValueError:  # a prefix that does not fit the context: nothing to warm
+            return
+        req.stream = False  # nobody reads it
+        self.engine.add(req)
+
+    def _handle(self, item: tuple) -> None:
+        if item[0] == "persona":
+            self.engine.register_persona(item[1], item[2])
+            self.warm(self.engine.personas[item[1]])
+        elif item[0] == "unpersona":
+            ids = self.engine.unregister_persona(item[1])
+            if ids is not None:
+                self.engine.drop_public_prefix(ids)
+        else:
+            super()._handle(item)
+
+    def _deliver_many(self, items: Delivery) -> None:
+        deltas, refused = [], []
+        for request_id, out in items:
+            if request_id.startswith(WARM):
+                continue
+            if isinstance(out, Exception):
+                refused.append((request_id, str(out)))
+            else:
+                deltas.append(self._encoder.encode(out))
+        if deltas or refused:
+            self.send(("out", deltas, refused))
+
+    def _publish_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_time >= STATS_EVERY_S:
+            self._stats_time = now
+            self.send(("stats", self.engine.stats()))

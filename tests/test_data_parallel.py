@@ -1,0 +1,175 @@
+"""DataParallelLLM on the CPU: two replica processes behind one API give the tokens one engine
+gives, keep a conversation on the replica that holds its pages, spread new ones, warm public
+personas on every replica, free every block, and survive a replica's death.
+
+The tests share one DataParallelLLM (starting two processes costs seconds) and run in file order:
+the last one kills a replica."""
+
+import asyncio
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from chatengine import LLM, DataParallelLLM, SamplingParams
+
+SETTINGS = dict(num_kv_blocks=96, max_num_batched_tokens=128, register_personas=False)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dp(tiny_chat_model):
+    engine = DataParallelLLM(str(tiny_chat_model), data_parallel_size=2, **SETTINGS)
+    yield engine
+    engine.shutdown()
+
+
+def chat_ids(engine, user_text: str, system: str = "You are terse.") -> list[int]:
+    return engine.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user_text}])
+
+
+async def last(engine, prompt, params=GREEDY, **kw):
+    out = None
+    async for out in engine.generate(prompt, params, **kw):
+        pass
+    return out
+
+
+def settled(dp, check, timeout=10.0):
+    """Wait until nothing is in flight and every replica's figures (published at rest) satisfy `check`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = dp.stats()
+        if not any(stats["router"]["load"]) and all(s and check(s) for s in stats["replicas"]):
+            return stats["replicas"]
+        time.sleep(0.05)
+    raise AssertionError(f"replicas never settled: {dp.stats()['replicas']}")
+
+
+def test_greedy_tokens_equal_one_engine_and_new_conversations_spread(dp, tiny_chat_model):
+    prompts = [chat_ids(dp, f"Question number {i} about the sea?") for i in range(6)]
+    sampled = SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
+
+    async def run():
+        return await asyncio.gather(
+            *[last(dp, p, user=f"u{i}") for i, p in enumerate(prompts)], last(dp, prompts[0], sampled, user="s")
+        )
+
+    outs = asyncio.run(run())
+    one = LLM(str(tiny_chat_model), **SETTINGS)
+    try:
+        want = [one.generate(p, GREEDY, user=f"u{i}")[0] for i, p in enumerate(prompts)]
+        want.append(one.generate(prompts[0], sampled, user="s")[0])
+    finally:
+        one.shutdown()
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in w.outputs] for w in want]
+    assert [o.outputs[0].text for o in outs] == [w.outputs[0].text for w in want]
+    each = settled(dp, lambda s: s["kv_blocks_used"] == 0)
+    assert all(s["num_generated_tokens"] > 0 for s in each)  # both replicas served some
+    assert dp.stats()["router"]["load"] == [0, 0]
+
+
+def test_a_conversations_next_turn_lands_where_its_pages_are(dp):
+    firsts = [chat_ids(dp, f"Tell me about ship {i} and its long voyage across the ocean.") for i in range(4)]
+
+    async def run():
+        outs = await asyncio.gather(*[last(dp, p, user="alice") for p in firsts])
+        seconds = [p + o.outputs[0].token_ids + dp.encode("\nAnd then?") for p, o in zip(firsts, outs)]
+        return await asyncio.gather(*[last(dp, p, user="alice") for p in seconds])
+
+    before = dict(dp.stats()["router"])
+    outs = asyncio.run(run())
+    after = dp.stats()["router"]
+    assert after["affinity"] - before["affinity"] == 4
+    # every second turn read its first turn's full blocks from its replica's cache
+    assert all(o.num_cached_tokens >= 16 * (len(p) // 16) for o, p in zip(outs, firsts))
+
+
+def test_another_user_never_hits_a_private_conversation(dp):
+    ids = chat_ids(dp, "A secret plan with many words in it for nobody else to read.")
+
+    async def run():
+        await last(dp, ids, user="mallory-victim")
+        return await last(dp, ids, user="mallory")
+
+    assert asyncio.run(run()).num_cached_tokens == 0
+
+
+def test_public_personas_are_warm_on_every_replica(dp):
+    system = "You are the harbour master. " * 12
+    dp.register_persona("harbour", system)
+    prefix = dp.front.personas["harbour"]
+    full = 16 * (len(prefix) // 16)
+    settled(dp, lambda s: s["kv_blocks_cached"] >= full // 16)
+
+    async def run():  # two conversations at once: one on each replica
+        return await asyncio.gather(
+            *[last(dp, chat_ids(dp, f"Ship {i} arriving?", system), user=f"p{i}") for i in (1, 2)]
+        )
+
+    outs = asyncio.run(run())
+    assert [o.num_cached_tokens >= full for o in outs] == [True, True]
+    dp.unregister_persona("harbour")
+    assert "harbour" not in dp.front.personas
+
+
+def test_bad_requests_raise_at_once_and_leave_nothing(dp):
+    async def run(prompt, params=GREEDY, **kw):
+        return await last(dp, prompt, params, **kw)
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(run([1] * dp.max_model_len))
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(run([]))
+
+    async def duplicate():
+        slow = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = dp.generate([5, 6, 7], slow, request_id="same")
+        await stream.__anext__()
+        try:
+            await last(dp, [8, 9], request_id="same")
+        finally:
+            await stream.aclose()  # closing the stream aborts it
+
+    with pytest.raises(ValueError, match="already running"):
+        asyncio.run(duplicate())
+    settled(dp, lambda s: s["kv_blocks_used"] == 0 and s["num_running"] == 0)
+
+
+def test_the_api_serves_it(dp, tmp_path):
+    from chatengine.app.server import close_app, create_app
+
+    app = create_app(data_dir=tmp_path, engine=dp)
+    try:
+        with TestClient(app) as client:
+            r = client.post(
+                "/v1/completions",
+                json={"model": dp.model_id, "prompt": "The sea is", "max_tokens": 4, "temperature": 0},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        close_app(app)
+
+
+def test_a_dead_replica_fails_only_its_own_requests(dp):
+    victim = dp.replicas[1]
+
+    async def run():
+        slow = SamplingParams(max_tokens=400, ignore_eos=True)
+        doomed = [dp.generate(chat_ids(dp, f"Long story {i}"), slow, user=f"v{i}") for i in range(2)]
+        firsts = [await g.__anext__() for g in doomed]  # both running: one on each replica
+        on_victim = [g for g, o in zip(doomed, firsts) if dp._running[o.request_id].replica == 1]
+        survivor = [g for g in doomed if g not in on_victim]
+        victim.process.kill()
+        with pytest.raises(RuntimeError, match="replica 1"):
+            async for _ in on_victim[0]:
+                pass
+        for g in survivor:
+            await g.aclose()
+        return await asyncio.gather(*[last(dp, chat_ids(dp, f"After {i}"), user="w") for i in range(3)])
+
+    outs = asyncio.run(run())
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    assert dp.is_running and not victim.alive
+    assert dp.router.alive == [True, False]

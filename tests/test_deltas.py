@@ -1,0 +1,45 @@
+"""Replica outputs travel as deltas and are put back together exactly."""
+
+from chatengine.engine.replicas.deltas import DeltaEncoder, OutputAssembler
+from chatengine.outputs import CompletionOutput, RequestOutput
+
+
+def out(texts, ids, finished=False, logprobs=None, prompt_logprobs=None):
+    comps = []
+    for i, (t, x) in enumerate(zip(texts, ids)):
+        c = CompletionOutput(i, t, list(x), "stop" if finished else None)
+        if logprobs is not None:
+            c.logprobs = [{t: -0.5} for t in x]
+            c.cumulative_logprob = -0.5 * len(x)
+        comps.append(c)
+    return RequestOutput("r", "p", [1, 2], comps, 16, finished, None, 1.0, 2.0, prompt_logprobs)
+
+
+def test_the_assembled_outputs_equal_the_originals():
+    enc, asm = DeltaEncoder(), OutputAssembler("r", "p", [1, 2])
+    steps = [
+        out(["He", "A"], [[5], [7]], logprobs=True, prompt_logprobs=[None]),
+        out(["Hello", "A b"], [[5, 6], [7, 8]], logprobs=True, prompt_logprobs=[None, {2: -1.0}]),
+        out(["Hel", "A b c"], [[5, 6, 9], [7, 8, 3]], logprobs=True, prompt_logprobs=[None, {2: -1.0}]),  # text shrank
+        out(["Help!", "A b c."], [[5, 6, 9, 4], [7, 8, 3, 2]], True, logprobs=True, prompt_logprobs=[None, {2: -1.0}]),
+    ]
+    for original in steps:
+        delta = enc.encode(original)
+        assert asm.apply(delta) == original
+    assert enc._sent == {}  # finished: nothing kept
+    assert asm.token_ids(1) == [7, 8, 3, 2]
+
+
+def test_deltas_carry_only_what_is_new():
+    enc = DeltaEncoder()
+    enc.encode(out(["ab"], [[1, 2]]))
+    delta = enc.encode(out(["abc"], [[1, 2, 3]]))
+    index, ids, keep, text, *_ = delta.completions[0]
+    assert (index, ids, keep, text) == (0, [3], 2, "c")
+
+
+def test_an_output_kept_by_a_caller_does_not_change_later():
+    enc, asm = DeltaEncoder(), OutputAssembler("r", "p", [1, 2])
+    first = asm.apply(enc.encode(out(["a"], [[1]])))
+    asm.apply(enc.encode(out(["ab"], [[1, 2]])))
+    assert first.outputs[0].token_ids == [1] and first.outputs[0].text == "a"
