@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pwd
 import secrets
 import shutil
 import socket
@@ -48,6 +49,14 @@ def postgres_bin() -> Path | None:
     return Path(dirs[-1]).parent if dirs else None
 
 
+def _has_user(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,7 +72,7 @@ class PostgresServer:
     @classmethod
     def start(cls) -> PostgresServer | None:
         bin_dir = postgres_bin()
-        if bin_dir is None:
+        if bin_dir is None or (os.geteuid() == 0 and not _has_user("postgres")):
             return None
         root = Path(tempfile.mkdtemp(prefix="chatengine-pg-"))
         server = cls(bin_dir, root, free_port(), secrets.token_urlsafe(12))
