@@ -54,6 +54,20 @@ def store(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server of this test session (Debian's packages; ~2 s to start): ``postgres.new_schema()``
+    is the URL of an empty schema of one's own. Skips where PostgreSQL or psycopg is not installed."""
+    pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e '.[postgres]')")
+    from postgres_server import PostgresServer
+
+    server = PostgresServer.start()
+    if server is None:
+        pytest.skip("no PostgreSQL server here (apt-get install postgresql)")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny():
     """A 2-layer random model with a 256-token vocabulary (token-id prompts only)."""
     return LLM("dummy:tiny", num_kv_blocks=64, max_num_batched_tokens=64)

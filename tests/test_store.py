@@ -9,9 +9,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import chatengine.app.store as store_module
-from chatengine.app.store import MAX_CONTENT_CHARS, MAX_TITLE_CHARS, ChatStore, NotFound
+from chatengine.app.store import MAX_CONTENT_CHARS, MAX_TITLE_CHARS, ChatStore, NotFound, open_store
 
 A, B = "alice", "bob"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(request, tmp_path):
+    """Where this test's chat database lives: an SQLite file, then a schema of its own on the session's
+    PostgreSQL server (the ChatStore behaviour below holds on both)."""
+    if request.param == "sqlite":
+        return tmp_path / "chat.db"
+    return request.getfixturevalue("postgres").new_schema()
+
+
+@pytest.fixture
+def store(database):
+    """An empty chat database of this test's own, on each backend."""
+    s = open_store(database)
+    yield s
+    s.close()
+
+
+def on_postgres(store) -> bool:
+    return type(store).__name__ == "PostgresChatStore"
 
 
 def ids(messages):
@@ -22,12 +43,14 @@ def count(store, table):
     return store.db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
 
 
-def test_connection_settings(store):
+def test_connection_settings(tmp_path):
+    store = ChatStore(tmp_path / "chat.db")
     db = store.db
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
     assert db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     assert db.execute("PRAGMA busy_timeout").fetchone()[0] == 30000
+    store.close()
 
 
 def test_tree_branches_and_active_leaf(store):
@@ -102,9 +125,8 @@ def test_message_fields_and_update(store):
     assert store.prompt_token_ids(A, m) == [10, 11, 12, 13]
 
 
-def test_json_and_token_id_round_trips(tmp_path):
-    path = tmp_path / "rt.db"
-    s = ChatStore(path)
+def test_json_and_token_id_round_trips(database):
+    s = open_store(database)
     sampling = {
         "temperature": 1.25,
         "top_p": 0.9,
@@ -119,10 +141,12 @@ def test_json_and_token_id_round_trips(tmp_path):
     m = s.add_message(A, c, "user", text, token_ids=big, stats={"emoji": "🦜", "x": -0.0})
     e = s.add_message(A, c, "assistant", "empty ids", m, token_ids=[])
     s.close()
-    s = ChatStore(path)
+    s = open_store(database)
     conv = s.get_conversation(A, c)
     assert (conv["title"], conv["persona"], conv["settings"]) == ("JSON ✓", "pirate", sampling)
     got = s.get_message(A, m)
+    if on_postgres(s):  # PostgreSQL text holds no NUL: it reads as U+FFFD
+        text = text.replace("\x00", "\ufffd")
     assert (got["content"], got["token_ids"], got["stats"]) == (text, big, {"emoji": "🦜", "x": -0.0})
     assert s.get_message(A, e)["token_ids"] == []
     assert s.prompt_token_ids(A, e) == big
@@ -167,6 +191,26 @@ def test_search_titles_and_contents_per_user(store):
     assert store.list_conversations(A, "bob") == []
     assert ids(store.list_conversations(B, "strudel")) == [cb]
     assert ids(store.list_conversations(A, "")) == [c3, c2, c1]
+
+
+# text that means something to SQL, sqlite3 or psycopg, as a value it must be taken for what it says
+HOSTILE = ["'; DROP TABLE messages; --", "%s", "%(user)s", ":user", "?", "' OR '1'='1", "\\", '"', "$1", "%"]
+
+
+def test_values_are_never_sql(store):
+    convs = {text: store.create_conversation(A, text) for text in HOSTILE}
+    for text, cid in convs.items():
+        store.add_message(A, cid, "user", f"body {text}")
+        assert store.get_conversation(A, cid)["title"] == text
+        assert [m["content"] for m in store.messages(A, cid)] == [f"body {text}"]
+        assert cid in ids(store.list_conversations(A, text))
+        for op in (lambda: store.get_conversation(B, cid), lambda: store.get_conversation(A, text)):
+            with pytest.raises(NotFound):
+                op()
+    assert ids(store.list_conversations(A, "' OR '1'='1")) == [convs["' OR '1'='1"]]
+    assert store.list_conversations("%") == [] and store.list_conversations(B, "%") == []  # users by those names
+    store.delete_user("' OR '1'='1")
+    assert (count(store, "conversations"), count(store, "messages")) == (len(HOSTILE), len(HOSTILE))
 
 
 def test_prompt_token_ids_follow_the_branch(store):
@@ -244,21 +288,14 @@ def test_delete_conversation_and_user_cascade(store):
     ca2 = store.create_conversation(A, "deep")
     # a chain deeper than SQLite's trigger recursion limit (1000), written in one transaction
     chain = [f"deep-{i}" for i in range(1500)]
-    store.db["messages"].insert_all(
-        dict(
-            id=mid,
-            conversation_id=ca2,
-            parent_id=chain[i - 1] if i else None,
-            role="user",
-            content=str(i),
-            stats="{}",
-            settings="{}",
-            status="done",
-            created_at=0,
-            updated_at=0,
+    with store._write() as db:  # deep-i answers deep-(i-1); one statement that both databases read
+        db.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 1499)"
+            " INSERT INTO messages (id, conversation_id, parent_id, role, content, stats, settings, status,"
+            " created_at, updated_at) SELECT 'deep-' || i, ?, CASE WHEN i > 0 THEN 'deep-' || (i - 1) END,"
+            " 'user', CAST(i AS TEXT), '{}', '{}', 'done', 0, 0 FROM n",
+            [ca2],
         )
-        for i, mid in enumerate(chain)
-    )
     parent = store.add_message(A, ca2, "assistant", "last", chain[-1])
     assert ids(store.active_path(A, ca2)) == chain + [parent]
     store.delete_conversation(A, ca2)
@@ -313,6 +350,9 @@ BAD_INPUTS = [
 ]
 
 
+# SQLite only: the checks run in Python before any SQL, the same on both databases (PostgreSQL's own
+# refusal, a NUL character, is in test_store_postgres.py)
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("name,op", BAD_INPUTS, ids=[n for n, _ in BAD_INPUTS])
 def test_bad_input_is_rejected_and_nothing_written(store, name, op):
     c = store.create_conversation(A, "t")
@@ -324,16 +364,16 @@ def test_bad_input_is_rejected_and_nothing_written(store, name, op):
     assert count(store, "messages") == 1
 
 
-def test_persistence_and_recovery(tmp_path):
-    path = tmp_path / "p.db"
-    s1 = ChatStore(path)
+def test_persistence_and_recovery(database):
+    path = database
+    s1 = open_store(path)
     c = s1.create_conversation(A, "persist")
     u = s1.add_message(A, c, "user", "q", token_ids=[1, 2])
     r = s1.add_message(A, c, "assistant", "partial", u, token_ids=[3], status="streaming")
-    s2 = ChatStore(path)  # a second process while the first is alive
+    s2 = open_store(path)  # a second process while the first is alive
     assert ids(s2.active_path(A, c)) == [u, r]
     s1.close()  # no checkpoint needed: WAL is read on open
-    s3 = ChatStore(path)
+    s3 = open_store(path)
     assert s3.get_conversation(A, c)["title"] == "persist"
     assert s3.prompt_token_ids(A, r) == [1, 2, 3]
     assert s3.recover_interrupted() == 1
@@ -341,7 +381,7 @@ def test_persistence_and_recovery(tmp_path):
     assert s3.get_message(A, u)["status"] == "done"
     assert s3.recover_interrupted() == 0
     s2.close(), s3.close()
-    s4 = ChatStore(path)
+    s4 = open_store(path)
     assert (s4.get_message(A, r)["status"], s4.get_message(A, r)["content"]) == ("interrupted", "partial")
     s4.close()
     s4.get_conversation(A, c)  # close() is not final: reopens lazily
@@ -362,9 +402,8 @@ def test_connections_are_per_thread(store):
     assert store.get_message(A, seen["mid"])["content"] == "from a worker"
 
 
-def test_concurrent_writers_lose_nothing(tmp_path):
-    path = tmp_path / "busy.db"
-    stores = [ChatStore(path), ChatStore(path)]  # two "processes", threads on each
+def test_concurrent_writers_lose_nothing(database):
+    stores = [open_store(database), open_store(database)]  # two "processes", threads on each
     shared = stores[0].create_conversation("shared", "everyone")
     root = stores[0].add_message("shared", shared, "system", "root")
     num_threads, num_msgs = 8, 25
@@ -407,9 +446,12 @@ def test_concurrent_writers_lose_nothing(tmp_path):
         st_.close()
 
 
-@pytest.fixture(scope="module")
-def shared_store(tmp_path_factory):
-    s = ChatStore(tmp_path_factory.mktemp("hyp") / "h.db")
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def shared_store(request, tmp_path_factory):
+    if request.param == "sqlite":
+        s = open_store(tmp_path_factory.mktemp("hyp") / "h.db")
+    else:
+        s = open_store(request.getfixturevalue("postgres").new_schema())
     yield s
     s.close()
 

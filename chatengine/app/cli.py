@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     delete.add_argument("user", help="the user name, as in the --users file ('local' without --users)")
     delete.add_argument("--data-dir", default="./data", help="the server's --data-dir (default ./data)")
+    delete.add_argument(
+        "--database-url",
+        default=None,
+        metavar="URL",
+        help="the server's --database-url (PostgreSQL), where its conversations are; the --data-dir's KV pages "
+        "are deleted too where that directory is on this machine (run it on every server's machine)",
+    )
     sub.add_parser("bench", help="run a benchmark from benchmarks/ (see `chatengine bench --help`)", add_help=False)
     return parser
 
@@ -137,7 +144,7 @@ def main(argv=None) -> int:
     if args.command == "chat":
         return chat(args)
     if args.command == "delete-user":
-        return delete_user(args.user, args.data_dir)
+        return delete_user(args.user, args.data_dir, args.database_url)
     parser.print_help()
     return 2
 
@@ -151,23 +158,28 @@ def serve(argv: list[str]) -> int:
 
 
 # ---- delete-user --------------------------------------------------------------------------------
-def delete_user(user: str, data_dir: str) -> int:
+def delete_user(user: str, data_dir: str, database_url: str | None = None) -> int:
+    """With ``database_url`` (PostgreSQL) the data dir is optional: its KV pages go where it exists."""
     from chatengine import LLMEngine
     from chatengine.app.datadir import DataDirError, lock_data_dir
     from chatengine.app.server import DB_FILE, KV_DIR
-    from chatengine.app.store import ChatStore
+    from chatengine.app.store import open_store
 
     root = Path(data_dir)
-    if not (root / DB_FILE).is_file():
+    if database_url is None and not (root / DB_FILE).is_file():
         print(f"chatengine delete-user: no chat database in {root} (is --data-dir right?)", file=sys.stderr)
         return 2
     try:
-        lock = lock_data_dir(root)
+        lock = lock_data_dir(root) if root.is_dir() else None
     except DataDirError as e:
         print(f"chatengine delete-user: {e}", file=sys.stderr)
         return 1
     try:
-        store = ChatStore(root / DB_FILE)
+        try:
+            store = open_store(database_url or root / DB_FILE)
+        except ValueError as e:  # a PostgreSQL URL that does not connect (named without its password)
+            print(f"chatengine delete-user: {e}", file=sys.stderr)
+            return 2
         try:
             conversations = len(store.list_conversations(user))
             store.delete_user(user)
@@ -175,7 +187,8 @@ def delete_user(user: str, data_dir: str) -> int:
             store.close()
         pages = LLMEngine.forget_user_on_disk(str(root / KV_DIR), str(root), user) if (root / KV_DIR).is_dir() else 0
     finally:
-        lock.close()
+        if lock is not None:
+            lock.close()
     print(f"deleted user {user!r}: {conversations} conversations, {pages} cached KV pages")
     return 0
 

@@ -124,7 +124,7 @@ class PersonaCatalog:
         key = uuid.uuid4().hex
         p = dict(key=key, owner=user, **_fields(title, description, prompt, public))
         with self.store._write() as db:
-            db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (:owner, :now)", p)
+            db.execute("INSERT INTO users (id, created_at) VALUES (:owner, :now) ON CONFLICT (id) DO NOTHING", p)
             db.execute(
                 "INSERT INTO personas (key, owner, title, description, system_prompt, public, from_file,"
                 " created_at, updated_at) VALUES (:key, :owner, :title, :description, :system_prompt,"

@@ -78,6 +78,7 @@ def engine_kwargs(data_dir: str | os.PathLike | None, *, disk_kv: bool = True, *
 def create_app(
     *,
     data_dir: str | os.PathLike = "data",
+    database_url: str | None = None,
     users_file: str | os.PathLike | None = None,
     engine=None,
     model: str | list[str | None] | None = None,
@@ -106,6 +107,8 @@ def create_app(
     Secure even on requests that look like plain http (TLS ends at a proxy in front). A POST outside
     the API must come from a page of the host it was sent to, or of one of ``trusted_origins`` (the
     public origins of a proxy that rewrites Host): see same_origin.py.
+    ``database_url``: a PostgreSQL database (postgresql://...) for the users and conversations, which
+    several servers may share; None: the SQLite file in ``data_dir``.
     ``app.state.chat`` holds the engines (``models``; ``engine``: the default's), the store, the
     accounts (users.py) and the personas (persona_catalog.py).
     """
@@ -136,7 +139,7 @@ def create_app(
     data = check_data_dir(data_dir)  # private: conversations are there in plain text
     lock = lock_data_dir(data)  # one server per data dir, and none while users are deleted offline
     try:
-        store = _open_store(data / DB_FILE)
+        store = _open_store(database_url or data / DB_FILE)
     except BaseException:
         lock.close()
         raise
@@ -249,9 +252,18 @@ def _load_models(names: list, fractions: list[float], data: Path, disk_kv: bool,
         raise
 
 
-def _open_store(path: Path):
-    from chatengine.app.store import ChatStore, StoreDamaged, StoreWriteError
+def _open_store(path: Path | str):
+    """The chat store: the SQLite file ``path`` (private), or a PostgreSQL database (``path`` a URL)."""
+    from chatengine.app.store import ChatStore, StoreDamaged, StoreWriteError, open_store
 
+    if isinstance(path, str):
+        store = open_store(path)  # a ValueError that names the database without its password
+        try:
+            interrupted = store.recover_interrupted()
+        except StoreWriteError as e:
+            store.close()
+            raise ValueError(f"cannot write to the chat database ({e})") from None
+        return _log_interrupted(store, interrupted)
     try:
         create_private_file(path)
         store = ChatStore(path)
@@ -263,6 +275,10 @@ def _open_store(path: Path):
         ) from None
     except (OSError, StoreWriteError) as e:
         raise ValueError(f"cannot open the chat database {path} ({e}): check the disk and the data directory") from None
+    return _log_interrupted(store, interrupted)
+
+
+def _log_interrupted(store, interrupted: int):
     if interrupted:
         log.info("marked %d replies interrupted by the last shutdown", interrupted)
     return store
@@ -362,6 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="./data",
         help=f"where the server keeps its state: the SQLite database ({DB_FILE}), the disk tier "
         f"of the KV cache ({KV_DIR}/) and the server secret that salts per-user cache keys",
+    )
+    p.add_argument(
+        "--database-url",
+        metavar="URL",
+        default=None,
+        help="keep users and conversations in this PostgreSQL database instead of the SQLite file in --data-dir "
+        "(several servers may share it): postgresql://USER@HOST:PORT/DATABASE, the password in PGPASSWORD or "
+        "~/.pgpass (a password in the URL works too, but ps shows command lines). Needs the postgres extra: "
+        "pip install 'chatengine[postgres]'",
     )
     p.add_argument(
         "--users",
@@ -552,6 +577,7 @@ def main(argv=None) -> None:
     try:
         app = create_app(
             data_dir=args.data_dir,
+            database_url=args.database_url,
             users_file=args.users,
             model=model_names(args.model),
             kv_memory_split=args.kv_memory_split,

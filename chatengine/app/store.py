@@ -11,6 +11,7 @@ itself (``conversations.user_id = ?``). An id that does not exist and an id owne
 raise the same ``NotFound``. Bad input raises ``ValueError`` before anything is written.
 
     store = ChatStore(path)                     # WAL, synchronous=FULL, foreign keys, busy timeout
+    store = open_store(path_or_postgresql_url)  # the same interface on PostgreSQL (store_postgres.py)
     store.ensure_user(user); store.delete_user(user)                      # delete cascades
     cid = store.create_conversation(user, title="New chat", persona=None, settings=None, model=None)
     store.list_conversations(user, query=None) -> list[dict]              # newest update first
@@ -62,6 +63,7 @@ import uuid
 import weakref
 from array import array
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import sqlite_utils
 
@@ -154,9 +156,8 @@ MIGRATIONS = [
     ("conversations", "pinned", "INTEGER NOT NULL DEFAULT 0"),  # 4: pinned chats list first
 ]
 
-# updated_at strictly increases per user, so the sidebar order is the write order even when two
-# writes fall in one clock tick.
-_BUMP = "MAX(:now, COALESCE((SELECT MAX(updated_at) FROM conversations WHERE user_id = :user), 0) + 1e-6)"
+# "INSERT OR IGNORE" in words both SQLite (3.24+) and PostgreSQL read
+_ADD_USER = "INSERT INTO users (id, created_at) VALUES (?, ?) ON CONFLICT (id) DO NOTHING"
 _OWNED_MESSAGE = (
     "SELECT m.{cols} FROM messages m JOIN conversations c ON c.id = m.conversation_id"
     " WHERE m.id = :id AND c.user_id = :user"
@@ -197,7 +198,29 @@ def write_failure(e: sqlite3.Error) -> StoreWriteError | None:
     return StoreWriteError(f"{reason}: nothing was saved. Tell whoever runs this server.") if reason else None
 
 
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def open_store(target: str | os.PathLike) -> ChatStore:
+    """The store at ``target``: a PostgreSQL URL (postgresql://USER@HOST:PORT/DATABASE; see
+    store_postgres.py), or else the path of an SQLite file (the default setup)."""
+    if isinstance(target, str) and target.startswith(POSTGRES_SCHEMES):
+        try:
+            from chatengine.app.store_postgres import PostgresChatStore
+        except ImportError:
+            raise ValueError("a PostgreSQL database needs psycopg: pip install 'chatengine[postgres]'") from None
+        return PostgresChatStore(target)
+    return ChatStore(target)
+
+
 class ChatStore:
+    # The SQL that differs between SQLite and PostgreSQL (store_postgres.py has the other side):
+    # updated_at strictly increases per user, so the sidebar order is the write order even when two
+    # writes fall in one clock tick (SQLite's MAX of two arguments is PostgreSQL's GREATEST)
+    BUMP = "MAX(:now, COALESCE((SELECT MAX(updated_at) FROM conversations WHERE user_id = :user), 0) + 1e-6)"
+    SAME = "IS"  # "=" that holds for two NULLs (root messages are siblings)
+    CONTAINS = "instr(casefold({}), :q) > 0"  # column {} holds the casefolded search text :q
+
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         if self.path == ":memory:" or not self.path:
@@ -221,7 +244,7 @@ class ChatStore:
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @property
-    def db(self) -> sqlite_utils.Database:
+    def db(self) -> Any:  # sqlite_utils.Database (PostgresChatStore: a connection that answers the same calls)
         """This thread's connection, opened on first use."""
         db = getattr(self._local, "db", None)
         if db is None:
@@ -246,7 +269,7 @@ class ChatStore:
             db.close()
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite_utils.Database]:
+    def _write(self) -> Iterator[Any]:  # this thread's connection (as db), in a transaction
         db = self.db
         try:
             db.execute("BEGIN IMMEDIATE")
@@ -262,6 +285,15 @@ class ChatStore:
                 raise
             raise failure from e
 
+    def _text_in(self, text: str) -> str:
+        """Text as this database stores it (SQLite: every character)."""
+        return text
+
+    def _check_integrity(self) -> None:
+        result = self.db.execute("PRAGMA quick_check").fetchone()[0]
+        if result != "ok":
+            raise StoreDamaged(f"SQLite quick_check: {result}")
+
     def _rows(self, sql: str, params: dict) -> list[dict]:
         return list(self.db.query(sql, params))
 
@@ -275,7 +307,7 @@ class ChatStore:
 
     def ensure_user(self, user: str) -> None:
         with self._write() as db:
-            db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (?, ?)", [_name(user, "user"), time.time()])
+            db.execute(_ADD_USER, [_name(user, "user"), time.time()])
 
     def delete_user(self, user: str) -> None:
         """Delete the user with all their conversations and messages (no error if absent)."""
@@ -289,7 +321,7 @@ class ChatStore:
         now = time.time()
         with self._write() as db:
             db.execute("DELETE FROM sessions WHERE expires_at <= ?", [now])
-            db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (?, ?)", [_name(user, "user"), now])
+            db.execute(_ADD_USER, [_name(user, "user"), now])
             db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?)", [token_hash, user, now, float(expires_at)])
 
     def session_user(self, token_hash: str) -> str | None:
@@ -318,17 +350,17 @@ class ChatStore:
         p: dict = dict(
             id=str(uuid.uuid4()),
             user=_name(user, "user"),
-            title=_title(title),
+            title=self._text_in(_title(title)),
             persona=None if persona is None else _name(persona, "persona"),
             settings=_json(settings, "settings"),
             model=None if model is None else _text(model, "model", MAX_MODEL_CHARS, required=True),
             now=time.time(),
         )
         with self._write() as db:
-            db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (:user, :now)", p)
+            db.execute("INSERT INTO users (id, created_at) VALUES (:user, :now) ON CONFLICT (id) DO NOTHING", p)
             db.execute(
                 "INSERT INTO conversations (id, user_id, title, persona, settings, model, created_at,"
-                f" updated_at) VALUES (:id, :user, :title, :persona, :settings, :model, :now, {_BUMP})",
+                f" updated_at) VALUES (:id, :user, :title, :persona, :settings, :model, :now, {self.BUMP})",
                 p,
             )
         return p["id"]
@@ -336,11 +368,11 @@ class ChatStore:
     def list_conversations(self, user: str, query: str | None = None) -> list[dict]:
         """The user's conversations, pinned first, then newest update first; ``query`` matches titles and message
         text as a case-insensitive (Unicode casefold) substring."""
-        q = _text(query, "query", MAX_TITLE_CHARS).strip().casefold() or None if query else None
+        q = self._text_in(_text(query, "query", MAX_TITLE_CHARS).strip().casefold()) or None if query else None
         rows = self._rows(
-            "SELECT c.* FROM conversations c WHERE c.user_id = :user AND (:q IS NULL"
-            " OR instr(casefold(c.title), :q) > 0 OR EXISTS (SELECT 1 FROM messages m"
-            " WHERE m.conversation_id = c.id AND instr(casefold(m.content), :q) > 0))"
+            "SELECT c.* FROM conversations c WHERE c.user_id = :user AND (CAST(:q AS TEXT) IS NULL"
+            f" OR {self.CONTAINS.format('c.title')} OR EXISTS (SELECT 1 FROM messages m"
+            f" WHERE m.conversation_id = c.id AND {self.CONTAINS.format('m.content')}))"
             " ORDER BY c.pinned DESC, c.updated_at DESC, c.rowid DESC",
             dict(user=user, q=q),
         )
@@ -356,7 +388,7 @@ class ChatStore:
         )
 
     def rename_conversation(self, user: str, conv_id: str, title: str) -> None:
-        self._update_conversation(user, conv_id, title=_title(title))
+        self._update_conversation(user, conv_id, title=self._text_in(_title(title)))
 
     def update_settings(self, user: str, conv_id: str, settings: dict, *, touch: bool = True) -> None:
         """touch=False: a change of the settings alone, which does not move the chat up the list."""
@@ -381,7 +413,7 @@ class ChatStore:
         sets = "".join(f"{k} = :{k}, " for k in cols)
         with self._write() as db:
             cur = db.execute(
-                f"UPDATE conversations SET {sets}updated_at = {_BUMP} WHERE id = :id AND user_id = :user",
+                f"UPDATE conversations SET {sets}updated_at = {self.BUMP} WHERE id = :id AND user_id = :user",
                 dict(cols, id=conv_id, user=user, now=time.time()),
             )
             if cur.rowcount != 1:
@@ -419,7 +451,7 @@ class ChatStore:
             user=user,
             parent=parent_id,
             role=role,
-            content=_text(content, "content", MAX_CONTENT_CHARS),
+            content=self._text_in(_text(content, "content", MAX_CONTENT_CHARS)),
             token_ids=_pack(token_ids),
             stats=_json(stats, "stats"),
             settings=_json(settings, "settings"),
@@ -431,7 +463,7 @@ class ChatStore:
                 "INSERT INTO messages (id, conversation_id, parent_id, role, content, token_ids,"
                 " stats, settings, status, created_at, updated_at) SELECT :id, c.id, :parent, :role,"
                 " :content, :token_ids, :stats, :settings, :status, :now, :now FROM conversations c"
-                " WHERE c.id = :conv AND c.user_id = :user AND (:parent IS NULL OR EXISTS"
+                " WHERE c.id = :conv AND c.user_id = :user AND (CAST(:parent AS TEXT) IS NULL OR EXISTS"
                 " (SELECT 1 FROM messages m WHERE m.id = :parent AND m.conversation_id = c.id))",
                 p,
             )
@@ -439,7 +471,9 @@ class ChatStore:
                 missing = f" or its message {parent_id!r}" if parent_id is not None else ""
                 raise NotFound(f"conversation {conv_id!r}{missing} not found")
             leaf = ", active_leaf_id = :id" if activate else ""
-            db.execute(f"UPDATE conversations SET updated_at = {_BUMP}{leaf} WHERE id = :conv AND user_id = :user", p)
+            db.execute(
+                f"UPDATE conversations SET updated_at = {self.BUMP}{leaf} WHERE id = :conv AND user_id = :user", p
+            )
         return p["id"]
 
     def update_message(
@@ -456,7 +490,7 @@ class ChatStore:
         Stop, final stats. Bumps the conversation's updated_at."""
         cols: dict = {}
         if content is not None:
-            cols["content"] = _text(content, "content", MAX_CONTENT_CHARS)
+            cols["content"] = self._text_in(_text(content, "content", MAX_CONTENT_CHARS))
         if token_ids is not None:
             cols["token_ids"] = _pack(token_ids)
         if stats is not None:
@@ -475,7 +509,7 @@ class ChatStore:
             if not rows:
                 raise NotFound(f"message {msg_id!r} not found")
             db.execute(
-                f"UPDATE conversations SET updated_at = {_BUMP} WHERE id = :conv AND user_id = :user",
+                f"UPDATE conversations SET updated_at = {self.BUMP} WHERE id = :conv AND user_id = :user",
                 dict(p, conv=rows[0][0]),
             )
 
@@ -499,8 +533,8 @@ class ChatStore:
         # NOTE: rowid order is insertion order (rows are never re-inserted), unlike wall clock time
         rows = self._rows(
             "SELECT s.* FROM messages m JOIN conversations c ON c.id = m.conversation_id"
-            " JOIN messages s ON s.conversation_id = m.conversation_id AND s.parent_id IS"
-            " m.parent_id WHERE m.id = :id AND c.user_id = :user ORDER BY s.rowid",
+            " JOIN messages s ON s.conversation_id = m.conversation_id AND s.parent_id"
+            f" {self.SAME} m.parent_id WHERE m.id = :id AND c.user_id = :user ORDER BY s.rowid",
             dict(id=msg_id, user=user),
         )
         if not rows:
@@ -584,11 +618,9 @@ class ChatStore:
     # maintenance (server side, not per user)
 
     def recover_interrupted(self) -> int:
-        """Run at server start: check the file, and mark replies that were streaming when the last
+        """Run at server start: check the database, and mark replies that were streaming when the last
         process died as 'interrupted'. Returns how many were marked."""
-        result = self.db.execute("PRAGMA quick_check").fetchone()[0]
-        if result != "ok":
-            raise StoreDamaged(f"SQLite quick_check: {result}")
+        self._check_integrity()
         with self._write() as db:
             return db.execute(
                 "UPDATE messages SET status = 'interrupted', updated_at = ? WHERE status = 'streaming'", [time.time()]

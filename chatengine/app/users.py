@@ -79,20 +79,19 @@ class UserDirectory:
 
     def all_users(self) -> list[dict]:
         """Every user: name, admin, disabled, can_sign_in, keys (their ids), created_at; by name."""
-        rows = self.store.db.query(
-            "SELECT u.*, (SELECT group_concat(k.id, ' ') FROM api_keys k WHERE k.user_id = u.id) AS key_ids"
-            " FROM users u ORDER BY u.id"
-        )
+        keys: dict[str, list[str]] = {}
+        for k in self.store.db.query("SELECT user_id, id FROM api_keys ORDER BY created_at, id"):
+            keys.setdefault(k["user_id"], []).append(k["id"])
         return [
             dict(
                 name=r["id"],
                 admin=bool(r["admin"]),
                 disabled=bool(r["disabled"]),
                 can_sign_in=r["password_hash"] is not None,
-                keys=(r["key_ids"] or "").split(),
+                keys=keys.get(r["id"], []),
                 created_at=r["created_at"],
             )
-            for r in rows
+            for r in self.store.db.query("SELECT * FROM users ORDER BY id")
         ]
 
     # ---- checks (constant-time in the secret) ----------------------------------------------------
@@ -192,7 +191,9 @@ class UserDirectory:
         if password is not None and not auth.is_hashed(password):
             password = auth.hash_password(password, iterations=self.iterations)  # never stored in plain text
         with self.store._write() as db:
-            db.execute("INSERT OR IGNORE INTO users (id, created_at) VALUES (?, ?)", [name, time.time()])
+            db.execute(
+                "INSERT INTO users (id, created_at) VALUES (?, ?) ON CONFLICT (id) DO NOTHING", [name, time.time()]
+            )
             db.execute(
                 "UPDATE users SET password_hash = COALESCE(?, password_hash), admin = ?, imported_at = ? WHERE id = ?",
                 [password, int(entry.get("admin") is True), time.time(), name],
