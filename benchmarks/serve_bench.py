@@ -16,8 +16,9 @@ growing histories. TTFT counts from the scheduled arrival.
 Targets: `async` drives AsyncLLM in this process; `http` drives the OpenAI-compatible API
 (/v1/completions with token-id prompts, streamed as SSE) of a server in a child process (engine and
 uvicorn there, as deployed; the client here); with --engine-process that server's engine runs in a
-process of its own (`serve --engine-process`), so HTTP and the engine's Python work never share a GIL. Each (target, cache) pair gets a fresh engine, warmed
-(CUDA graphs captured, each persona seen once), then runs every rate in turn.
+process of its own (`serve --engine-process`), so HTTP and the engine's Python work never share a
+GIL. Each (target, cache) pair gets a fresh engine, warmed (CUDA graphs captured, each persona seen
+once), then runs every rate in turn.
 
 Reports per rate: TTFT, ITL (gaps between streamed chunks), TPOT ((end - first token) / (tokens - 1))
 and end-to-end latency at p50/p90/p99, output tokens/s, goodput (requests/s meeting --slo-ttft-ms
