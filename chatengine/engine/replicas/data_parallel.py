@@ -272,7 +272,8 @@ def _placement(config: EngineConfig, device: torch.device, size: int) -> list[Re
         if device.type == "cuda":
             specs.append(ReplicaSpec(i, replica_config, cuda_devices=tuple(gpus[i * tp : (i + 1) * tp])))
         else:
-            specs.append(ReplicaSpec(i, replica_config, num_threads=max(1, (os.cpu_count() or 1) // size)))
+            threads = max(1, (os.cpu_count() or 1) // size) if size > 1 else None  # one: torch's own default
+            specs.append(ReplicaSpec(i, replica_config, num_threads=threads))
     return specs
 
 
