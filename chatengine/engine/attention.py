@@ -11,7 +11,7 @@ on CPU under TRITON_INTERPRET=1 for tests): one launch per op instead of ~8 (RMS
 
 import torch
 
-from chatengine.kernels import cache_ops, fused_ops, paged_attention
+from chatengine.kernels import cache_ops, cpu_fused, fused_ops, paged_attention
 
 
 class TorchBackend:
@@ -22,7 +22,12 @@ class TorchBackend:
 
     The reuse is opt-in: the model runner calls `begin_step(meta)` before each forward, and only
     calls with that very `meta` (and its `slot_mapping`) reuse the step's plan; any other call
-    computes its own, so nothing stale is ever read from reused staging buffers."""
+    computes its own, so nothing stale is ever read from reused staging buffers.
+
+    fp32 on the CPU, `fused` (kernels/cpu_fused.py, when its kernel builds) does RMSNorm, RoPE + the
+    KV store and SiLU-mul in one call each, and a decode step's attention (one query a sequence) in
+    one call over the paged cache, instead of ~30 small torch ops a layer. Off in deterministic mode
+    (its attention computes each row alone: paged_attention_rows_torch)."""
 
     name = "torch"
 
@@ -32,6 +37,10 @@ class TorchBackend:
         self._plans: dict = {}  # window -> (geometry, its TorchAttentionPlan), built at the first layer
         self._store = None  # its (cache rows, keep mask) for store_kv
         self._rope = None  # its (cos, sin, dtype, cos rows, signed sin rows)
+        self.fused = not deterministic and cpu_fused.available()
+
+    def _fused(self, x) -> bool:
+        return self.fused and x.dtype == torch.float32 and x.device.type == "cpu"
 
     def begin_step(self, meta, positions=None):
         self._meta, self._positions = meta, positions
@@ -72,6 +81,8 @@ class TorchBackend:
 
     def attention(self, q, k_cache, v_cache, meta, scale, window=0):
         """Each query over its sequence's cached keys: all before it, or its last `window`."""
+        if self._fused(q) and meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:  # a decode step
+            return cpu_fused.decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, window)
         if self.deterministic:
             return paged_attention.paged_attention_rows_torch(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale, window
@@ -115,6 +126,8 @@ class TorchBackend:
 
     def rms_norm(self, x, weight, eps, residual=None):
         """RMSNorm(x), or (RMSNorm(x + residual), x + residual)."""
+        if self._fused(x):
+            return cpu_fused.rms_norm(x, weight, eps, residual)
         return fused_ops.rms_norm_ref(x, weight, eps, residual)
 
     def rotary(self, positions, q, k, cos, sin):
@@ -148,11 +161,15 @@ class TorchBackend:
 
     def rotary_store_kv(self, positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
         """q rotated (returned); k rotated and v stored into the cache slots `slot_mapping`."""
+        if self._fused(q):
+            return cpu_fused.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
         q, k = self.rotary(positions, q, k, cos, sin)
         self.store_kv(k, v, k_cache, v_cache, slot_mapping)
         return q
 
     def silu_mul(self, gate_up):
+        if self._fused(gate_up):
+            return cpu_fused.silu_mul(gate_up)
         return fused_ops.silu_mul_ref(gate_up)
 
     def gelu_tanh_mul(self, gate_up):

@@ -186,21 +186,21 @@ def _build_dir() -> Path:
     return Path(os.environ.get("CHATENGINE_CACHE", Path.home() / ".cache" / "chatengine")) / "kernels"
 
 
-def _build() -> Path:
-    """Compile cpu_quant.cpp once per (source, flags, compiler); later calls find the .so."""
+def build(source: Path = SOURCE) -> Path:
+    """Compile `source` (this module's cpu_quant.cpp, or cpu_fused.cpp) once per (source, flags,
+    compiler); later calls find the .so."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
-    out = _build_dir() / f"cpu_quant-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
+    out = _build_dir() / f"{source.stem}-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
@@ -220,7 +220,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("CHATENGINE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx2():
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError) as e:
         log.warning("quantized CPU kernel unavailable (%s): using the slower torch path", e)
         return None

@@ -1,0 +1,160 @@
+// Fused per-layer ops for a CPU decode step, fp32: RMSNorm (+ residual add), SiLU(gate) * up, RoPE
+// with the new K/V's store into the paged cache, and single-query attention over the paged cache.
+//
+// In eager torch these are ~30 small ops a layer (RMSNorm ~8, RoPE ~6, the page gather + SDPA ~10,
+// SiLU-mul 3), each costing its dispatch and an allocation more than its arithmetic at decode sizes
+// (a 576-wide row). Each function here is one ctypes call that reads its inputs once.
+//
+// Numerics follow the torch references (fused_ops.py's *_ref, attention.py's rotary): RMSNorm rounds
+// x + residual to fp32 before squaring it, normalises in fp32, then scales by the weight; RoPE is
+// x1 c - x2 s, x2 c + x1 s with each product rounded (no FMA contraction: the pragma below);
+// sums run in another order than torch's, so results agree to a few ulp, not bit for bit.
+//
+// Plain C ABI, loaded with ctypes (cpu_fused.py); built like cpu_quant.cpp (AVX2 + FMA, OpenMP).
+
+#pragma GCC optimize("fp-contract=off")  // scalar a * b + c rounds twice, as torch's ops; intrinsics still FMA
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// a . b over n floats, n a multiple of 8.
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  return hsum(acc);
+}
+
+// out += p * v over n floats, n a multiple of 8.
+inline void axpy(float p, const float* v, float* out, int64_t n) {
+  const __m256 pp = _mm256_set1_ps(p);
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+}
+
+}  // namespace
+
+extern "C" {
+
+// out (T, N) = RMSNorm(h) * w with h = x (+ res); with res, h is also written to res_out (the
+// residual stream's next value). Row strides ldx, ldr, ldo, ldro.
+void cf_rms_norm(const float* x, int64_t ldx, const float* res, int64_t ldr, const float* w, float* out, int64_t ldo,
+                 float* res_out, int64_t ldro, int64_t T, int64_t N, float eps) {
+  for (int64_t t = 0; t < T; t++) {
+    const float* xt = x + t * ldx;
+    const float* h = xt;
+    if (res) {  // h = x + res, rounded to fp32 as torch's add
+      float* ro = res_out + t * ldro;
+      const float* rt = res + t * ldr;
+      for (int64_t i = 0; i < N; i++) ro[i] = xt[i] + rt[i];
+      h = ro;
+    }
+    double ss = 0;  // the mean of squares: double, so its order hardly matters
+    for (int64_t i = 0; i < N; i++) ss += static_cast<double>(h[i] * h[i]);
+    const float inv = 1.f / sqrtf(static_cast<float>(ss / N) + eps);
+    float* o = out + t * ldo;
+    for (int64_t i = 0; i < N; i++) o[i] = w[i] * (h[i] * inv);
+  }
+}
+
+// out (T, I) = silu(gate) * up for gate_up = [gate | up] (T, 2I) with row stride ldg.
+void cf_silu_mul(const float* gate_up, int64_t ldg, float* out, int64_t ldo, int64_t T, int64_t I) {
+  for (int64_t t = 0; t < T; t++) {
+    const float* g = gate_up + t * ldg;
+    const float* u = g + I;
+    float* o = out + t * ldo;
+    for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  }
+}
+
+// Token t at position pos[t]: its H_q query heads of q rotated into q_out (T, H_q, D) contiguous; its
+// H_kv key heads rotated
+// and, with its value heads, written to cache slot slots[t] (< 0: not stored). q, k, v: token
+// strides ldq, ldk, ldv, head stride D. cos, sin: fp32 tables with row stride ldc, each row
+// [c, c] (the first half serves both halves). Caches: page stride page_stride, bs slots a page,
+// each slot (H_kv, D) contiguous.
+void cf_rope_store(const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv,
+                   int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* cos, const float* sin, int64_t ldc,
+                   const int32_t* pos, const int32_t* slots, float* q_out, float* k_cache, float* v_cache,
+                   int64_t page_stride, int64_t bs) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; t++) {
+    const float* c = cos + static_cast<int64_t>(pos[t]) * ldc;
+    const float* s = sin + static_cast<int64_t>(pos[t]) * ldc;
+    auto rotate = [&](const float* x, float* y) {
+      for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        y[i] = x1 * c[i] - x2 * s[i];
+        y[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    };
+    for (int64_t h = 0; h < Hq; h++) rotate(q + t * ldq + h * D, q_out + (t * Hq + h) * D);
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t at = slot / bs * page_stride + slot % bs * Hkv * D;
+    for (int64_t h = 0; h < Hkv; h++) {
+      rotate(k + t * ldk + h * D, k_cache + at + h * D);
+      std::copy(v + t * ldv + h * D, v + t * ldv + (h + 1) * D, v_cache + at + h * D);
+    }
+  }
+}
+
+// One query token per sequence (a decode step): out (B, H_q, D) contiguous. Sequence b's query
+// q + b * ldq (heads at stride D) attends over its first lens[b] cached keys (the last `window`
+// of them when window > 0), found through its row of the block table (stride ldt). Query heads
+// h_kv * G .. h_kv * G + G - 1 share KV head h_kv (G = H_q / H_kv). Scores for one (b, h_kv) go to
+// a buffer, then an exact softmax (max subtracted) weights the values. D a multiple of 8.
+void cf_decode_attention(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, int64_t page_stride,
+                         int64_t bs, int64_t Hq, int64_t Hkv, int64_t D, const int32_t* tables, int64_t ldt,
+                         const int32_t* lens, int64_t B, float scale, int64_t window, float* out, int threads) {
+  const int64_t G = Hq / Hkv;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && B * Hkv > 1)
+  for (int64_t task = 0; task < B * Hkv; task++) {
+    const int64_t b = task / Hkv, h = task % Hkv;
+    const int64_t L = lens[b];
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    const int32_t* table = tables + b * ldt;
+    thread_local std::vector<float> scores;
+    if (static_cast<int64_t>(scores.size()) < G * L) scores.resize(G * L);
+    float* out_h = out + (b * Hq + h * G) * D;
+    std::fill(out_h, out_h + G * D, 0.f);
+    if (L <= lo) continue;
+    auto slot_at = [&](const float* cache, int64_t s) {
+      return cache + static_cast<int64_t>(table[s / bs]) * page_stride + s % bs * Hkv * D + h * D;
+    };
+    for (int64_t g = 0; g < G; g++) {
+      const float* qg = q + b * ldq + (h * G + g) * D;
+      float* sc = scores.data() + g * L;
+      float mx = -INFINITY;
+      for (int64_t s = lo; s < L; s++) {
+        sc[s] = dot(qg, slot_at(k_cache, s), D) * scale;
+        mx = std::max(mx, sc[s]);
+      }
+      float sum = 0.f;
+      for (int64_t s = lo; s < L; s++) {
+        sc[s] = expf(sc[s] - mx);
+        sum += sc[s];
+      }
+      const float inv = 1.f / sum;
+      for (int64_t s = lo; s < L; s++) sc[s] *= inv;
+    }
+    for (int64_t s = lo; s < L; s++) {  // each value row read once for the G heads
+      const float* vs = slot_at(v_cache, s);
+      for (int64_t g = 0; g < G; g++) axpy(scores[g * L + s], vs, out_h + g * D, D);
+    }
+  }
+}
+
+}  // extern "C"
