@@ -116,6 +116,22 @@ def test_kernel_quantizes_activation_rows_bit_for_bit():
 
 
 @needs_kernel
+def test_q16_rounding_matches_its_reference_bit_for_bit():
+    x = torch.randn(3, 320) * torch.logspace(-3, 2, 320)
+    x[1, :64] = 0  # zero blocks: d = 0, levels 0
+    q, d, s = cq.quantize_rows16_ref(x)
+    assert q.abs().max() == 32767
+    assert (x.reshape(3, -1, 32) - q.reshape(3, -1, 32).float() * d[..., None]).abs().amax(-1).le(d / 2 * 1.0001).all()
+    # the kernel's own blocks: a GEMV against q8_0 weights c I (c = 127/64: d = 1/64, exact) reads them
+    # back, scaled (a level off would be an error of d, ~1e-5 relative)
+    c = 127 / 64
+    qw = cq.quantize(torch.eye(320)[:64] * c, "q8_0")
+    y = cq.linear(x, qw, activations="q16")
+    ref = (q.float().reshape(3, -1, 32) * d[..., None]).reshape(3, 320)[:, :64] * c
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("fmt", cq.FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 def test_kernel_gemv_is_exact_where_the_values_are(fmt, rows):
@@ -147,14 +163,22 @@ def test_kernel_linear_matches_the_reference(fmt, rows):
     _, d, _ = cq.quantize_rows_ref(x)
     bound = cq.dequantize_ref(qw).abs() @ (d.repeat_interleave(32, dim=1) / 2).T
     assert ((ours - ref).abs() <= bound.T + 1e-4).all()
+    ours = cq.linear(x, qw, b, "q16")
+    torch.testing.assert_close(ours, cq.linear_q16_ref(x, qw, b), rtol=1e-5, atol=1e-5)
+    _, d, _ = cq.quantize_rows16_ref(x)  # q16: the same bound with its step
+    bound = cq.dequantize_ref(qw).abs() @ (d.repeat_interleave(32, dim=1) / 2).T
+    assert ((ours - ref).abs() <= bound.T + 1e-5).all()
+    auto = "fp32" if fmt == "q8_0" else "q16"  # the default picks by format
+    assert torch.equal(cq.linear(x, qw, b, "auto"), cq.linear(x, qw, b, auto))
 
 
 @needs_kernel
 def test_kernel_linear_takes_strided_and_batched_inputs():
     qw = cq.quantize(weights(n=40, k=64, seed=5), "q4_1")
     x = torch.randn(3, 2, 128)[..., ::2]  # (3, 2, 64), a non-unit inner stride
-    torch.testing.assert_close(cq.linear(x, qw), cq.linear_ref(x, qw), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cq.linear(x, qw, activations="fp32"), cq.linear_ref(x, qw), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cq.linear(x, qw, activations="q8"), cq.linear_q8_ref(x, qw), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cq.linear(x, qw, activations="q16"), cq.linear_q16_ref(x, qw), rtol=1e-5, atol=1e-5)
     assert cq.linear(x, qw).shape == (3, 2, 40)
 
 
