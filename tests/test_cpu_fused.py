@@ -114,3 +114,26 @@ def test_torch_backend_decode_step_takes_the_kernels():
     for b in (fused, plain):
         b.begin_step(meta)
     close(fused.attention(q, k_cache, v_cache, meta, 0.125), plain.attention(q, k_cache, v_cache, meta, 0.125))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_decode_layer_in_one_call_equals_the_layer_of_ops(fmt, monkeypatch):
+    from chatengine import LLM, SamplingParams
+
+    llm = LLM("dummy:tiny", quantization=fmt, device="cpu", num_kv_blocks=64, max_num_batched_tokens=64)
+    model = llm.engine.runner.model
+    prompts = [list(range(3, 40)), list(range(7, 12)), list(range(20, 41))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    calls = []
+    one_call = cf.decode_layer
+    monkeypatch.setattr(cf, "decode_layer", lambda *a: calls.append(1) or one_call(*a))
+    fused = llm.generate(prompts, params)
+    assert len(calls) == 11 * len(model.layers)  # every decode step, every layer (batched)
+    monkeypatch.setattr(model, "_cpu_decode_step", lambda *a: None)  # the modules' path, op by op
+    plain = llm.generate(prompts, params)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [lp[t] for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+        lb = [lp[t] for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-4)
+    llm.shutdown()

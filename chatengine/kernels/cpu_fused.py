@@ -16,6 +16,7 @@ AVX2, CHATENGINE_CPU_KERNELS=0 or CHATENGINE_CPU_FUSED=0) or the inputs are not 
 import ctypes
 import logging
 import os
+from ctypes import c_double, c_int64, c_void_p
 
 import torch
 
@@ -56,6 +57,8 @@ def library() -> ctypes.CDLL | None:
     lib.cf_decode_attention.argtypes += [ptr, i32]
     for f in (lib.cf_rms_norm, lib.cf_silu_mul, lib.cf_rope_store, lib.cf_decode_attention):
         f.restype = None
+    lib.cf_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.cf_decode_layer.restype = i32
     _lib = lib
     return lib
 
@@ -161,3 +164,63 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale: float, 
         window, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------- a whole decode layer
+class QLinear(ctypes.Structure):
+    """cpu_fused.cpp's QLinear: one quantized projection and the GEMV that multiplies it."""
+
+    _fields_ = [("gemv", c_void_p), ("fmt", c_int64), ("qs", c_void_p), ("d", c_void_p), ("m", c_void_p)]
+    _fields_ += [("bias", c_void_p), ("N", c_int64), ("K", c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """cpu_fused.cpp's Layer: a plain Llama layer's weights, shapes and cache views (raw pointers:
+    whoever builds one keeps the tensors alive)."""
+
+    _fields_ = [("qkv", QLinear), ("o", QLinear), ("gate_up", QLinear), ("down", QLinear)]
+    _fields_ += [("input_norm", c_void_p), ("post_norm", c_void_p), ("eps", c_double), ("scale", c_double)]
+    _fields_ += [(n, c_int64) for n in ("H", "Hq", "Hkv", "D", "I", "window")]
+    _fields_ += [("k_cache", c_void_p), ("v_cache", c_void_p), ("page_stride", c_int64), ("bs", c_int64)]
+    _fields_ += [("cos", c_void_p), ("sin", c_void_p), ("ldc", c_int64)]
+
+
+class Step(ctypes.Structure):
+    """cpu_fused.cpp's Step: one decode step's B sequences (int32 arrays; `keep` holds them)."""
+
+    _fields_ = [("B", c_int64), ("pos", c_void_p), ("slots", c_void_p), ("tables", c_void_p), ("ldt", c_int64)]
+    _fields_ += [("lens", c_void_p), ("threads", c_int64)]
+    keep: tuple
+
+
+def qlinear(qw: cpu_quant.QuantWeight, bias: torch.Tensor | None = None) -> QLinear | None:
+    """A projection's QLinear (its GEMV as `cpu_quant.linear` picks it), or None without the kernel."""
+    lib = cpu_quant.library()
+    if lib is None or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
+        return None
+    gemv = ctypes.cast(cpu_quant.gemv_of(lib, qw.fmt), c_void_p).value
+    qs, d, m = qw.ptrs
+    return QLinear(gemv, qw.fmt_id, qs, d, m, None if bias is None else bias.data_ptr(), *qw.shape)
+
+
+def decode_step(positions, slot_mapping, block_tables, seq_lens) -> Step:
+    """The Step of a decode step (one new token a sequence)."""
+    pos, slots, tables, lens = (_int32(t) for t in (positions, slot_mapping, block_tables, seq_lens))
+    step = Step(lens.shape[0], pos.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr())
+    step.threads = torch.get_num_threads()
+    step.keep = (pos, slots, tables, lens)  # the int32 copies live as long as the step
+    return step
+
+
+def decode_layer(layer: Layer, step: Step, x: torch.Tensor, residual: torch.Tensor | None):
+    """One plain Llama decoder layer over a decode step's rows x (B, H) fp32: returns (MLP output,
+    residual stream), DecoderLayer.forward's (same ops, same order; GEMVs as cpu_quant.linear's)."""
+    assert _lib is not None and x.is_contiguous() and (residual is None or residual.is_contiguous())
+    out, res_out = torch.empty(x.shape), torch.empty(x.shape)
+    rc = _lib.cf_decode_layer(
+        ctypes.addressof(layer), ctypes.addressof(step), x.data_ptr(),
+        None if residual is None else residual.data_ptr(), out.data_ptr(), res_out.data_ptr(),
+    )  # fmt: skip
+    if rc:
+        raise RuntimeError(f"cf_decode_layer failed ({rc})")
+    return out, res_out

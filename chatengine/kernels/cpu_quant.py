@@ -290,6 +290,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, d, s
 
 
+def gemv_of(lib: ctypes.CDLL, fmt: str, activations: str | None = None):
+    """The kernel's GEMV entry point for weights in `fmt` under `activations` (ACTIVATIONS if None)."""
+    mode = activations or ACTIVATIONS
+    if mode == "auto":
+        mode = "fp32" if fmt == "q8_0" else "q16"
+    return lib.cq_gemv_q16 if mode == "q16" else lib.cq_gemv_q8 if mode == "q8" else lib.cq_gemv_f32
+
+
 def linear(
     x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, activations: str | None = None
 ) -> torch.Tensor:
@@ -308,10 +316,7 @@ def linear(
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
-    mode = activations or ACTIVATIONS
-    if mode == "auto":
-        mode = "fp32" if qw.fmt == "q8_0" else "q16"
-    gemv = lib.cq_gemv_q16 if mode == "q16" else lib.cq_gemv_q8 if mode == "q8" else lib.cq_gemv_f32
+    gemv = gemv_of(lib, qw.fmt, activations)
     gemv(qw.fmt_id, *qw.ptrs, N, K, x2.data_ptr(), M, x2.stride(0), y.data_ptr(), N, torch.get_num_threads())
     if bias is not None:
         y += bias

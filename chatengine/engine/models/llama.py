@@ -29,6 +29,7 @@ from chatengine.engine.models.parallel_layers import (
     split,
 )
 from chatengine.engine.parallel.group import TPGroup
+from chatengine.kernels import cpu_fused, cpu_quant
 
 
 @dataclass
@@ -198,6 +199,39 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(H, eps, backend)
             self.post_feedforward_layernorm = RMSNorm(H, eps, backend)
 
+    def cpu_decode_plan(self, kv_cache: torch.Tensor, rope: "RotaryEmbedding") -> cpu_fused.Layer | None:
+        """This layer as one cpu_fused.decode_layer call (a CPU decode step), or None where it is not a
+        plain one: the fused kernels off, not every projection in blocks, qk norms, sandwich norms,
+        GeGLU, tensor parallel, a cache it cannot index. Built once per (KV pool, RoPE table)."""
+        key = (kv_cache.data_ptr(), rope.cos.data_ptr())
+        cached = getattr(self, "_cpu_plan", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        k_cache, v_cache = kv_cache[:, attn.layer, 0], kv_cache[:, attn.layer, 1]
+        plain = (
+            getattr(attn.backend, "fused", False)
+            and all(lin.qweight is not None for lin in linears)
+            and not (attn.qk_norm or self.sandwich or mlp.gelu or attn.o_proj.group.is_parallel)
+            and attn.head_dim % 8 == 0
+            and cpu_fused._cache_ok(k_cache, v_cache)
+            and rope.cos.dtype == torch.float32
+            and self.input_layernorm.weight.dtype == torch.float32
+        )
+        qls = [cpu_fused.qlinear(lin.qweight, lin.bias) for lin in linears] if plain else []  # type: ignore[arg-type]
+        plan = None
+        if plain and all(ql is not None for ql in qls):
+            plan = cpu_fused.Layer(
+                *qls, self.input_layernorm.weight.data_ptr(), self.post_attention_layernorm.weight.data_ptr(),
+                self.input_layernorm.eps, attn.scale, self.input_layernorm.weight.shape[0], attn.num_heads,
+                attn.num_kv_heads, attn.head_dim, mlp.intermediate, attn.window, k_cache.data_ptr(),
+                v_cache.data_ptr(), k_cache.stride(0), k_cache.shape[1], rope.cos.data_ptr(), rope.sin.data_ptr(),
+                rope.cos.stride(0),
+            )  # fmt: skip
+        self._cpu_plan = (key, plan)
+        return plan
+
     def forward(self, x, residual, positions, rope, kv_cache, meta):
         if residual is None:  # first layer: x is the embedding
             h, residual = self.input_layernorm(x), x
@@ -241,12 +275,34 @@ class LlamaModel(nn.Module):
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         layer: Any
+        step = self._cpu_decode_step(x, positions, kv_cache, meta)
         for layer in self.layers:
             local = self.rope_local is not None and layer.self_attn.window > 0
-            x, residual = layer(x, residual, positions, self.rope_local if local else self.rope, kv_cache, meta)
+            rope = self.rope_local if local else self.rope
+            plan = layer.cpu_decode_plan(kv_cache, rope) if step is not None else None
+            if plan is not None and step is not None:  # the whole layer in one call (cpu_fused.decode_layer)
+                x, residual = cpu_fused.decode_layer(plan, step, x, residual)
+            else:
+                x, residual = layer(x, residual, positions, rope, kv_cache, meta)
         assert residual is not None  # every model has at least one layer
         x, _ = self.norm(x[logits_indices], residual[logits_indices])  # only the rows that sample
         return self.lm_head(x)
+
+    def _cpu_decode_step(self, x, positions, kv_cache, meta) -> cpu_fused.Step | None:
+        """A CPU decode step's cpu_fused.Step (one new token a sequence, fp32, rows the GEMV takes),
+        for the layers that run as one call (DecoderLayer.cpu_decode_plan); else None."""
+        T = x.shape[0]
+        if (
+            x.device.type != "cpu"
+            or x.dtype != torch.float32
+            or kv_cache.dtype != torch.float32
+            or meta.max_seqlen_q != 1
+            or T != meta.seq_lens.shape[0]
+            or not 0 < T <= cpu_quant.GEMV_MAX_ROWS
+            or not cpu_fused.available()
+        ):
+            return None
+        return cpu_fused.decode_step(positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
 
     def quantize_fp8(self) -> None:
         """The attention and MLP projections to e4m3 weights with per-channel scales (after loading)."""
