@@ -185,3 +185,26 @@ def test_settings_are_checked_before_any_process_starts():
     args = build_parser().parse_args(["--data-parallel-size", "2", "--engine-process"])
     assert (args.data_parallel_size, args.engine_process) == (2, True)
     assert {"data_parallel_size", "engine_process"} <= set(ENGINE_FLAGS)
+
+
+@pytest.mark.slow  # six processes (two replicas of two gloo ranks): run with the whole suite (README)
+def test_replicas_of_tensor_parallel_engines_give_one_engines_tokens():
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6], [4] * 20]
+    settings = dict(num_kv_blocks=64, max_num_batched_tokens=64)
+    dp = DataParallelLLM("dummy:tiny", data_parallel_size=2, tensor_parallel_size=2, **settings)
+    try:
+        got = asyncio.run(_all(dp, prompts))
+        assert all(s["num_generated_tokens"] > 0 for s in settled(dp, lambda s: s["kv_blocks_used"] == 0))
+    finally:
+        dp.shutdown()
+    one = LLM("dummy:tiny", **settings)
+    try:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
+    finally:
+        one.shutdown()
+    assert got == want
+
+
+async def _all(engine, prompts):
+    outs = await asyncio.gather(*[last(engine, p, user=f"t{i}") for i, p in enumerate(prompts)])
+    return [o.outputs[0].token_ids for o in outs]
