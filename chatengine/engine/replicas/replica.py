@@ -55,7 +55,8 @@ def main(spec: ReplicaSpec, conn: Connection) -> None:
         os._exit(1)
     loop = ReplicaLoop(engine, conn)
     try:
-        loop.send(("ready", {"num_blocks": engine.block_manager.num_blocks, "model_id": engine.model_id}))
+        facts = {"num_blocks": engine.block_manager.num_blocks, "model_id": engine.model_id, "stats": engine.stats()}
+        loop.send(("ready", facts))
         for ids in engine.personas.values():
             loop.warm(ids)
         threading.Thread(target=loop.read, name="chatengine-replica-pipe", daemon=True).start()
