@@ -6,12 +6,16 @@ The tests share one DataParallelLLM (starting two processes costs seconds) and r
 the last one kills a replica."""
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 
-from chatengine import LLM, DataParallelLLM, SamplingParams
+from chatengine import LLM, DataParallelLLM, SamplingParams, StructuredOutputs
+from chatengine.engine.replicas.data_parallel import _Running
+from chatengine.engine.replicas.deltas import OutputAssembler
 
 SETTINGS = dict(num_kv_blocks=96, max_num_batched_tokens=128, register_personas=False)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -136,6 +140,39 @@ def test_bad_requests_raise_at_once_and_leave_nothing(dp):
     settled(dp, lambda s: s["kv_blocks_used"] == 0 and s["num_running"] == 0)
 
 
+def test_structured_requests_compile_off_the_pipe_and_abort_while_compiling(dp):
+    choice = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+
+    async def run():
+        aborted = dp.generate(chat_ids(dp, "Yes or no?"), choice, request_id="early-abort", user="q")
+        task = asyncio.create_task(aborted.__anext__())
+        await asyncio.sleep(0)  # sent; its grammar may still be compiling on the replica
+        await dp.abort("early-abort")
+        first = await task
+        rest = [o async for o in aborted]
+        plain = await last(dp, chat_ids(dp, "Plain one."), user="q")
+        answered = await last(dp, chat_ids(dp, "Yes or no?"), choice, user="q")
+        return (rest[-1] if rest else first), plain, answered
+
+    aborted, plain, answered = asyncio.run(run())
+    assert aborted.finished and aborted.outputs[0].finish_reason in ("abort", "stop", "length")
+    assert len(plain.outputs[0].token_ids) == GREEDY.max_tokens
+    assert answered.outputs[0].text in ("yes", "no")
+    settled(dp, lambda s: s["kv_blocks_used"] == 0)
+
+
+def test_replicas_leave_ctrl_c_to_the_api_process(dp):
+    for r in dp.replicas:
+        os.kill(r.process.pid, signal.SIGINT)
+    time.sleep(0.3)
+
+    async def run():
+        return await asyncio.gather(*[last(dp, chat_ids(dp, f"Still there {i}?"), user=f"c{i}") for i in range(2)])
+
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in asyncio.run(run()))
+    assert all(r.alive and r.process.is_alive() for r in dp.replicas)
+
+
 def test_the_api_serves_it(dp, tmp_path):
     from chatengine.app.server import close_app, create_app
 
@@ -154,6 +191,11 @@ def test_the_api_serves_it(dp, tmp_path):
 
 def test_a_dead_replica_fails_only_its_own_requests(dp):
     victim = dp.replicas[1]
+    # a request on the victim whose caller's event loop has closed: failing it must not stop the
+    # others from being failed
+    closed = asyncio.new_event_loop()
+    closed.close()
+    dp._running["ghost"] = _Running(1, closed, asyncio.Queue(), OutputAssembler("ghost", None, [1]), "g", 0)
 
     async def run():
         slow = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -161,10 +203,10 @@ def test_a_dead_replica_fails_only_its_own_requests(dp):
         firsts = [await g.__anext__() for g in doomed]  # both running: one on each replica
         on_victim = [g for g, o in zip(doomed, firsts) if dp._running[o.request_id].replica == 1]
         survivor = [g for g in doomed if g not in on_victim]
+        dp.router.load[1] += 1  # the ghost's (counted only now: the two above had to spread)
         victim.process.kill()
-        with pytest.raises(RuntimeError, match="replica 1"):
-            async for _ in on_victim[0]:
-                pass
+        with pytest.raises(RuntimeError, match="replica 1"):  # within seconds, not never
+            await asyncio.wait_for(_drain(on_victim[0]), timeout=30)
         for g in survivor:
             await g.aclose()
         return await asyncio.gather(*[last(dp, chat_ids(dp, f"After {i}"), user="w") for i in range(3)])
@@ -173,6 +215,7 @@ def test_a_dead_replica_fails_only_its_own_requests(dp):
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     assert dp.is_running and not victim.alive
     assert dp.router.alive == [True, False]
+    assert "ghost" not in dp._running and dp.router.load == [0, 0]
 
 
 def test_settings_are_checked_before_any_process_starts():
@@ -203,6 +246,11 @@ def test_replicas_of_tensor_parallel_engines_give_one_engines_tokens():
     finally:
         one.shutdown()
     assert got == want
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
 
 
 async def _all(engine, prompts):

@@ -72,7 +72,10 @@ class ReplicaHandle:
                 break
             kind = message[0]
             if kind == "out":
-                on_out(self.index, message[1], message[2])
+                try:
+                    on_out(self.index, message[1], message[2])
+                except Exception:  # a bug there must not silence this replica for good
+                    log.exception("replica %d: its outputs could not be delivered", self.index)
             elif kind == "stats":
                 self.stats = message[1]
             elif kind == "stopped":
