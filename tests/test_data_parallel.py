@@ -53,10 +53,15 @@ def settled(dp, check, timeout=10.0):
 def test_greedy_tokens_equal_one_engine_and_new_conversations_spread(dp, tiny_chat_model):
     prompts = [chat_ids(dp, f"Question number {i} about the sea?") for i in range(6)]
     sampled = SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
+    # logprobs, prompt logprobs and a stop string (whose text is held back while it may be one)
+    # travel as deltas too
+    scored = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, prompt_logprobs=1, stop=[" the", "."])
 
     async def run():
         return await asyncio.gather(
-            *[last(dp, p, user=f"u{i}") for i, p in enumerate(prompts)], last(dp, prompts[0], sampled, user="s")
+            *[last(dp, p, user=f"u{i}") for i, p in enumerate(prompts)],
+            last(dp, prompts[0], sampled, user="s"),
+            last(dp, prompts[1], scored, user="s"),
         )
 
     outs = asyncio.run(run())
@@ -64,10 +69,22 @@ def test_greedy_tokens_equal_one_engine_and_new_conversations_spread(dp, tiny_ch
     try:
         want = [one.generate(p, GREEDY, user=f"u{i}")[0] for i, p in enumerate(prompts)]
         want.append(one.generate(prompts[0], sampled, user="s")[0])
+        want.append(one.generate(prompts[1], scored, user="s")[0])
     finally:
         one.shutdown()
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in w.outputs] for w in want]
     assert [o.outputs[0].text for o in outs] == [w.outputs[0].text for w in want]
+    got, expected = outs[-1], want[-1]  # fp32 sums of other batch shapes: equal to ~1e-6
+    assert len(got.outputs[0].logprobs) == len(got.outputs[0].token_ids) > 0
+    for a, b in zip(
+        got.outputs[0].logprobs + got.prompt_logprobs[1:], expected.outputs[0].logprobs + expected.prompt_logprobs[1:]
+    ):
+        assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+    assert len(got.prompt_logprobs) == len(prompts[1]) and got.prompt_logprobs[0] is None
+    assert (got.outputs[0].finish_reason, got.outputs[0].stop_reason) == (
+        expected.outputs[0].finish_reason,
+        expected.outputs[0].stop_reason,
+    )
     each = settled(dp, lambda s: s["kv_blocks_used"] == 0)
     assert all(s["num_generated_tokens"] > 0 for s in each)  # both replicas served some
     assert dp.stats()["router"]["load"] == [0, 0]
