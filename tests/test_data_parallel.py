@@ -6,12 +6,16 @@ The tests share one DataParallelLLM (starting two processes costs seconds) and r
 the last one kills a replica."""
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 
-from chatengine import LLM, DataParallelLLM, SamplingParams
+from chatengine import LLM, DataParallelLLM, SamplingParams, StructuredOutputs
+from chatengine.engine.replicas.data_parallel import _Running
+from chatengine.engine.replicas.deltas import OutputAssembler
 
 SETTINGS = dict(num_kv_blocks=96, max_num_batched_tokens=128, register_personas=False)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -49,10 +53,15 @@ def settled(dp, check, timeout=10.0):
 def test_greedy_tokens_equal_one_engine_and_new_conversations_spread(dp, tiny_chat_model):
     prompts = [chat_ids(dp, f"Question number {i} about the sea?") for i in range(6)]
     sampled = SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
+    # logprobs, prompt logprobs and a stop string (whose text is held back while it may be one)
+    # travel as deltas too
+    scored = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, prompt_logprobs=1, stop=[" the", "."])
 
     async def run():
         return await asyncio.gather(
-            *[last(dp, p, user=f"u{i}") for i, p in enumerate(prompts)], last(dp, prompts[0], sampled, user="s")
+            *[last(dp, p, user=f"u{i}") for i, p in enumerate(prompts)],
+            last(dp, prompts[0], sampled, user="s"),
+            last(dp, prompts[1], scored, user="s"),
         )
 
     outs = asyncio.run(run())
@@ -60,10 +69,22 @@ def test_greedy_tokens_equal_one_engine_and_new_conversations_spread(dp, tiny_ch
     try:
         want = [one.generate(p, GREEDY, user=f"u{i}")[0] for i, p in enumerate(prompts)]
         want.append(one.generate(prompts[0], sampled, user="s")[0])
+        want.append(one.generate(prompts[1], scored, user="s")[0])
     finally:
         one.shutdown()
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in w.outputs] for w in want]
     assert [o.outputs[0].text for o in outs] == [w.outputs[0].text for w in want]
+    got, expected = outs[-1], want[-1]  # fp32 sums of other batch shapes: equal to ~1e-6
+    assert len(got.outputs[0].logprobs) == len(got.outputs[0].token_ids) > 0
+    for a, b in zip(
+        got.outputs[0].logprobs + got.prompt_logprobs[1:], expected.outputs[0].logprobs + expected.prompt_logprobs[1:]
+    ):
+        assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+    assert len(got.prompt_logprobs) == len(prompts[1]) and got.prompt_logprobs[0] is None
+    assert (got.outputs[0].finish_reason, got.outputs[0].stop_reason) == (
+        expected.outputs[0].finish_reason,
+        expected.outputs[0].stop_reason,
+    )
     each = settled(dp, lambda s: s["kv_blocks_used"] == 0)
     assert all(s["num_generated_tokens"] > 0 for s in each)  # both replicas served some
     assert dp.stats()["router"]["load"] == [0, 0]
@@ -136,6 +157,39 @@ def test_bad_requests_raise_at_once_and_leave_nothing(dp):
     settled(dp, lambda s: s["kv_blocks_used"] == 0 and s["num_running"] == 0)
 
 
+def test_structured_requests_compile_off_the_pipe_and_abort_while_compiling(dp):
+    choice = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+
+    async def run():
+        aborted = dp.generate(chat_ids(dp, "Yes or no?"), choice, request_id="early-abort", user="q")
+        task = asyncio.create_task(aborted.__anext__())
+        await asyncio.sleep(0)  # sent; its grammar may still be compiling on the replica
+        await dp.abort("early-abort")
+        first = await task
+        rest = [o async for o in aborted]
+        plain = await last(dp, chat_ids(dp, "Plain one."), user="q")
+        answered = await last(dp, chat_ids(dp, "Yes or no?"), choice, user="q")
+        return (rest[-1] if rest else first), plain, answered
+
+    aborted, plain, answered = asyncio.run(run())
+    assert aborted.finished and aborted.outputs[0].finish_reason in ("abort", "stop", "length")
+    assert len(plain.outputs[0].token_ids) == GREEDY.max_tokens
+    assert answered.outputs[0].text in ("yes", "no")
+    settled(dp, lambda s: s["kv_blocks_used"] == 0)
+
+
+def test_replicas_leave_ctrl_c_to_the_api_process(dp):
+    for r in dp.replicas:
+        os.kill(r.process.pid, signal.SIGINT)
+    time.sleep(0.3)
+
+    async def run():
+        return await asyncio.gather(*[last(dp, chat_ids(dp, f"Still there {i}?"), user=f"c{i}") for i in range(2)])
+
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in asyncio.run(run()))
+    assert all(r.alive and r.process.is_alive() for r in dp.replicas)
+
+
 def test_the_api_serves_it(dp, tmp_path):
     from chatengine.app.server import close_app, create_app
 
@@ -154,6 +208,11 @@ def test_the_api_serves_it(dp, tmp_path):
 
 def test_a_dead_replica_fails_only_its_own_requests(dp):
     victim = dp.replicas[1]
+    # a request on the victim whose caller's event loop has closed: failing it must not stop the
+    # others from being failed
+    closed = asyncio.new_event_loop()
+    closed.close()
+    dp._running["ghost"] = _Running(1, closed, asyncio.Queue(), OutputAssembler("ghost", None, [1]), "g", 0)
 
     async def run():
         slow = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -161,10 +220,10 @@ def test_a_dead_replica_fails_only_its_own_requests(dp):
         firsts = [await g.__anext__() for g in doomed]  # both running: one on each replica
         on_victim = [g for g, o in zip(doomed, firsts) if dp._running[o.request_id].replica == 1]
         survivor = [g for g in doomed if g not in on_victim]
+        dp.router.load[1] += 1  # the ghost's (counted only now: the two above had to spread)
         victim.process.kill()
-        with pytest.raises(RuntimeError, match="replica 1"):
-            async for _ in on_victim[0]:
-                pass
+        with pytest.raises(RuntimeError, match="replica 1"):  # within seconds, not never
+            await asyncio.wait_for(_drain(on_victim[0]), timeout=30)
         for g in survivor:
             await g.aclose()
         return await asyncio.gather(*[last(dp, chat_ids(dp, f"After {i}"), user="w") for i in range(3)])
@@ -173,6 +232,7 @@ def test_a_dead_replica_fails_only_its_own_requests(dp):
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     assert dp.is_running and not victim.alive
     assert dp.router.alive == [True, False]
+    assert "ghost" not in dp._running and dp.router.load == [0, 0]
 
 
 def test_settings_are_checked_before_any_process_starts():
@@ -185,3 +245,31 @@ def test_settings_are_checked_before_any_process_starts():
     args = build_parser().parse_args(["--data-parallel-size", "2", "--engine-process"])
     assert (args.data_parallel_size, args.engine_process) == (2, True)
     assert {"data_parallel_size", "engine_process"} <= set(ENGINE_FLAGS)
+
+
+@pytest.mark.slow  # six processes (two replicas of two gloo ranks): run with the whole suite (README)
+def test_replicas_of_tensor_parallel_engines_give_one_engines_tokens():
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6], [4] * 20]
+    settings = dict(num_kv_blocks=64, max_num_batched_tokens=64)
+    dp = DataParallelLLM("dummy:tiny", data_parallel_size=2, tensor_parallel_size=2, **settings)
+    try:
+        got = asyncio.run(_all(dp, prompts))
+        assert all(s["num_generated_tokens"] > 0 for s in settled(dp, lambda s: s["kv_blocks_used"] == 0))
+    finally:
+        dp.shutdown()
+    one = LLM("dummy:tiny", **settings)
+    try:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
+    finally:
+        one.shutdown()
+    assert got == want
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+async def _all(engine, prompts):
+    outs = await asyncio.gather(*[last(engine, p, user=f"t{i}") for i, p in enumerate(prompts)])
+    return [o.outputs[0].token_ids for o in outs]

@@ -121,6 +121,7 @@ class AsyncLLM(EngineFacade, EngineLoop):
                 for request_id, _, out in batch:
                     if not isinstance(out, Exception) and not out.finished:
                         self.engine.abort(request_id)
+                    self._queues.pop(request_id, None)  # its id may run again
 
     def _accept(self, req, target) -> bool:
         loop, queue = target

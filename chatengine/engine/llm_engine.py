@@ -171,6 +171,9 @@ class LLMEngine:
     def personas(self) -> dict[str, list[int]]:
         return self.front.personas
 
+    def persona_prefix_ids(self, system_prompt: str) -> list[int]:
+        return self.front.persona_prefix_ids(system_prompt)
+
     def register_persona(self, name: str, system_prompt: str) -> None:
         """Make conversations that open with this system prompt share its KV pages across users."""
         self.front.register_persona(name, system_prompt)

@@ -8,6 +8,7 @@ Its errors go back to rank 0 through the report pipe before it exits, so rank 0 
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 from multiprocessing.connection import Connection
 
@@ -30,6 +31,10 @@ def share_cpu(size: int, device_type: str) -> int:
 
 def main(config: EngineConfig, rank: int, address: str, plans: Connection, reports: Connection) -> None:
     """Rank `rank`'s process (spawned by rank 0; `address`: its rendezvous store)."""
+    # a Ctrl-C or SIGTERM to the process group is rank 0's to handle: it stops this rank through
+    # the plan pipe (or its end of file) once its own streams have drained
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         reports.send(("joining",))
         device, dtype = resolve_device_dtype(config.device, config.dtype)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import logging
 import os
 import secrets
 import threading
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ from chatengine.engine.loader import load_model
 from chatengine.engine.model_runner import context_len, resolve_device_dtype
 from chatengine.engine.replicas.deltas import Delta, OutputAssembler
 from chatengine.engine.replicas.handle import ReplicaHandle
-from chatengine.engine.replicas.replica import ReplicaSpec
+from chatengine.engine.replicas.replica import WARM, ReplicaSpec
 from chatengine.engine.replicas.router import Router
 from chatengine.outputs import RequestOutput
 
@@ -75,22 +75,21 @@ class DataParallelLLM(EngineFacade):
         self.replicas = [ReplicaHandle(spec) for spec in specs]  # they load in parallel
         try:
             facts = [r.wait_ready() for r in self.replicas]
+            self.front.num_blocks = min(f["num_blocks"] for f in facts)
+            if config.register_personas and self.front.tokenizer is not None:
+                from chatengine.personas import load_personas
+
+                for persona in load_personas().values():  # the replicas registered (and warm) them too
+                    self.front.register_persona(persona.name, persona.system_prompt)
         except BaseException:
             for r in self.replicas:
                 r.kill()
             raise
-        self.front.num_blocks = min(f["num_blocks"] for f in facts)
-        if config.register_personas and self.front.tokenizer is not None:
-            from chatengine.personas import load_personas
-
-            for persona in load_personas().values():  # the replicas registered (and warm) them too
-                self.front.register_persona(persona.name, persona.system_prompt)
         for r in self.replicas:
             r.listen(self._on_out, self._on_exit)
         # the replicas are no daemons (a tensor-parallel one has processes of its own): at exit
         # they stop before the interpreter waits for them
-        me = weakref.ref(self)
-        atexit.register(lambda: (lambda s: s.shutdown() if s is not None else None)(me()))
+        atexit.register(self.shutdown)
 
     # ---- requests -------------------------------------------------------------------------------
     async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None, user: str | None = None):
@@ -104,6 +103,8 @@ class DataParallelLLM(EngineFacade):
             req = self.front.make_request(prompt, sampling_params, request_id=request_id, user=user)
         if self._stopped:
             raise RuntimeError("the engine has shut down")
+        if req.request_id.startswith(WARM):
+            raise ValueError("request ids must not start with a NUL character")
         ids = req.prompt_token_ids
         first = salt_start_block(self.front.public_prefix_len(ids), self.front.config.block_size)
         hashes = self._hashes(ids, user, first)
@@ -122,7 +123,12 @@ class DataParallelLLM(EngineFacade):
             )
             self._running[req.request_id] = running
         message = ("add", req.request_id, req.prompt, ids, req.params, user)
-        if not self.replicas[route.replica].send(message):
+        try:
+            sent = self.replicas[route.replica].send(message)
+        except BaseException:  # e.g. a value that does not pickle: nothing of it may stay counted
+            self._finish(req.request_id)
+            raise
+        if not sent:
             self._finish(req.request_id)
             raise RuntimeError(f"replica {route.replica} has stopped: try again")
         finished = False
@@ -184,25 +190,31 @@ class DataParallelLLM(EngineFacade):
         """The request is done: its replica now holds its prompt and answer (the router learns so)."""
         with self._lock:
             running = self._running.pop(request_id, None)
-            if running is None:
-                return None
-            held = []
-            if out is not None and out.outputs:
-                ids = out.prompt_token_ids + out.outputs[0].token_ids
-                held = self._hashes(ids, running.user, running.first_private_block)
+        if running is None:
+            return None
+        held = []  # hashed outside the lock, which the event loops' new requests need
+        if out is not None and out.outputs:
+            ids = out.prompt_token_ids + out.outputs[0].token_ids
+            held = self._hashes(ids, running.user, running.first_private_block)
+        with self._lock:
             self.router.finished(running.replica, held)
         return running
 
     def _on_exit(self, replica: int, reason: str) -> None:
-        """A replica has gone: the router stops sending to it; its requests fail (not when stopping)."""
+        """A replica has gone: the router stops sending to it; the requests it still had fail (after
+        a clean stop there are none left: it aborted them, and their outputs came first)."""
         with self._lock:
             self.router.mark_dead(replica)
             lost = [rid for rid, r in self._running.items() if r.replica == replica]
         for request_id in lost:
             running = self._finish(request_id)
-            if running is not None:
-                error = RuntimeError(reason or f"replica {replica} stopped")
+            if running is None:
+                continue
+            error = RuntimeError(reason or f"replica {replica} stopped")
+            try:
                 running.loop.call_soon_threadsafe(running.queue.put_nowait, error)
+            except RuntimeError:  # that caller's loop has closed: nobody is listening
+                pass
 
     # ---- the rest of AsyncLLM's surface ---------------------------------------------------------
     @property
@@ -255,6 +267,7 @@ def _placement(config: EngineConfig, device: torch.device, size: int) -> list[Re
     and its own directory of the disk tier (replicas never write each other's files)."""
     tp = config.tensor_parallel_size
     specs = []
+    log_level = logging.getLogger().getEffectiveLevel()  # the replicas log as this process does
     if device.type == "cuda":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = [g for g in visible.split(",") if g] if visible else [str(i) for i in range(torch.cuda.device_count())]
@@ -270,10 +283,12 @@ def _placement(config: EngineConfig, device: torch.device, size: int) -> list[Re
                 replica_config, kv_store_dir=os.path.join(config.kv_store_dir, f"replica{i}")
             )
         if device.type == "cuda":
-            specs.append(ReplicaSpec(i, replica_config, cuda_devices=tuple(gpus[i * tp : (i + 1) * tp])))
+            gpus_of_replica = tuple(gpus[i * tp : (i + 1) * tp])
+            specs.append(ReplicaSpec(i, replica_config, cuda_devices=gpus_of_replica, log_level=log_level))
         else:
-            threads = max(1, (os.cpu_count() or 1) // size) if size > 1 else None  # one: torch's own default
-            specs.append(ReplicaSpec(i, replica_config, num_threads=threads))
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            threads = max(1, cores // size) if size > 1 else None  # one replica: torch's own default
+            specs.append(ReplicaSpec(i, replica_config, num_threads=threads, log_level=log_level))
     return specs
 
 

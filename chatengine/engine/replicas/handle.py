@@ -37,7 +37,7 @@ class ReplicaHandle:
         self._send_lock = threading.Lock()  # callers on many threads
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict:
-        """Block until the replica's engine is up; its facts (num_blocks, model_id)."""
+        """Block until the replica's engine is up; its facts (num_blocks, model_id, stats)."""
         deadline = time.monotonic() + timeout
         while not self.conn.poll(0.1):
             if not self.process.is_alive() or time.monotonic() > deadline:
@@ -51,6 +51,7 @@ class ReplicaHandle:
             self.kill()
             raise ReplicaError(f"replica {self.index} failed at start: {_last_line(message)}")
         self.facts = message[1]
+        self.stats = self.facts["stats"]  # the figures at start, until the replica publishes its own
         return self.facts
 
     def listen(self, on_out: Callable, on_exit: Callable[[int, str], None]) -> None:
@@ -71,7 +72,10 @@ class ReplicaHandle:
                 break
             kind = message[0]
             if kind == "out":
-                on_out(self.index, message[1], message[2])
+                try:
+                    on_out(self.index, message[1], message[2])
+                except Exception:  # a bug there must not silence this replica for good
+                    log.exception("replica %d: its outputs could not be delivered", self.index)
             elif kind == "stats":
                 self.stats = message[1]
             elif kind == "stopped":

@@ -9,16 +9,22 @@ The pipe carries, API process -> replica:
 and replica -> API process:
   ("ready", facts) ("out", [Delta], [(request_id, refusal message)]) ("stats", dict)
   ("stopped",) ("error", traceback text)
-End of file on the pipe (the API process is gone) stops the replica as ("stop",) does.
+End of file on the pipe, or a send that finds it broken (the API process is gone), stops the
+replica as ("stop",) does: what runs is aborted and the KV store flushed. Signals are the API
+process's to handle: a Ctrl-C or a SIGTERM to the process group leaves the replicas to be stopped
+through their pipes, after the API process has drained its streams.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -38,10 +44,16 @@ class ReplicaSpec:
     config: EngineConfig
     cuda_devices: tuple[str, ...] | None = None  # the GPUs this replica sees (CUDA_VISIBLE_DEVICES entries)
     num_threads: int | None = None  # CPU: torch threads (the replicas split the cores)
+    log_level: int = logging.WARNING  # the API process's
 
 
 def main(spec: ReplicaSpec, conn: Connection) -> None:
     """The replica process (spawned by the API process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=spec.log_level, format=f"%(asctime)s %(levelname)s replica{spec.index} %(name)s: %(message)s"
+    )
     try:
         if spec.cuda_devices is not None:  # before anything touches CUDA
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.cuda_devices))
@@ -55,11 +67,13 @@ def main(spec: ReplicaSpec, conn: Connection) -> None:
         os._exit(1)
     loop = ReplicaLoop(engine, conn)
     try:
-        loop.send(("ready", {"num_blocks": engine.block_manager.num_blocks, "model_id": engine.model_id}))
+        facts = {"num_blocks": engine.block_manager.num_blocks, "model_id": engine.model_id, "stats": engine.stats()}
+        loop.send(("ready", facts))
         for ids in engine.personas.values():
             loop.warm(ids)
         threading.Thread(target=loop.read, name="chatengine-replica-pipe", daemon=True).start()
         loop.run()
+        loop._compiler.shutdown(wait=False, cancel_futures=True)
         engine.close()
         loop.send(("stopped",))
     except BaseException:
@@ -78,37 +92,71 @@ class ReplicaLoop(EngineLoop):
     def __init__(self, engine: LLMEngine, conn: Connection):
         super().__init__(engine)
         self.conn = conn
-        self._send_lock = threading.Lock()  # the pipe reader refuses bad requests from its own thread
+        self._send_lock = threading.Lock()  # the pipe reader and the compilers refuse bad requests
         self._encoder = DeltaEncoder()
         self._stats_time = 0.0
+        self._orphaned = False
+        # structured-output requests compile their grammar here, off the pipe reader: a long
+        # compile never holds up another user's request, abort or persona behind it
+        self._compiler = ThreadPoolExecutor(2, thread_name_prefix="chatengine-grammar")
+        self._compiling: dict[str, bool] = {}  # request id -> aborted while its grammar compiles
+        self._compiling_lock = threading.Lock()
 
     def send(self, message: tuple) -> None:
-        with self._send_lock:
-            self.conn.send(message)
+        """To the API process; once it is gone, nothing more is sent and the loop stops."""
+        if self._orphaned:
+            return
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except OSError:  # the API process is gone (SIGKILLed?): stop, flushing the KV store
+            self._orphaned = True
+            self.post(("stop",))
 
     def read(self) -> None:
-        """The pipe reader: requests are validated here, off the engine's thread, then posted."""
+        """The pipe reader: adds are validated here (or on a compiler thread), then posted."""
         while True:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):  # the API process is gone: stop (the KV store is flushed)
                 self.post(("stop",))
                 return
-            if message[0] == "add":
+            kind = message[0]
+            if kind == "add" and message[4].structured_outputs is not None:
+                with self._compiling_lock:
+                    self._compiling[message[1]] = False
+                self._compiler.submit(self._add, *message[1:])
+            elif kind == "add":
                 self._add(*message[1:])
+            elif kind == "abort" and self._abort_compiling(message[1]):
+                continue
             else:
                 self.post(message)
-                if message[0] == "stop":
+                if kind == "stop":
                     return
+
+    def _abort_compiling(self, request_id: str) -> bool:
+        """An abort of a request still compiling is applied once it is added."""
+        with self._compiling_lock:
+            if request_id in self._compiling:
+                self._compiling[request_id] = True
+                return True
+        return False
 
     def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, user) -> None:
         try:
             req = self.engine.make_request(ids, params, request_id=request_id, user=user)
         except ValueError as e:  # the API process checked it already; a replica with less room may not fit it
+            req = None
             self.send(("out", [], [(request_id, str(e))]))
+        with self._compiling_lock:
+            aborted = self._compiling.pop(request_id, False)
+        if req is None:
             return
         req.prompt = text
         self.post(("add", req, None))
+        if aborted:
+            self.post(("abort", request_id))
 
     def warm(self, prefix_ids: list[int]) -> None:
         """Compute a public persona's pages now, so its first conversation here hits them. On the
