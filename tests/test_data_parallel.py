@@ -118,10 +118,19 @@ def test_another_user_never_hits_a_private_conversation(dp):
 
 def test_public_personas_are_warm_on_every_replica(dp):
     system = "You are the harbour master. " * 12
+    settled(dp, lambda s: s["num_running"] == 0)
+    time.sleep(0.3)  # the figures each replica publishes at rest, after its last outputs, are in
+    before = [s["num_generated_tokens"] for s in dp.stats()["replicas"]]
     dp.register_persona("harbour", system)
     prefix = dp.front.personas["harbour"]
     full = 16 * (len(prefix) // 16)
-    settled(dp, lambda s: s["kv_blocks_cached"] >= full // 16)
+    # each replica's warm-up (one token over the persona's prefix) has run
+    deadline = time.monotonic() + 10
+    while not all(
+        s["num_generated_tokens"] > b and s["num_running"] == 0 for s, b in zip(dp.stats()["replicas"], before)
+    ):
+        assert time.monotonic() < deadline, dp.stats()["replicas"]
+        time.sleep(0.05)
 
     async def run():  # two conversations at once: one on each replica
         return await asyncio.gather(

@@ -29,6 +29,14 @@ REPO = Path(__file__).resolve().parent.parent
 FP_ARGS = ("HuggingFaceTB/SmolLM2-135M-Instruct", "0" * 64, "float32", "page-first/v1", 16)
 SECRET = bytes(range(32))
 
+# hashing.py needs only the standard library: the subprocesses load that file alone (as `m`), not
+# the chatengine package, whose import of torch would cost each of them seconds
+STANDALONE = (
+    "import importlib.util\n"
+    f"spec = importlib.util.spec_from_file_location('hashing', {str(REPO / 'chatengine/engine/kv/hashing.py')!r})\n"
+    "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+)
+
 
 @pytest.fixture
 def root():
@@ -56,10 +64,10 @@ def test_deterministic_across_calls(root):
 
 def test_deterministic_across_processes(root):
     code = (
-        "from chatengine.engine.kv.hashing import *\n"
-        f"r = model_fingerprint(*{FP_ARGS!r})\n"
-        f"h = hash_blocks(r, list(range(50)), 16, 1, user_salt({SECRET!r}, 'bob'))\n"
-        "print(r.hex(), *[x.hex() for x in h])\n"
+        STANDALONE
+        + f"r = m.model_fingerprint(*{FP_ARGS!r})\n"
+        + f"h = m.hash_blocks(r, list(range(50)), 16, 1, m.user_salt({SECRET!r}, 'bob'))\n"
+        + "print(r.hex(), *[x.hex() for x in h])\n"
     )
     expected = " ".join(x.hex() for x in [root, *hash_blocks(root, list(range(50)), 16, 1, user_salt(SECRET, "bob"))])
     for seed in ("0", "12345"):  # Python's own hash() must play no part
@@ -205,10 +213,7 @@ def test_secret_created_0600_and_stable(tmp_path):
 
 
 def test_secret_race_between_processes(tmp_path):
-    code = (
-        "import sys; from chatengine.engine.kv.hashing import load_or_create_secret\n"
-        "print(load_or_create_secret(sys.argv[1]).hex())\n"
-    )
+    code = STANDALONE + "import sys; print(m.load_or_create_secret(sys.argv[1]).hex())\n"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)

@@ -648,7 +648,7 @@ def test_greedy_triton_is_argmax_with_first_index_ties(device, dtype):
 def test_sample_distribution(device):
     # N rows of one small distribution: frequencies within 4 sigma of softmax(logits / T), for the
     # kernel (Philox uniforms) and the reference (torch uniforms) alike; the interpreter runs ~50 rows/s
-    V, N, T = 12, (4000 if device == "cuda" else 300), 0.7
+    V, N, T = 12, (4000 if device == "cuda" else 200), 0.7
     logits = torch.randn(V).repeat(N, 1).to(device)
     temps = torch.full((N,), T, device=device)
     p = torch.softmax(logits[0].cpu().double() / T, -1)
@@ -656,8 +656,8 @@ def test_sample_distribution(device):
     for ids in (sampling.sample_triton(logits, temps, seed=11), sampling.sample_ref(logits, temps)):
         freq = torch.bincount(ids.cpu(), minlength=V).double() / N
         assert ((freq - p).abs() <= 4 * sigma + 1e-3).all(), (freq, p)
-    a, b = sampling.sample_triton(logits[:64], temps[:64], 11), sampling.sample_triton(logits[:64], temps[:64], 12)
-    assert torch.equal(a, sampling.sample_triton(logits[:64], temps[:64], 11)) and not torch.equal(a, b)
+    a, b = sampling.sample_triton(logits[:32], temps[:32], 11), sampling.sample_triton(logits[:32], temps[:32], 12)
+    assert torch.equal(a, sampling.sample_triton(logits[:32], temps[:32], 11)) and not torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
