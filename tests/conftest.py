@@ -39,7 +39,10 @@ def llm_async():
     engine.shutdown()
 
 
-@pytest.fixture(params=["sync", "async"])
+# the asynchronous variants run with the whole suite, not in CI (its 10 minutes): CI keeps
+# test_engine.py's own check that async scheduling gives the synchronous tokens, and the async
+# fixture's other users
+@pytest.fixture(params=["sync", pytest.param("async", marks=pytest.mark.slow)])
 def either(request):
     """The default model scheduled synchronously, then asynchronously: the same tests hold for both."""
     return request.getfixturevalue("llm" if request.param == "sync" else "llm_async")
