@@ -84,7 +84,12 @@ class WorkerRanks:
     def _why(self, rank: int, what: str, message=None) -> str:
         """'tensor-parallel rank r <what> (exit code c): <its last error lines>'."""
         p, report = self.procs[rank - 1], self.reports[rank - 1]
+        deadline = time.monotonic() + 2.0
         p.join(1.0)
+        # another thread joining it at the same moment may reap it first: its exit code lands on
+        # the shared handle a moment later
+        while p.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         try:
             while message is None and report.poll(0.5):
                 message = report.recv()
