@@ -72,7 +72,7 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
         seq = Sequence(p, SamplingParams(), block_size=bs)
         n = -(-len(p) // bs)
         seq.block_table, first = list(range(first, first + n)), first + n
-        logits, _, _ = runner._forward([seq], [len(p)])
+        logits = runner._forward([seq], [len(p)])[0]
         rows.append(logits[-1].float().cpu())
     return torch.stack(rows)
 
@@ -80,6 +80,7 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 def part_logits(args, res) -> None:
     prompts = nano_workload(8, seed=1, max_in=512)[0]
     out = res["logits"] = {}
+    tp1 = {}
     for backend in ("torch", "triton"):
         got = {}
         for tp in (1, args.tp):
@@ -95,14 +96,37 @@ def part_logits(args, res) -> None:
             "same_argmax": bool((got[1].argmax(-1) == got[args.tp].argmax(-1)).all()),
         }
         print(f"[logits] {backend}: {json.dumps(out[backend])}", flush=True)
+        tp1[backend] = got[1]
+    # fp32's own noise: the same TP=1 forward with the attention's sums in another order
+    out["torch_vs_triton_tp1"] = (tp1["torch"] - tp1["triton"]).abs().max().item()
+    print(f"[logits] TP=1 torch vs triton attention: {out['torch_vs_triton_tp1']:.2e}", flush=True)
+
+
+def watch_collect(runner) -> list[float]:
+    """Seconds each of the runner's collects blocks on its step's tokens (appended as it runs)."""
+    waits: list[float] = []
+    collect = runner.collect
+
+    def timed(step):
+        t = time.perf_counter()
+        if step.done is not None:
+            step.done.synchronize()
+        waits.append(time.perf_counter() - t)
+        return collect(step)
+
+    runner.collect = timed
+    return waits
 
 
 def run_workload(llm: LLM, prompts, outs) -> dict:
     llm.generate([list(range(1, 200))] * 8, SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True))
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outs]
+    waits = watch_collect(llm.engine.runner)
+    steps0 = llm.stats()["num_steps"]
     t = time.perf_counter()
     results = llm.generate(prompts, params)
     dt = time.perf_counter() - t
+    steps = llm.stats()["num_steps"] - steps0
     n = sum(len(r.outputs[0].token_ids) for r in results)
     assert n == sum(outs), (n, sum(outs))
     runner = llm.engine.runner
@@ -113,6 +137,11 @@ def run_workload(llm: LLM, prompts, outs) -> dict:
         "kv_blocks": llm.stats()["kv_blocks_total"],
         "decode_graphs": len(runner.graphs),
         "graph_steps": runner.num_graph_steps,
+        # where a step's time goes: the engine's host work overlaps the GPU's (async scheduling); the
+        # part spent blocked on the GPU's tokens is the GPU's lead, the rest is host-bound time
+        "steps": steps,
+        "step_ms": 1000 * dt / max(steps, 1),
+        "wait_ms": 1000 * sum(waits) / max(steps, 1),
     }
 
 
@@ -124,7 +153,10 @@ def part_throughput(args, res) -> None:
         out[f"tp{tp}"] = run_workload(llm, prompts, outs)
         release(llm)
         row = out[f"tp{tp}"]
-        print(f"[throughput] {args.shape} TP={tp}: {row['tok_s']:,.0f} output tok/s ({row['seconds']:.1f} s)")
+        print(
+            f"[throughput] {args.shape} TP={tp}: {row['tok_s']:,.0f} output tok/s ({row['seconds']:.1f} s); "
+            f"{row['steps']} steps of {row['step_ms']:.2f} ms, {row['wait_ms']:.2f} ms of each waiting for the GPU"
+        )
     out["ratio"] = out[f"tp{args.tp}"]["tok_s"] / out["tp1"]["tok_s"]
     print(f"[throughput] TP={args.tp} / TP=1: {out['ratio']:.2f}x", flush=True)
 
@@ -159,16 +191,29 @@ def markdown(res) -> str:
         lines += [f"| logits (fp32, TP=1 vs TP={res['tp']}) | max abs diff | mean abs diff | same argmax |"]
         lines += ["|---|---|---|---|"]
         for backend, r in res["logits"].items():
+            if not isinstance(r, dict):
+                continue
             lines.append(
                 f"| {backend} attention | {r['max_abs_diff']:.2e} | {r['mean_abs_diff']:.2e} | {r['same_argmax']} |"
             )
+        noise = res["logits"].get("torch_vs_triton_tp1")
+        if noise is not None:
+            lines.append(f"\nTP=1 with torch vs Triton attention (fp32's own noise): max abs diff {noise:.2e}")
         lines.append("")
     if "throughput" in res:
         t = res["throughput"]
-        lines += [f"| {res['shape']} bf16, nano-vllm workload | output tok/s | seconds |", "|---|---|---|"]
+        lines += [
+            f"| {res['shape']} bf16, nano-vllm workload | output tok/s | seconds | steps | ms a step | "
+            "of it waiting for the GPU |",
+            "|---|---|---|---|---|---|",
+        ]
         for key in ("tp1", f"tp{res['tp']}"):
-            lines.append(f"| TP={key[2:]} | {t[key]['tok_s']:,.0f} | {t[key]['seconds']:.1f} |")
-        lines += [f"| ratio | {t['ratio']:.2f}x | |", ""]
+            r = t[key]
+            lines.append(
+                f"| TP={key[2:]} | {r['tok_s']:,.0f} | {r['seconds']:.1f} | {r['steps']} | {r['step_ms']:.2f} "
+                f"| {r['wait_ms']:.2f} |"
+            )
+        lines += [f"| ratio | {t['ratio']:.2f}x | | | | |", ""]
     if "big" in res:
         b = res["big"]
         lines.append(
