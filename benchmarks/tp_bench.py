@@ -39,7 +39,7 @@ from chatengine import LLM, SamplingParams  # noqa: E402
 from chatengine.engine.loader import DUMMY_SHAPES  # noqa: E402
 from chatengine.engine.sequence import Sequence  # noqa: E402
 
-PARTS = ["logits", "throughput", "big"]
+PARTS = ["logits", "throughput", "big", "profile"]
 
 
 def engine(shape: str, tp: int, dtype: str, args, **kw) -> LLM:
@@ -180,6 +180,54 @@ def part_big(args, res) -> None:
     )
 
 
+def part_profile(args, res) -> None:
+    """Eager decode steps at batch --num-requests (1k-token prompts, prefilled first) under
+    torch.profiler, at TP=1 and TP=N: rank 0's GPU time per kernel, to see what does not halve."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(1000)] for i in range(args.num_requests)]
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
+    out = res["profile"] = {}
+    for tp in (1, args.tp):
+        llm = engine(args.shape, tp, "bfloat16", args, enforce_eager=True)
+        core = llm.engine
+        for p in prompts:
+            core.add_request(p, params)
+        while core.scheduler.waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in core.scheduler.running
+        ):
+            core.step()
+        for _ in range(4):
+            core.step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.profile_steps):
+                core.step()
+            torch.cuda.synchronize()
+        n = args.profile_steps
+        wall = (time.perf_counter() - t) / n
+        rows = sorted(
+            (e for e in prof.key_averages() if e.device_time_total > 0),
+            key=lambda e: -e.device_time_total,
+        )[:14]
+        total = sum(e.self_device_time_total for e in prof.key_averages()) / args.profile_steps / 1000
+        out[f"tp{tp}"] = {
+            "step_ms_wall": 1000 * wall,
+            "gpu_ms_per_step": total,
+            "top": [
+                (e.key[:70], e.device_time_total / args.profile_steps / 1000, e.count // args.profile_steps)
+                for e in rows
+            ],
+        }
+        print(f"[profile] TP={tp}: {1000 * wall:.2f} ms a step (eager, profiled), GPU {total:.2f} ms a step")
+        for key, ms, calls in out[f"tp{tp}"]["top"]:
+            print(f"    {ms:8.3f} ms  x{calls:<4} {key}")
+        while core.has_unfinished_requests():
+            core.step()
+        release(llm)
+
+
 def markdown(res) -> str:
     lines = [
         f"# tp_bench {res['date']} ({res['commit']})",
@@ -231,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--big-shape", default="llama-3.1-70b", choices=sorted(DUMMY_SHAPES))
     p.add_argument("--big-tp", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--profile-steps", type=int, default=8, help="decode steps profiled (--part profile)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--dry-run", action="store_true", help="print what would run; touch no GPU")
@@ -259,7 +308,9 @@ def main(argv=None) -> int:
         "args": vars(args),
     }
     for part in args.part:
-        {"logits": part_logits, "throughput": part_throughput, "big": part_big}[part](args, res)
+        {"logits": part_logits, "throughput": part_throughput, "big": part_big, "profile": part_profile}[part](
+            args, res
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"tp_bench-{datetime.now(UTC):%Y-%m-%dT%H%M}-{res['commit']}"

@@ -180,6 +180,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, deterministic: bool = False):
+        self.deterministic = deterministic
         # invariant mode: attention splits at fixed key positions (paged_attention_triton's split_keys)
         self.split_keys = paged_attention.INVARIANT_SPLIT_KEYS if deterministic else 0
 
