@@ -1,12 +1,14 @@
 """AsyncLLM: the engine on a background thread, streaming to many asyncio callers at once."""
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 
 from chatengine.engine.engine_loop import EngineLoop
 from chatengine.engine.facade import EngineFacade
+from chatengine.engine.output_queue import follow, make_request
 from chatengine.outputs import RequestOutput
 
 log = logging.getLogger("chatengine")
@@ -32,32 +34,14 @@ class AsyncLLM(EngineFacade, EngineLoop):
         """Yield cumulative RequestOutputs until finished. Closing the generator aborts the request.
         A caller slower than the engine gets the newest output only (each holds everything so far):
         under load a stream sends fewer, longer chunks instead of falling further behind."""
-        if getattr(sampling_params, "structured_outputs", None) is not None:  # a compile: off the event loop
-            req = await asyncio.to_thread(
-                self.engine.make_request, prompt, sampling_params, request_id=request_id, user=user
-            )
-        else:
-            req = self.engine.make_request(prompt, sampling_params, request_id=request_id, user=user)
+        req = await make_request(self.engine.make_request, prompt, sampling_params, request_id, user)
         if self._stopped:
             raise RuntimeError("the engine has shut down")
         queue: asyncio.Queue = asyncio.Queue()
         self.post(("add", req, (asyncio.get_running_loop(), queue)))
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                while not queue.empty() and not isinstance(item, Exception) and not item.finished:
-                    item = queue.get_nowait()  # cumulative: a caller that fell behind takes the newest
-                if isinstance(item, Exception):
-                    finished = True  # refused when added: nothing of ours to abort (the id may be another's)
-                    raise item
-                finished = item.finished
+        async with contextlib.aclosing(follow(queue, lambda: self.post(("abort", req.request_id)))) as outputs:
+            async for item in outputs:
                 yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.post(("abort", req.request_id))
 
     async def chat(self, messages, sampling_params=None, *, request_id=None, user=None):
         ids = self.apply_chat_template(messages)

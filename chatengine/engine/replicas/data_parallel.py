@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
@@ -27,6 +28,7 @@ from chatengine.engine.front import EngineFront
 from chatengine.engine.kv.hashing import hash_blocks, load_or_create_secret, salt_start_block, user_salt
 from chatengine.engine.loader import load_model
 from chatengine.engine.model_runner import context_len, resolve_device_dtype
+from chatengine.engine.output_queue import follow, make_request
 from chatengine.engine.replicas.deltas import Delta, OutputAssembler
 from chatengine.engine.replicas.handle import ReplicaHandle
 from chatengine.engine.replicas.replica import WARM, ReplicaSpec
@@ -95,12 +97,7 @@ class DataParallelLLM(EngineFacade):
     async def generate(self, prompt, sampling_params=None, *, request_id: str | None = None, user: str | None = None):
         """As AsyncLLM.generate: cumulative RequestOutputs until finished; closing the generator
         aborts the request."""
-        if getattr(sampling_params, "structured_outputs", None) is not None:  # a compile: off the event loop
-            req = await asyncio.to_thread(
-                self.front.make_request, prompt, sampling_params, request_id=request_id, user=user
-            )
-        else:
-            req = self.front.make_request(prompt, sampling_params, request_id=request_id, user=user)
+        req = await make_request(self.front.make_request, prompt, sampling_params, request_id, user)
         if self._stopped:
             raise RuntimeError("the engine has shut down")
         if req.request_id.startswith(WARM):
@@ -131,22 +128,9 @@ class DataParallelLLM(EngineFacade):
         if not sent:
             self._finish(req.request_id)
             raise RuntimeError(f"replica {route.replica} has stopped: try again")
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                while not queue.empty() and not isinstance(item, Exception) and not item.finished:
-                    item = queue.get_nowait()  # cumulative: a caller that fell behind takes the newest
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
+        async with contextlib.aclosing(follow(queue, lambda: self._abort_now(req.request_id))) as outputs:
+            async for item in outputs:
                 yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                await self.abort(req.request_id)
 
     async def chat(self, messages, sampling_params=None, *, request_id=None, user=None):
         ids = self.apply_chat_template(messages)
@@ -154,6 +138,9 @@ class DataParallelLLM(EngineFacade):
             yield out
 
     async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
         running = self._running.get(request_id)
         if running is not None:
             self.replicas[running.replica].send(("abort", request_id))
