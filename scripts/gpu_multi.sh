@@ -2,7 +2,7 @@
 # Issue #21's GPU figures on one machine of several GPUs (not part of CI): tensor parallelism
 # against one GPU, a model too big for one GPU, and data-parallel replicas against one engine.
 #
-#   TOK=<a tokenizer directory> bash scripts/gpu_multi.sh [tp] [big] [dp] [http]   (default: all that fit)
+#   TOK=<a tokenizer directory> bash scripts/gpu_multi.sh [tp] [big] [dp] [ar] [http]   (default: all that fit)
 #
 # tp    benchmarks/tp_bench.py: TP=2 fp32 logits against TP=1 on dummy:llama-3.1-8b (goal <= 1e-4) and
 #       the nano-vllm workload in bf16 at TP=1 and TP=2 (goal >= 1.6x)                  (2 GPUs)
@@ -10,6 +10,8 @@
 # dp    benchmarks/dp_bench.py: the chat workload (128 users x 4 turns on 4 public personas) on one
 #       engine and on 2 replicas (goal >= 1.8x, the prefix hit rate kept); needs TOK (a random
 #       llama-3.2-1b around that tokenizer is made with benchmarks/random_hf_model.py)   (2 GPUs)
+# ar    benchmarks/allreduce_bench.py: a decode step's 64 all-reduces alone, per NCCL protocol    (2 GPUs)
+#       and benchmarks/tp_bench.py --part profile: eager decode steps at TP=1 and TP=2 under torch.profiler
 # http  benchmarks/serve_bench.py: 256 concurrent streams through the API with the engine in a process
 #       of its own (serve --engine-process) against AsyncLLM directly (issue #20's goal: >= 0.9x)
 #
@@ -30,6 +32,9 @@ for part in "${parts[@]}"; do
   case "$part" in
     tp) step python benchmarks/tp_bench.py --part logits throughput --shape llama-3.1-8b --tp 2 ;;
     big) step python benchmarks/tp_bench.py --part big --big-shape llama-3.1-70b --big-tp 4 ;;
+    ar)
+      step python benchmarks/allreduce_bench.py --ranks 2
+      step python benchmarks/tp_bench.py --part profile ;;
     dp)
       if [ -z "${TOK:-}" ]; then echo "dp needs TOK=<tokenizer dir>"; continue; fi
       [ -d /tmp/m1b ] || step python benchmarks/random_hf_model.py --tokenizer "$TOK" --shape llama-3.2-1b --out /tmp/m1b
@@ -37,6 +42,6 @@ for part in "${parts[@]}"; do
     http)
       step python benchmarks/serve_bench.py --targets async http --cache on --rates 20 --requests 200 \
         --concurrency 256 --engine-process ;;
-    *) echo "unknown part $part (tp, big, dp, http)"; exit 2 ;;
+    *) echo "unknown part $part (tp, big, dp, ar, http)"; exit 2 ;;
   esac
 done

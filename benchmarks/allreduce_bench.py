@@ -1,0 +1,113 @@
+"""The all-reduces of one tensor-parallel decode step, alone: what each NCCL protocol costs at the sizes
+a decode step reduces, to see how much of TP=2's step they are (tp_bench.py --part profile).
+
+    python benchmarks/allreduce_bench.py [--ranks 2] [--rows 64 256] [--hidden 4096] [--calls 64]
+    python benchmarks/allreduce_bench.py --device cpu --ranks 2 --rows 4 --hidden 64   # gloo smoke run
+
+Each variant (NCCL_PROTO unset, LL, LL128, Simple) runs in fresh processes (NCCL reads its settings
+at start): `--calls` all-reduces of a (rows, hidden) bf16 tensor, as a decode step of a 32-layer model
+makes (two a layer), captured in one CUDA graph and replayed; prints microseconds per all-reduce
+(median of --repeats replays) on rank 0. NVLink multicast stays off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from chatengine.engine.parallel.group import TPGroup, connect_store, host_store, no_nvlink_multicast  # noqa: E402
+
+PROTOCOLS = ["default", "LL", "LL128", "Simple"]
+
+
+def timed_calls(group: TPGroup, x: torch.Tensor, calls: int, repeats: int) -> float:
+    """Median seconds of `calls` all-reduces of x (a CUDA graph replay on GPUs, eager on CPU)."""
+    cuda = x.device.type == "cuda"
+
+    def step() -> None:
+        for _ in range(calls):
+            group.all_reduce(x)
+
+    step()
+    replay = step
+    if cuda:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        replay = graph.replay
+    times = []
+    for _ in range(repeats):
+        group.all_reduce(torch.zeros(1, device=x.device))  # line the ranks up
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        replay()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def rank_main(rank: int, size: int, address: str, args, results) -> None:
+    group = TPGroup.join(rank, size, connect_store(address, size), args.device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    for rows in args.rows:
+        x = torch.ones(rows, args.hidden, dtype=dtype, device=group.device)
+        seconds = timed_calls(group, x, args.calls, args.repeats)
+        if rank == 0:
+            results.put((rows, 1e6 * seconds / args.calls))
+    group.leave()
+
+
+def run_variant(protocol: str, args) -> list[tuple[int, float]]:
+    no_nvlink_multicast()
+    if protocol == "default":
+        os.environ.pop("NCCL_PROTO", None)
+    else:
+        os.environ["NCCL_PROTO"] = protocol
+    store, address = host_store(args.ranks)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, args.ranks, address, args, results)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    del store
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"{protocol}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    return [results.get() for _ in args.rows]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="sequences in the decode step")
+    ap.add_argument("--hidden", type=int, default=4096, help="the model's hidden size (llama-3.1-8b: 4096)")
+    ap.add_argument("--calls", type=int, default=64, help="all-reduces a step (two a layer)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=PROTOCOLS)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+        sys.exit(f"error: needs {args.ranks} GPUs, this machine has {torch.cuda.device_count()}")
+    protocols = args.protocols if args.device == "cuda" else ["default"]  # gloo has no protocols
+    print(f"| protocol | {' | '.join(f'{r} x {args.hidden}' for r in args.rows)} |  (us per all-reduce)")
+    print("|---|" + "---|" * len(args.rows))
+    for protocol in protocols:
+        row = run_variant(protocol, args)
+        print(f"| {protocol} | " + " | ".join(f"{us:.1f}" for _, us in sorted(row)) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
