@@ -5,9 +5,10 @@ a decode step reduces, to see how much of TP=2's step they are (tp_bench.py --pa
     python benchmarks/allreduce_bench.py --device cpu --ranks 2 --rows 4 --hidden 64   # gloo smoke run
 
 Each variant (NCCL_PROTO unset, LL, LL128, Simple) runs in fresh processes (NCCL reads its settings
-at start): `--calls` all-reduces of a (rows, hidden) bf16 tensor, as a decode step of a 32-layer model
-makes (two a layer), captured in one CUDA graph and replayed; prints microseconds per all-reduce
-(median of --repeats replays) on rank 0. NVLink multicast stays off.
+at start): `--calls` all-reduces of a (rows, hidden) bf16 tensor, as a decode step of a 32-layer
+model makes (two a layer and one after the vocabulary-parallel embedding), captured in one CUDA graph
+and replayed; prints microseconds per all-reduce (median of --repeats replays) on rank 0. NVLink
+multicast stays off.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def rank_main(rank: int, size: int, address: str, args, results) -> None:
     group = TPGroup.join(rank, size, connect_store(address, size), args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     for rows in args.rows:
-        x = torch.ones(rows, args.hidden, dtype=dtype, device=group.device)
+        x = torch.zeros(rows, args.hidden, dtype=dtype, device=group.device)  # sums stay finite
         seconds = timed_calls(group, x, args.calls, args.repeats)
         if rank == 0:
             results.put((rows, 1e6 * seconds / args.calls))
@@ -80,12 +81,17 @@ def run_variant(protocol: str, args) -> list[tuple[int, float]]:
     procs = [ctx.Process(target=rank_main, args=(r, args.ranks, address, args, results)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join()
-    del store
+    rows = []
+    try:
+        for _ in args.rows:  # read before joining: a child joins only once its queue is drained
+            rows.append(results.get(timeout=600))
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+        del store
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"{protocol}: a rank failed (exit codes {[p.exitcode for p in procs]})")
-    return [results.get() for _ in args.rows]
+    return rows
 
 
 def main(argv=None) -> int:
@@ -93,7 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="sequences in the decode step")
     ap.add_argument("--hidden", type=int, default=4096, help="the model's hidden size (llama-3.1-8b: 4096)")
-    ap.add_argument("--calls", type=int, default=64, help="all-reduces a step (two a layer)")
+    ap.add_argument("--calls", type=int, default=65, help="all-reduces a step (two a layer, one after the embedding)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=PROTOCOLS)

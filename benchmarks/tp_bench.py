@@ -183,6 +183,7 @@ def part_big(args, res) -> None:
 def part_profile(args, res) -> None:
     """Eager decode steps at batch --num-requests (1k-token prompts, prefilled first) under
     torch.profiler, at TP=1 and TP=N: rank 0's GPU time per kernel, to see what does not halve."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     prompts = [[(7 * i + j) % 200 + 1 for j in range(1000)] for i in range(args.num_requests)]
@@ -199,6 +200,7 @@ def part_profile(args, res) -> None:
             core.step()
         for _ in range(4):
             core.step()
+        batch = len(core.scheduler.running)  # below --num-requests if the KV pool holds fewer
         torch.cuda.synchronize()
         t = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -207,20 +209,17 @@ def part_profile(args, res) -> None:
             torch.cuda.synchronize()
         n = args.profile_steps
         wall = (time.perf_counter() - t) / n
-        rows = sorted(
-            (e for e in prof.key_averages() if e.device_time_total > 0),
-            key=lambda e: -e.device_time_total,
-        )[:14]
-        total = sum(e.self_device_time_total for e in prof.key_averages()) / args.profile_steps / 1000
+        # the GPU's own entries (kernels, copies), each once: an op's entry repeats its kernels' time
+        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        rows = sorted(kernels, key=lambda e: -e.self_device_time_total)[:14]
+        total = sum(e.self_device_time_total for e in kernels) / n / 1000
         out[f"tp{tp}"] = {
+            "batch": batch,
             "step_ms_wall": 1000 * wall,
             "gpu_ms_per_step": total,
-            "top": [
-                (e.key[:70], e.device_time_total / args.profile_steps / 1000, e.count // args.profile_steps)
-                for e in rows
-            ],
+            "top": [(e.key[:70], e.self_device_time_total / n / 1000, e.count // n) for e in rows],
         }
-        print(f"[profile] TP={tp}: {1000 * wall:.2f} ms a step (eager, profiled), GPU {total:.2f} ms a step")
+        print(f"[profile] TP={tp}, batch {batch}: {1000 * wall:.2f} ms a step (eager, profiled), GPU {total:.2f} ms")
         for key, ms, calls in out[f"tp{tp}"]["top"]:
             print(f"    {ms:8.3f} ms  x{calls:<4} {key}")
         while core.has_unfinished_requests():
@@ -262,6 +261,16 @@ def markdown(res) -> str:
                 f"| {r['wait_ms']:.2f} |"
             )
         lines += [f"| ratio | {t['ratio']:.2f}x | | | | |", ""]
+    for key, p in res.get("profile", {}).items():
+        lines += [
+            f"Eager decode steps at TP={key[2:]}, batch {p['batch']} (torch.profiler, rank 0): "
+            f"{p['step_ms_wall']:.2f} ms a step, GPU {p['gpu_ms_per_step']:.2f} ms a step",
+            "",
+            "| GPU entry | ms a step | calls a step |",
+            "|---|---|---|",
+            *(f"| `{name}` | {ms:.3f} | {calls} |" for name, ms, calls in p["top"]),
+            "",
+        ]
     if "big" in res:
         b = res["big"]
         lines.append(

@@ -10,7 +10,7 @@
 # dp    benchmarks/dp_bench.py: the chat workload (128 users x 4 turns on 4 public personas) on one
 #       engine and on 2 replicas (goal >= 1.8x, the prefix hit rate kept); needs TOK (a random
 #       llama-3.2-1b around that tokenizer is made with benchmarks/random_hf_model.py)   (2 GPUs)
-# ar    benchmarks/allreduce_bench.py: a decode step's 64 all-reduces alone, per NCCL protocol    (2 GPUs)
+# ar    benchmarks/allreduce_bench.py: a decode step's 65 all-reduces alone, per NCCL protocol    (2 GPUs)
 #       and benchmarks/tp_bench.py --part profile: eager decode steps at TP=1 and TP=2 under torch.profiler
 # http  benchmarks/serve_bench.py: 256 concurrent streams through the API with the engine in a process
 #       of its own (serve --engine-process) against AsyncLLM directly (issue #20's goal: >= 0.9x)

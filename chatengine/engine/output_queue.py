@@ -5,7 +5,7 @@ follow the queue its cumulative outputs arrive on."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from chatengine.outputs import RequestOutput
 
@@ -18,7 +18,7 @@ async def make_request(make: Callable, prompt, params, request_id: str | None, u
     return make(prompt, params, request_id=request_id, user=user)
 
 
-async def follow(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+async def follow(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncGenerator[RequestOutput, None]:
     """The outputs put on `queue` until a finished one; an exception put there is raised. A caller
     slower than the engine gets the newest output only (each holds everything so far): under load a
     stream sends fewer, longer chunks instead of falling further behind. Leaving before the end

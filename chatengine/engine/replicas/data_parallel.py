@@ -134,8 +134,10 @@ class DataParallelLLM(EngineFacade):
 
     async def chat(self, messages, sampling_params=None, *, request_id=None, user=None):
         ids = self.apply_chat_template(messages)
-        async for out in self.generate(ids, sampling_params, request_id=request_id, user=user):
-            yield out
+        generation = self.generate(ids, sampling_params, request_id=request_id, user=user)
+        async with contextlib.aclosing(generation) as outputs:  # closing chat aborts at once
+            async for out in outputs:
+                yield out
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
