@@ -387,6 +387,22 @@ def test_async_scheduling_gives_the_sync_tokens(llm, llm_async, prompt_ids):
     assert {c.finish_reason for o in sync for c in o.outputs} == {"stop", "length"}
 
 
+def test_rows_that_read_their_tokens_keep_the_sync_tokens_beside_plain_ones(llm, llm_async, prompt_ids):
+    """Penalties and min_tokens read every token on the host: under async scheduling such a row
+    takes every other step while the plain rows keep overlapping, and every row's tokens are the
+    ones the synchronous engine gives."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
+        GREEDY,
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, presence_penalty=0.7, min_tokens=12),
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.5),
+    ]
+    sync, overlapped = llm.generate(prompt_ids, params), llm_async.generate(prompt_ids, params)
+    assert [[c.token_ids for c in o.outputs] for o in overlapped] == [[c.token_ids for c in o.outputs] for o in sync]
+    assert len(sync[2].outputs[0].token_ids) >= 12
+
+
 def test_abort_and_finish_with_a_step_in_flight(llm_async):
     engine = llm_async.engine
     engine.add(

@@ -119,6 +119,37 @@ def test_async_schedule_builds_on_pending_tokens():
     assert a.num_pending == 0 and sched.block_manager.num_free_blocks == 16
 
 
+def test_a_sequence_that_reads_its_tokens_sits_out_while_one_is_in_flight():
+    """A grammar, penalties or min_tokens read every token on the host: such a sequence is scheduled
+    only once its last token is back, while a plain one keeps running on its placeholder."""
+    sched = make(budget=16)
+    plain = Sequence([1, 2, 3], SamplingParams(max_tokens=8), block_size=BS)
+    penalized = Sequence([4, 5, 6], SamplingParams(max_tokens=8, presence_penalty=0.5), block_size=BS)
+    for s in (plain, penalized):
+        sched.add(s)
+    sched.launched(sched.schedule())  # both prefills queued: a token pending each
+    out = sched.schedule()
+    assert out.seqs == [plain]  # the penalized one waits for its token
+    sched.launched(out)
+    plain.fill_placeholder(7)
+    penalized.fill_placeholder(7)  # the first step's tokens arrive
+    out = sched.schedule()
+    assert out.seqs == [plain, penalized] and penalized.num_pending == 0
+    sched.launched(out)
+    assert sched.schedule().seqs == [plain]  # and so every other step
+
+
+def test_rows_that_read_their_tokens_run_on_placeholders_when_no_plain_row_would_overlap():
+    """With nothing plain beside them they run every step (the engine collects the step in flight
+    before their sampling): skipping would only leave the device idle."""
+    sched = make(budget=16)
+    a = Sequence([1, 2, 3], SamplingParams(max_tokens=8, min_tokens=4), block_size=BS)
+    sched.add(a)
+    sched.launched(sched.schedule())
+    out = sched.schedule()
+    assert out.seqs == [a] and a.num_pending == 1
+
+
 def test_finishing_with_a_pending_token_drops_it():
     sched = make()
     a = seq(3)

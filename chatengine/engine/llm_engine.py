@@ -85,7 +85,6 @@ class LLMEngine:
         self.secret = load_or_create_secret(secret_dir) if secret_dir else secrets.token_bytes(32)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._history_requests: set[str] = set()  # running ids whose sampling reads the last token (no overlap)
         # validation, tokenizing, grammars and personas: what admits a request (safe from any thread)
         self.front = EngineFront(config, mc, self.model_id, self.tokenizer, self.max_model_len, self.runner.num_blocks)
         self.num_generated_tokens = 0
@@ -215,8 +214,6 @@ class LLMEngine:
         # n > 1: only sample 0 prefills; the others fork from it once the prompt is in the cache
         self.scheduler.add(self._new_seq(req))
         self.requests[req.request_id] = req
-        if req.params.needs_history:
-            self._history_requests.add(req.request_id)
 
     def _new_seq(self, req: Request) -> Sequence:
         i = len(req.seqs)
@@ -266,7 +263,6 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self._history_requests.discard(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
                 self._finish(req, seq, "abort")
@@ -286,10 +282,11 @@ class LLMEngine:
         if not out.seqs and self._in_flight is None and self.tiers is not None:
             self.tiers.wait_for_loads(0.05)  # only prefixes on their way from disk: no busy loop
         if out.seqs:
+            # a row whose sampling reads its tokens on the host, scheduled on a token still in flight
+            # (the scheduler does so only when every running row is such a row)
+            reads_pending = any(seq.num_pending and seq.params.needs_history for seq in out.seqs)
             between = (
-                self._collect_between(out, received, outputs)
-                if self._in_flight is not None and self._history_requests
-                else None
+                self._collect_between(out, received, outputs) if reads_pending and self._in_flight is not None else None
             )
             try:
                 if self.transfers is not None:
@@ -380,7 +377,6 @@ class LLMEngine:
         for req in touched.values():
             if req.finished:
                 del self.requests[req.request_id]
-                self._history_requests.discard(req.request_id)
                 outputs.append(self._output(req))
             elif req.stream:  # an output copies every token list: only for those who stream
                 outputs.append(self._output(req))
@@ -457,7 +453,6 @@ class LLMEngine:
         outputs = []
         for request_id in request_ids:
             req = self.requests.pop(request_id)
-            self._history_requests.discard(request_id)
             req.error = message
             for seq in req.seqs:
                 if not seq.is_finished:

@@ -5,9 +5,10 @@ masked while fewer than min_tokens were generated; repetition, frequency and pre
 read the tokens so far; the structured-output grammar masks what it does not allow next. Rows of
 plain requests are never touched, and a batch without processed rows costs one scan of params.
 
-Penalties, grammars and min_tokens read every sampled token on the host: the engine collects the
-step before (filling its placeholders) between queuing this step's forward and processing its
-logits, so only the token sampled now may still be a placeholder.
+Penalties, grammars and min_tokens read every sampled token on the host. The scheduler runs such a
+sequence on a token still in flight only when every running sequence is one; the engine then
+collects the step before (filling its placeholders) between queuing this step's forward and
+processing its logits, so every token read here is known.
 """
 
 import numpy as np

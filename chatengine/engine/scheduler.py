@@ -10,7 +10,11 @@ so it usually hits them again) and it goes back to the head of the queue to be r
 With async scheduling the engine schedules step N+1 before it knows the tokens step N sampled: those
 are placeholders (sequence.PLACEHOLDER) whose KV the next step computes from the device-side ids. A
 sequence whose pending token ends it by length is not scheduled again; one that a pending token ends
-by EOS or a stop string costs one wasted lane, found when the values arrive.
+by EOS or a stop string costs one wasted lane, found when the values arrive. A sequence whose
+sampling reads its tokens on the host (a grammar, penalties, min_tokens) is not scheduled while its
+last token is in flight when plain sequences run beside it: it takes every other step, and theirs
+keep overlapping. When every running sequence is such a one, they run on their placeholders and the
+engine collects the step in flight before their sampling.
 """
 
 from collections import deque
@@ -61,9 +65,13 @@ class Scheduler:
         bm = self.block_manager
 
         # running first: a decode token, or the next chunk of an unfinished prefill
+        others_overlap = any(not seq.params.needs_history for seq in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and seq.params.needs_history and others_overlap:
+                i += 1  # its sampling reads the token still in flight: it sits this step out, so the
+                continue  # plain rows' step never waits for that token to reach the host
             if seq.num_pending and (
                 seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
             ):
