@@ -392,15 +392,14 @@ def test_rows_that_read_their_tokens_keep_the_sync_tokens_beside_plain_ones(llm,
     takes every other step while the plain rows keep overlapping, and every row's tokens are the
     ones the synchronous engine gives."""
     params = [
-        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
-        GREEDY,
-        SamplingParams(temperature=0.8, seed=3, max_tokens=16, presence_penalty=0.7, min_tokens=12),
-        SamplingParams(temperature=0, max_tokens=24),
-        SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=10, presence_penalty=0.7, min_tokens=8),
     ]
-    sync, overlapped = llm.generate(prompt_ids, params), llm_async.generate(prompt_ids, params)
+    prompts = prompt_ids[: len(params)]
+    sync, overlapped = llm.generate(prompts, params), llm_async.generate(prompts, params)
     assert [[c.token_ids for c in o.outputs] for o in overlapped] == [[c.token_ids for c in o.outputs] for o in sync]
-    assert len(sync[2].outputs[0].token_ids) >= 12
+    assert len(sync[2].outputs[0].token_ids) >= 8
 
 
 def test_abort_and_finish_with_a_step_in_flight(llm_async):
