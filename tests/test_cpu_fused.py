@@ -129,11 +129,25 @@ def test_a_decode_layer_in_one_call_equals_the_layer_of_ops(fmt, monkeypatch):
     monkeypatch.setattr(cf, "decode_layer", lambda *a: calls.append(1) or one_call(*a))
     fused = llm.generate(prompts, params)
     assert len(calls) == 11 * len(model.layers)  # every decode step, every layer (batched)
-    monkeypatch.setattr(model, "_cpu_decode_step", lambda *a: None)  # the modules' path, op by op
+    monkeypatch.setattr(model, "_cpu_decode_fusable", lambda *a: False)  # the modules' path, op by op
     plain = llm.generate(prompts, params)
+    assert len(calls) == 11 * len(model.layers)  # none more
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         la = [lp[t] for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
         lb = [lp[t] for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
         torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-4)
+    llm.shutdown()
+
+
+def test_full_precision_decode_steps_build_no_fused_step(monkeypatch):
+    """fp32 weights (no blocks) never run a layer in one call, so a decode step pays nothing for it."""
+    from chatengine import LLM, SamplingParams
+
+    llm = LLM("dummy:tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=64)
+    built = []
+    step = cf.decode_step
+    monkeypatch.setattr(cf, "decode_step", lambda *a: built.append(1) or step(*a))
+    out = llm.generate([list(range(3, 20))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6 and built == []
     llm.shutdown()

@@ -275,12 +275,14 @@ class LlamaModel(nn.Module):
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         layer: Any
-        step = self._cpu_decode_step(x, positions, kv_cache, meta)
+        fusable = self._cpu_decode_fusable(x, kv_cache, meta)
+        step = None  # its int32 copies are made once a layer runs fused
         for layer in self.layers:
             local = self.rope_local is not None and layer.self_attn.window > 0
             rope = self.rope_local if local else self.rope
-            plan = layer.cpu_decode_plan(kv_cache, rope) if step is not None else None
-            if plan is not None and step is not None:  # the whole layer in one call (cpu_fused.decode_layer)
+            plan = layer.cpu_decode_plan(kv_cache, rope) if fusable else None
+            if plan is not None:  # the whole layer in one call (cpu_fused.decode_layer)
+                step = step or cpu_fused.decode_step(positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
                 x, residual = cpu_fused.decode_layer(plan, step, x, residual)
             else:
                 x, residual = layer(x, residual, positions, rope, kv_cache, meta)
@@ -288,21 +290,19 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x[logits_indices], residual[logits_indices])  # only the rows that sample
         return self.lm_head(x)
 
-    def _cpu_decode_step(self, x, positions, kv_cache, meta) -> cpu_fused.Step | None:
-        """A CPU decode step's cpu_fused.Step (one new token a sequence, fp32, rows the GEMV takes),
-        for the layers that run as one call (DecoderLayer.cpu_decode_plan); else None."""
+    def _cpu_decode_fusable(self, x, kv_cache, meta) -> bool:
+        """Whether this step is a CPU decode step the one-call layers take (one new token a sequence,
+        fp32, rows the GEMV takes; DecoderLayer.cpu_decode_plan says which layers)."""
         T = x.shape[0]
-        if (
-            x.device.type != "cpu"
-            or x.dtype != torch.float32
-            or kv_cache.dtype != torch.float32
-            or meta.max_seqlen_q != 1
-            or T != meta.seq_lens.shape[0]
-            or not 0 < T <= cpu_quant.GEMV_MAX_ROWS
-            or not cpu_fused.available()
-        ):
-            return None
-        return cpu_fused.decode_step(positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        return (
+            x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and kv_cache.dtype == torch.float32
+            and meta.max_seqlen_q == 1
+            and T == meta.seq_lens.shape[0]
+            and 0 < T <= cpu_quant.GEMV_MAX_ROWS
+            and cpu_fused.available()
+        )
 
     def quantize_fp8(self) -> None:
         """The attention and MLP projections to e4m3 weights with per-channel scales (after loading)."""
