@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import commit, freeze_heap  # noqa: E402
 from chatengine import AsyncLLM, SamplingParams, StructuredOutputs  # noqa: E402
 
 OPEN_SCHEMA = {  # as a pydantic model with a str, an int and a list[str] gives it
@@ -117,6 +117,7 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
 
 def bench_model(model: str, kinds: list[str], args) -> list[dict]:
     llm = AsyncLLM(model, **({"device": "cpu", "dtype": "float32"} if args.dry_run else {}))
+    freeze_heap()  # as `chatengine serve` does after start-up
     prompts = workload(args.requests, args.max_tokens, llm.vocab_size)
     rows = []
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import commit, freeze_heap  # noqa: E402
 
 PCTS = (50, 90, 99)
 BENCH_KEY = "sk-serve-bench"
@@ -123,6 +123,7 @@ class AsyncTarget:
         from chatengine import AsyncLLM
 
         self.llm = AsyncLLM(model, **options)
+        freeze_heap()  # as the server does after start-up
 
     @property
     def vocab(self) -> int:
@@ -243,6 +244,7 @@ def serve(model: str, options: dict, engine_process: bool) -> None:
 
     llm = DataParallelLLM(model, data_parallel_size=1, **options) if engine_process else AsyncLLM(model, **options)
     server = ServerThread(build_api(llm, {"bench": {"api_key": BENCH_KEY}}, model_name="bench"))
+    freeze_heap()  # as `chatengine serve` does after start-up
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print("READY", server.url, llm.vocab_size, flush=True)
