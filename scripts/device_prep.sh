@@ -12,12 +12,12 @@ pins=$(python - <<'PY'
 from importlib.metadata import version
 names = ["annotated-types", "click-default-group", "fastapi", "gguf", "itsdangerous", "opentelemetry-api",
          "pydantic", "pydantic_core", "python-multipart", "sqlite-fts4", "sqlite-utils", "starlette",
-         "typing-inspection", "uvicorn", "xgrammar"]
+         "typing-inspection", "uvicorn", "xgrammar", "apache-tvm-ffi"]
 print(" ".join(f"{n}=={version(n)}" for n in names))
 PY
 )
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl $pins
 # the tokenizer of the embedded default model, from its converted directory
 mkdir -p .tok
