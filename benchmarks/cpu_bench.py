@@ -9,7 +9,7 @@ against llama.cpp measured in the same run. Saves JSON + a markdown table under 
 Engines: ours (the GGUF's own blocks, q4_1: what `chatengine serve` runs by default), ours-<fmt>
 (quantization=<fmt>: none is fp32, q4_0 re-quantizes at load), llamacpp (the same Q4_1 file),
 llamacpp-q4_0, hf (transformers, fp32). The decode GEMV's arithmetic follows
-CHATENGINE_CPU_ACTIVATIONS (auto by default: q16 for 4-bit weights; fp32; q8: llama.cpp's), inherited by
+CHATENGINE_CPU_ACTIVATIONS (auto by default: q16; fp32; q8: llama.cpp's), inherited by
 the workers.
 
 Per engine and round: single-stream greedy decode tok/s (`--max-tokens` new tokens, EOS ignored,

@@ -169,8 +169,7 @@ def test_kernel_linear_matches_the_reference(fmt, rows):
     _, d, _ = cq.quantize_rows16_ref(x)  # q16: the same bound with its step
     bound = cq.dequantize_ref(qw).abs() @ (d.repeat_interleave(32, dim=1) / 2).T
     assert ((ours - ref).abs() <= bound.T + 1e-4).all()
-    auto = "fp32" if fmt == "q8_0" else "q16"  # the default picks by format
-    assert torch.equal(cq.linear(x, qw, b, "auto"), cq.linear(x, qw, b, auto))
+    assert torch.equal(cq.linear(x, qw, b, "auto"), cq.linear(x, qw, b, "q16"))  # the default
 
 
 @needs_kernel

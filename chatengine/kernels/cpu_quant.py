@@ -24,14 +24,14 @@ CHATENGINE_CPU_ACTIVATIONS (`ACTIVATIONS`):
   order).
 - "q16": each row of x is quantized to int16 blocks (`quantize_rows16_ref`: levels, an fp32 scale
   per 32, amax / 32767) and each weight block costs two int16 multiply-adds with them
-  (`linear_q16_ref`): ~1.7x faster than "fp32" on 4-bit weights (no per-weight float conversion),
-  and x's rounding (at most amax / 65534 an input) is ~260x finer than q8's.
+  (`linear_q16_ref`); x's rounding (at most amax / 65534 an input) is ~260x finer than q8's. For one
+  or two rows of x (a decode step) the kernel takes eight weight rows at a time, whose scales it
+  reads column-major in one load, and prefetches the weights ahead: on a 2-core AVX2 VM the
+  135M model's layer GEMVs stream at ~8-12 GB/s instead of ~5.
 - "q8": llama.cpp's arithmetic: each row of x is quantized to q8 blocks (`quantize_rows_ref`: int8
   levels, an fp32 scale per 32) and each weight block costs one integer dot with them
   (`linear_q8_ref`). Its greedy output leaves the fp32 model's sooner (README), so it is opt-in.
-- "auto" (default): q16 for q4_0 / q4_1 weights, fp32 for q8_0 (the LM head: its int8 levels
-  convert as cheaply as int16 and fp32 measured faster there). Greedy output of the default model
-  agreed with the fp32 model's on all of cpu_bench's first 64 tokens with either.
+- "auto" (default): q16 for every format.
 More rows (prefill) dequantize the weight to fp32 and use torch's fp32 GEMM, whose speed the quantized
 path then keeps.
 """
@@ -68,6 +68,12 @@ class QuantWeight:
     m: torch.Tensor | None  # (N, K/32) fp16 (q4_1), else None
     shape: tuple[int, int]  # (N, K) of the weight
 
+    def __post_init__(self):
+        # the kernel reads d and m column-major ((K/32, N) in memory: a block's scales of eight
+        # neighbouring rows in one load); as tensors they stay (N, K/32)
+        self.d = _column_major(self.d)
+        self.m = None if self.m is None else _column_major(self.m)
+
     @property
     def fmt_id(self) -> int:
         return _FORMAT_IDS[self.fmt]
@@ -79,6 +85,11 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """t (N, G) as a view of a (G, N) contiguous tensor (the same values)."""
+    return t if t.stride() == (1, t.shape[0]) else t.t().contiguous().t()
 
 
 QUANTIZE_ROWS = 4096  # rows quantized at a time: the fp32 temporaries of a 49k-row table stay small
@@ -261,7 +272,7 @@ def library() -> ctypes.CDLL | None:
     lib.cq_dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i32]
     lib.cq_quantize_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.cq_quantize_rows.restype = None
-    lib.cq_quantize_rows16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.cq_quantize_rows16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     lib.cq_quantize_rows16.restype = None
     lib.cq_dequant.restype = i32
     _lib = lib
@@ -294,7 +305,7 @@ def gemv_of(lib: ctypes.CDLL, fmt: str, activations: str | None = None):
     """The kernel's GEMV entry point for weights in `fmt` under `activations` (ACTIVATIONS if None)."""
     mode = activations or ACTIVATIONS
     if mode == "auto":
-        mode = "fp32" if fmt == "q8_0" else "q16"
+        mode = "q16"
     return lib.cq_gemv_q16 if mode == "q16" else lib.cq_gemv_q8 if mode == "q8" else lib.cq_gemv_f32
 
 
@@ -303,7 +314,7 @@ def linear(
 ) -> torch.Tensor:
     """y = x W^T (+ b) for fp32 x (..., K): a kernel GEMV for few rows (`activations`, default
     ACTIVATIONS: "fp32", linear_ref's arithmetic, "q16", linear_q16_ref's, "q8", linear_q8_ref's, or
-    "auto": q16 for 4-bit weights, else fp32), else dequantize + torch's fp32 GEMM (linear_ref's).
+    "auto": q16), else dequantize + torch's fp32 GEMM (linear_ref's).
     A decode step calls this ~120 times: the common path touches as few torch ops as it can."""
     lib = _lib if _lib_tried else library()
     N, K = qw.shape
