@@ -114,15 +114,59 @@ class Record:
     error: str | None = None
 
 
+class StepLog:
+    """--step-log: the engine thread's steps, timed: (seconds, prefill tokens, decode rows) of each
+    step() call. With async scheduling a step launches one forward and collects the one before, so
+    its time is about the longer of the GPU's work for the step before and the host's own."""
+
+    BUCKETS = [(0, 0), (1, 256), (257, 1024), (1025, 1 << 30)]
+
+    def __init__(self, engine):
+        self.rows: list[tuple[float, int, int]] = []
+        self._last = (0, 0)
+        schedule, step = engine.scheduler.schedule, engine.step
+
+        def timed_schedule():
+            out = schedule()
+            n = out.num_new_tokens
+            self._last = (sum(k for k in n if k > 1), sum(1 for k in n if k == 1))
+            return out
+
+        def timed_step():
+            t = time.perf_counter()
+            outputs = step()
+            self.rows.append((time.perf_counter() - t, *self._last))
+            return outputs
+
+        engine.scheduler.schedule, engine.step = timed_schedule, timed_step
+
+    def summary(self) -> dict:
+        """Per bucket of prefill tokens: steps, and their p50 / p99 / max duration in ms; then clear."""
+        out = {}
+        for lo, hi in self.BUCKETS:
+            ms = sorted(1e3 * t for t, p, _ in self.rows if lo <= p <= hi)
+            if ms:
+                out[f"{lo}-{hi if hi < 1 << 30 else 'up'}"] = {
+                    "steps": len(ms),
+                    "p50_ms": ms[len(ms) // 2],
+                    "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+                    "max_ms": ms[-1],
+                    "mean_decode_rows": statistics.mean(d for t, p, d in self.rows if lo <= p <= hi),
+                }
+        self.rows.clear()
+        return out
+
+
 class AsyncTarget:
     """AsyncLLM in this process; one user for every request (the personas' pages are shared)."""
 
     name = "async"
 
-    def __init__(self, model: str, options: dict):
+    def __init__(self, model: str, options: dict, step_log: bool = False):
         from chatengine import AsyncLLM
 
         self.llm = AsyncLLM(model, **options)
+        self.steps = StepLog(self.llm.engine) if step_log else None
         freeze_heap()  # as the server does after start-up
 
     @property
@@ -355,17 +399,28 @@ def engine_options(args, cache: str) -> dict:
 
 async def bench_target(kind: str, cache: str, args) -> dict:
     if kind == "async":
-        target = await asyncio.to_thread(AsyncTarget, args.model, engine_options(args, cache))
+        target = await asyncio.to_thread(AsyncTarget, args.model, engine_options(args, cache), args.step_log)
     else:
         target = await asyncio.to_thread(HttpTarget, args.model, engine_options(args, cache), args.engine_process)
     try:
         workload = Workload(target.vocab, args.personas, args.persona_len, args.seed, args.quick)
         await warm(target, workload)
+        steps = getattr(target, "steps", None)
+        if steps is not None:
+            steps.summary()  # the warm-up's steps go
         rows = {}
         for rate in args.rates:
             recs, wall = await run_rate(target, workload, rate, args.requests, args)
             rows[str(rate)] = summarize(recs, wall, args)
             r = rows[str(rate)]
+            if steps is not None:
+                r["steps"] = steps.summary()
+                for bucket, st in r["steps"].items():
+                    log(
+                        f"[{kind} cache {cache}] {rate}/s steps with {bucket} prefill tokens: {st['steps']}, "
+                        f"p50 {st['p50_ms']:.1f} p99 {st['p99_ms']:.1f} max {st['max_ms']:.1f} ms, "
+                        f"{st['mean_decode_rows']:.1f} decode rows"
+                    )
             log(
                 f"[{kind} cache {cache}] {rate}/s: TTFT p50 {fmt(r['ttft_p50_ms'])} p99 {fmt(r['ttft_p99_ms'])}, "
                 f"ITL p50 {fmt(r['itl_p50_ms'])} p99 {fmt(r['itl_p99_ms'])}, {r['output_tok_s']:.0f} tok/s, "
@@ -477,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-options", default="{}", help='JSON of LLM options (e.g. \'{"device": "cpu"}\')')
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="short messages and replies (a smoke run)")
+    ap.add_argument("--step-log", action="store_true", help="async: time the engine's steps, by prefill tokens in them")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument(
         "--engine-process",

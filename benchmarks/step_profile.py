@@ -8,6 +8,10 @@ functions from torch.profiler.
   logprobs   logprobs=5 on every request
   json       a quarter under a JSON schema (needs a model with a tokenizer)
   penalty    repetition_penalty=1.1 on every request
+  prefill    a chat turn arriving beside the decodes, as serve_bench's at 20/s: each timed pair of
+             steps admits one request of a 1500-token persona (cached on the device by an earlier
+             turn) and --prefill-new new tokens, one reply token: the step that launches its prefill
+             and the next (which waits for it)
 
     python benchmarks/step_profile.py --model DIR [--batch 64] [--steps 64] [--variants plain,logprobs]
 """
@@ -43,9 +47,21 @@ def params(variant: str, i: int, max_tokens: int) -> SamplingParams:
     return SamplingParams(**common)
 
 
+PERSONA_LEN = 1500
+PREFILL_NEW = 100
+
+
 def decode_steps(llm: LLM, prompts, variant: str, steps: int) -> list[float]:
-    """Per-step wall times (s) of `steps` decode steps after the batch is prefilled."""
+    """Per-step wall times (s) of `steps` decode steps after the batch is prefilled (variant
+    prefill: of `steps` pairs of steps, each pair admitting one cached-persona turn)."""
     engine = llm.engine
+    rng = random.Random(1)
+    vocab = min(llm.vocab_size, 10000)
+    persona = [rng.randrange(100, vocab) for _ in range(PERSONA_LEN)]
+    if variant == "prefill":  # the persona's pages, cached by an earlier turn
+        engine.add_request(persona + [7] * 16, SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
     for i, ids in enumerate(prompts):
         engine.add_request(ids, params(variant, i, 10 * steps))
     while any(s.num_computed_tokens < s.num_prompt_tokens for r in engine.requests.values() for s in r.seqs):
@@ -54,6 +70,14 @@ def decode_steps(llm: LLM, prompts, variant: str, steps: int) -> list[float]:
         engine.step()
     times = []
     for _ in range(steps):
+        if variant == "prefill":
+            turn = persona + [rng.randrange(100, vocab) for _ in range(PREFILL_NEW)]
+            engine.add_request(turn, SamplingParams(temperature=0.6, max_tokens=1))
+            t0 = time.perf_counter()
+            engine.step()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            continue
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
@@ -117,13 +141,16 @@ def sync_points(llm: LLM, prompts, variant: str, steps: int) -> list[str]:
 
 
 def main():
+    global PREFILL_NEW
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--variants", default="plain,logprobs,json,penalty")
     ap.add_argument("--out", default=None, help="a JSON file for the summary")
+    ap.add_argument("--prefill-new", type=int, default=PREFILL_NEW, help="prefill: new tokens of each turn")
     args = ap.parse_args()
+    PREFILL_NEW = args.prefill_new
     llm = LLM(args.model)
     rng = random.Random(0)
     vocab = min(llm.vocab_size, 10000)

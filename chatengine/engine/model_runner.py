@@ -10,6 +10,11 @@ The CUDA fast path (bf16 by default):
   size up (1, 2, 4, 8, 16, 32, ... max_num_seqs) over persistent device buffers. Padded lanes get
   slot -1 (nothing stored) and seq_len 0 (attention reads nothing, writes 0); the decode kernel's
   split count is fixed per graph, so nothing inside a graph syncs with the host.
+- A prompt chunk alone replays a one-sequence prefill graph; a step that mixes prompt chunks with
+  decodes (a chat turn arriving while others stream) replays a mixed graph padded to (sequences,
+  tokens) buckets: padded sequences have no queries, padded tokens store nothing. Eagerly such a
+  step's ~160 launches cost the host several times the GPU's work (a 1B model on an H100: ~8 ms
+  of host time against ~1.5 ms of device time), and every stream waits for it.
 - Sampling without top-k/top-p or per-request seeds runs in one Triton pass over the logits
   (kernels/sampling.py); the token ids are the step's only device-to-host copy.
 - `launch` queues a step and returns at once; `collect` waits for its token ids. The engine
@@ -54,7 +59,7 @@ from chatengine.sampling_params import SamplingParams
 log = logging.getLogger("chatengine")
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton kernel's (KV as the queries)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-EAGER, DECODE_GRAPH, PREFILL_GRAPH = range(3)  # how a step's forward runs (the same on every rank)
+EAGER, DECODE_GRAPH, PREFILL_GRAPH, MIXED_GRAPH = range(4)  # how a step's forward runs (the same on every rank)
 ALIGN = 32  # staging regions start at multiples of 32 int32 (128 bytes)
 
 
@@ -308,6 +313,8 @@ class ModelRunner:
         self.num_graph_steps = 0  # decode steps replayed
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # padded T -> ...
         self.num_prefill_graph_steps = 0  # one-sequence chunks replayed
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # Bp << 16 | Tp -> ...
+        self.num_mixed_graph_steps = 0  # steps of chunks and decodes replayed
         self.block_bytes = mc.num_layers * 2 * self.block_size * self.num_kv_heads * mc.head_dim * dtype.itemsize
         with plan.guard() if plan is not None else contextlib.nullcontext():  # a rank that dies: said
             self._make_pool_and_graphs()
@@ -397,6 +404,7 @@ class ModelRunner:
         still hold this one's weights and KV cache."""
         self.graphs.clear()
         self.prefill_graphs.clear()
+        self.mixed_graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             for name in ("kv_cache", "model", "_dev", "_tables"):  # (close may run twice)
@@ -412,6 +420,7 @@ class ModelRunner:
         pad_to: int | None = None,
         pad_tokens: int | None = None,
         logits_rows: np.ndarray | None = None,
+        pad_mixed: tuple[int, int] | None = None,
     ):
         """Fill the staging buffer for this step; returns (layout, samples, max_seqlen_q, max_seqlen_k, T,
         num_pending): num_pending input tokens are placeholders that _upload fills on the device.
@@ -422,7 +431,9 @@ class ModelRunner:
         (slot -1) and lie past cu_seqlens_q[1], so attention gives them no work; the logits row is
         the chunk's last token.
         logits_rows: (eager only) the token rows to take logits of, when more than the sampling rows
-        (prompt logprobs)."""
+        (prompt logprobs).
+        pad_mixed: a mixed graph's (sequences, tokens). Sequences B..Bp-1 have no queries and seq_len
+        0, tokens T..Tp-1 store nothing; logits row b is sequence b's last token."""
         if self._uploaded is not None:
             # NOTE: a step that samples nothing (a prompt chunk) never syncs, and a graph replay
             # returns at once: without this wait the host could rewrite the pinned buffer while
@@ -436,7 +447,10 @@ class ModelRunner:
         samples = seq_lens == np.fromiter((s.num_tokens for s in seqs), np.int32, B)  # chunk reaches the end
         T = int(n.sum())
         num_pages = np.fromiter((len(s.block_table) for s in seqs), np.int32, B)
-        if pad_tokens is not None:
+        if pad_mixed is not None:
+            (Bp, Tp), W = pad_mixed, self.max_num_pages
+            S = Bp
+        elif pad_tokens is not None:
             Bp, Tp, S, W = 1, pad_tokens, 1, self.max_num_pages
         elif pad_to is None:
             # width a multiple of 16: one Triton specialization of the block-table stride
@@ -479,7 +493,13 @@ class ModelRunner:
         pos[:T] = p
         slots[:T] = bt[token_seq, p // bs] * bs + p % bs
         view("seq_lens")[:B] = seq_lens
-        if pad_tokens is not None:  # padded prefill tokens
+        if pad_mixed is not None:  # padded sequences (no queries) and tokens
+            ids[T:], pos[T:], slots[T:] = 0, 0, -1
+            view("seq_lens")[B:] = 0
+            cu[B + 1 :] = T
+            li = view("logits_indices")
+            li[:B], li[B:] = cu[1 : B + 1] - 1, 0
+        elif pad_tokens is not None:  # padded prefill tokens
             ids[T:], pos[T:], slots[T:] = 0, 0, -1
             view("logits_indices")[:] = max(T - 1, 0)
         elif pad_to is None:
@@ -553,6 +573,20 @@ class ModelRunner:
         short chunk, and eagerly its ~160 launches cost the host more than the GPU's work."""
         return [t for t in (16, 32, 64, 128, 256, 512) if t <= self.config.max_num_batched_tokens]
 
+    def mixed_graph_shapes(self) -> list[tuple[int, int]]:
+        """(sequences, tokens) buckets of the mixed graphs, smallest first."""
+        m, budget = self.max_graph_bs, self.config.max_num_batched_tokens
+        bs = sorted({min(b, m) for b in (16, 32, 64, 128, 256)})
+        ts = sorted({min(t, budget) for t in (256, 512, 1024, 2048)})
+        return [(b, t) for b in bs for t in ts if t >= b]
+
+    def _mixed_shape(self, B: int, T: int) -> tuple[int, int] | None:
+        """The smallest mixed graph bucket that holds B sequences of T tokens, if any."""
+        for b, t in self._mixed_shapes:
+            if b >= B and t >= T:
+                return b, t
+        return None
+
     def _capture(self, lay, B: int, max_seqlen_q: int, num_splits: int, pool):
         """Capture one forward over the staged layout `lay` (all padding: nothing read or stored);
         its replays read whatever a later _stage writes there. Returns (graph, logits)."""
@@ -610,9 +644,29 @@ class ModelRunner:
             )
             self.prefill_graphs[Tp] = self._capture(lay, 1, Tp, splits, pool)
             pool = self.prefill_graphs[Tp][0].pool()
+        for Bp, Tp in sorted(self.mixed_graph_shapes(), key=lambda bt: (bt[1], bt[0]), reverse=True):
+            lay = self._staging(Tp, Bp, Bp, self.max_num_pages)  # empty sequences: no queries, nothing stored
+            h = self._host_np
+            for name, value in (
+                ("input_ids", 0),
+                ("positions", 0),
+                ("slot_mapping", -1),
+                ("seq_lens", 0),
+                ("block_tables", -1),
+                ("logits_indices", 0),
+                ("cu_seqlens_q", 0),
+            ):
+                off, n = lay[name]
+                h[off : off + n] = value
+            splits = self._graph_splits() or paged_attention._prefill_splits(
+                Bp, Tp, self.num_heads // self.num_kv_heads, self.num_kv_heads, self.max_model_len, sms
+            )
+            self.mixed_graphs[Bp << 16 | Tp] = self._capture(lay, Bp, Tp, splits, pool)
+            pool = self.mixed_graphs[Bp << 16 | Tp][0].pool()
         torch.cuda.synchronize(self.device)
         self._graph_sizes = sorted(self.graphs)
         self._prefill_sizes = sorted(self.prefill_graphs)
+        self._mixed_shapes = sorted((k >> 16, k & 0xFFFF) for k in self.mixed_graphs)
 
     # ---- forward and sampling --------------------------------------------------------------------
     @torch.inference_mode()
@@ -637,6 +691,9 @@ class ModelRunner:
             mode = PREFILL_GRAPH
             key = next(t for t in self._prefill_sizes if t >= num_new_tokens[0])
             lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens, pad_tokens=key)
+        elif self.mixed_graphs and (shape := self._mixed_shape(B, sum(num_new_tokens))) is not None:
+            mode, key = MIXED_GRAPH, shape[0] << 16 | shape[1]
+            lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens, pad_mixed=shape)
         else:
             mode, key = EAGER, B
             lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens)
@@ -650,9 +707,9 @@ class ModelRunner:
             _, sample_at, spans = prompt_plan
             prompt = [(seq, first, logits[start : start + count]) for seq, first, start, count in spans]
             logits = logits[on_device(sample_at, torch.long, logits.device)]
-        elif mode == DECODE_GRAPH:
+        elif mode in (DECODE_GRAPH, MIXED_GRAPH):
             logits = logits[:B]
-            if not samples.all():  # a 1-token chunk that does not end its prompt
+            if not samples.all():  # a chunk that does not end its prompt
                 logits = logits[torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
         elif mode == PREFILL_GRAPH and not samples.all():
             logits = logits[:0]
@@ -670,6 +727,11 @@ class ModelRunner:
             graph, logits = self.prefill_graphs[key]
             graph.replay()
             self.num_prefill_graph_steps += 1
+            return logits
+        if mode == MIXED_GRAPH:
+            graph, logits = self.mixed_graphs[key]
+            graph.replay()
+            self.num_mixed_graph_steps += 1
             return logits
         meta = StepMetadata(
             slot_mapping=d["slot_mapping"],
