@@ -12,7 +12,7 @@ pins=$(python - <<'PY'
 from importlib.metadata import version
 names = ["annotated-types", "click-default-group", "fastapi", "gguf", "itsdangerous", "opentelemetry-api",
          "pydantic", "pydantic_core", "python-multipart", "sqlite-fts4", "sqlite-utils", "starlette",
-         "typing-inspection", "uvicorn", "xgrammar", "apache-tvm-ffi"]
+         "typing-inspection", "uvicorn", "xgrammar", "apache-tvm-ffi", "uvloop", "httptools"]
 print(" ".join(f"{n}=={version(n)}" for n in names))
 PY
 )

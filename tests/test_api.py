@@ -3,6 +3,7 @@ uvicorn servers on loopback. One engine for the module; three apps on it: multi-
 local single-user mode, and a rate-limited one."""
 
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -491,6 +492,25 @@ def test_disconnected_stream_frees_blocks(local, engine):
     # the connection is closed: the request is aborted and its blocks are freed within a step or two
     wait_idle(engine, timeout=5)
     assert engine.stats()["num_generated_tokens"] - generated < 450
+
+
+def test_a_stream_ends_with_503_when_the_engine_stops_without_a_word(serve):
+    """An engine that stops and delivers nothing more (its thread gone) must not leave a stream
+    waiting forever: the watcher sees it stop and the stream ends with a 503 error event."""
+    eng = AsyncLLM("dummy:tiny", device="cpu", dtype="float32")
+    eng._deliver_many = lambda items: None  # nothing the engine makes reaches a stream
+    stop = threading.Timer(0.5, lambda: setattr(eng, "_stopped", True))  # then it reports itself stopped
+    try:
+        url = serve(build_api(eng, None, model_name=MODEL)).url
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        stop.start()
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and "engine has stopped" in lines[-2], lines[-3:]
+    finally:
+        stop.join()
+        eng._stopped = False
+        eng.shutdown()
 
 
 def test_disconnected_non_streaming_request_frees_blocks(local, engine):
