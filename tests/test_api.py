@@ -499,7 +499,14 @@ def test_a_stream_ends_with_503_when_the_engine_stops_without_a_word(serve):
     waiting forever: the watcher sees it stop and the stream ends with a 503 error event."""
     eng = AsyncLLM("dummy:tiny", device="cpu", dtype="float32")
     eng._deliver_many = lambda items: None  # nothing the engine makes reaches a stream
-    stop = threading.Timer(0.5, lambda: setattr(eng, "_stopped", True))  # then it reports itself stopped
+
+    def stop_once_running():  # once the request runs, the engine reports itself stopped
+        deadline = time.monotonic() + 20
+        while not eng.engine.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        eng._stopped = True
+
+    stop = threading.Thread(target=stop_once_running)
     try:
         url = serve(build_api(eng, None, model_name=MODEL)).url
         body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}

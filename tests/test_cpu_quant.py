@@ -147,7 +147,7 @@ def test_kernel_gemv_is_exact_where_the_values_are(fmt, rows):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", cq.FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 16, 17, 40])
 def test_kernel_linear_matches_the_reference(fmt, rows):
     # 74 output rows: tiles of 4 (or 2) weight rows plus a remainder; 320 inputs: 10 blocks (8 + 2)
     qw = cq.quantize(weights(n=74, k=320, seed=4), fmt)

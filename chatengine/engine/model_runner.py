@@ -387,8 +387,10 @@ class ModelRunner:
             seqs.append(Sequence([0] * n, SamplingParams(), block_size=self.block_size))
             seqs[-1].block_table, first = list(range(first, first + k)), first + k
         self._forward(seqs, lens)
-        # room for decode-sized logits: a graph's output plus the sampler's temporaries
-        probe = torch.empty(4 * self.max_graph_bs, mc.vocab_size, dtype=torch.float32, device=self.device)
+        # room for decode-sized logits (a graph's output plus the sampler's temporaries) and for the
+        # mixed graphs' outputs, which stay allocated beside each other
+        rows = 4 * self.max_graph_bs + sum(b for b, _ in self.mixed_graph_shapes())
+        probe = torch.empty(rows, mc.vocab_size, dtype=torch.float32, device=self.device)
         torch.cuda.synchronize(self.device)
         del self.kv_cache, probe
         free, total = torch.cuda.mem_get_info(self.device)
@@ -710,7 +712,7 @@ class ModelRunner:
         elif mode in (DECODE_GRAPH, MIXED_GRAPH):
             logits = logits[:B]
             if not samples.all():  # a chunk that does not end its prompt
-                logits = logits[torch.from_numpy(np.flatnonzero(samples)).to(self.device)]
+                logits = logits[on_device(np.flatnonzero(samples), torch.long, self.device)]  # no host sync
         elif mode == PREFILL_GRAPH and not samples.all():
             logits = logits[:0]
         return logits, samples.tolist(), d, prompt

@@ -588,6 +588,7 @@ void cq_quantize_rows16(const float* x, int64_t M, int64_t K, int64_t ldx, int16
 // As cq_gemv_q8 with x's q16 blocks.
 int cq_gemv_q16(int fmt, const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K, const float* x,
                 int64_t M, int64_t ldx, float* y, int64_t ldy, int threads) {
+  if (M == 0) return 0;
   thread_local std::vector<int16_t> bq;
   thread_local std::vector<float> bds;
   thread_local std::vector<int32_t> bl;

@@ -68,15 +68,15 @@ def main(spec: ReplicaSpec, conn: Connection) -> None:
         os._exit(1)
     loop = ReplicaLoop(engine, conn)
     try:
-        facts = {"num_blocks": engine.block_manager.num_blocks, "model_id": engine.model_id, "stats": engine.stats()}
-        loop.send(("ready", facts))
-        for ids in engine.personas.values():
-            loop.warm(ids)
         # the process is the engine's alone: what start-up built (the model, torch, the tokenizer)
         # leaves the cyclic collector's sight, as the API process does, so a full collection walks
         # only what serving makes instead of stalling every stream for hundreds of milliseconds
         gc.collect()
         gc.freeze()
+        facts = {"num_blocks": engine.block_manager.num_blocks, "model_id": engine.model_id, "stats": engine.stats()}
+        loop.send(("ready", facts))
+        for ids in engine.personas.values():
+            loop.warm(ids)
         threading.Thread(target=loop.read, name="chatengine-replica-pipe", daemon=True).start()
         loop.run()
         loop._compiler.shutdown(wait=False, cancel_futures=True)
