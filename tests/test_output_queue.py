@@ -1,4 +1,4 @@
-"""engine/output_queue.py: following a request's queue of cumulative outputs."""
+"""engine/output_queue.py: following a request's mailbox of cumulative outputs."""
 
 import asyncio
 import contextlib
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from chatengine.engine.output_queue import follow, make_request
+from chatengine.engine.output_queue import Mailbox, follow, make_request
 
 
 def out(n, finished=False):
@@ -19,7 +19,7 @@ def run(coro):
 
 def test_a_caller_that_fell_behind_takes_the_newest_output_and_the_finished_one():
     async def main():
-        q: asyncio.Queue = asyncio.Queue()
+        q = Mailbox()
         for item in (out(1), out(2), out(3), out(4, finished=True)):
             q.put_nowait(item)
         aborted = []
@@ -32,7 +32,7 @@ def test_a_caller_that_fell_behind_takes_the_newest_output_and_the_finished_one(
 
 def test_outputs_in_step_are_each_yielded():
     async def main():
-        q: asyncio.Queue = asyncio.Queue()
+        q = Mailbox()
         got = []
         async with contextlib.aclosing(follow(q, lambda: None)) as outputs:
             q.put_nowait(out(1))
@@ -47,7 +47,7 @@ def test_outputs_in_step_are_each_yielded():
 
 def test_leaving_early_aborts_and_an_error_is_raised_without_abort():
     async def early():
-        q: asyncio.Queue = asyncio.Queue()
+        q = Mailbox()
         q.put_nowait(out(1))
         aborted = []
         async with contextlib.aclosing(follow(q, lambda: aborted.append(1))) as outputs:
@@ -58,7 +58,7 @@ def test_leaving_early_aborts_and_an_error_is_raised_without_abort():
     assert run(early()) == [1]
 
     async def failing():
-        q: asyncio.Queue = asyncio.Queue()
+        q = Mailbox()
         q.put_nowait(out(1))
         q.put_nowait(ValueError("refused"))
         aborted = []
@@ -68,6 +68,27 @@ def test_leaving_early_aborts_and_an_error_is_raised_without_abort():
         return aborted
 
     assert run(failing()) == []
+
+
+def test_the_mailbox_keeps_the_newest_item_and_never_replaces_a_final_one():
+    async def main():
+        box = Mailbox()
+        box.put_nowait(out(1))
+        box.put_nowait(out(2))
+        first = (await box.get()).n  # the newest; the older one is gone
+        box.put_nowait(out(3, finished=True))
+        box.put_nowait(out(4))  # nothing replaces a finished output
+        second = await box.get()
+        box.put_nowait(ValueError("failed"))
+        box.put_nowait(out(5))  # nor an error
+        third = await box.get()
+        waiter = asyncio.ensure_future(box.get())  # an empty box: the caller waits for a put
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        box.put_nowait(out(6))
+        return first, second.n, second.finished, type(third), (await waiter).n
+
+    assert run(main()) == (2, 3, True, ValueError, 6)
 
 
 def test_make_request_compiles_grammars_off_the_event_loop():

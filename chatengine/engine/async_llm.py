@@ -8,7 +8,7 @@ import time
 
 from chatengine.engine.engine_loop import EngineLoop
 from chatengine.engine.facade import EngineFacade
-from chatengine.engine.output_queue import follow, make_request
+from chatengine.engine.output_queue import Mailbox, follow, make_request
 from chatengine.outputs import RequestOutput
 
 log = logging.getLogger("chatengine")
@@ -24,7 +24,7 @@ class AsyncLLM(EngineFacade, EngineLoop):
     def __init__(self, model: str | None = None, **kwargs):
         EngineFacade.__init__(self, model, **kwargs)
         EngineLoop.__init__(self, self.engine)
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, Mailbox]] = {}
         self._stopped = False
         self._stats, self._stats_time = self.engine.stats(), time.monotonic()
         self._thread = threading.Thread(target=self.run, name="chatengine-loop", daemon=True)
@@ -37,7 +37,7 @@ class AsyncLLM(EngineFacade, EngineLoop):
         req = await make_request(self.engine.make_request, prompt, sampling_params, request_id, user)
         if self._stopped:
             raise RuntimeError("the engine has shut down")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Mailbox()
         self.post(("add", req, (asyncio.get_running_loop(), queue)))
         async with contextlib.aclosing(follow(queue, lambda: self.post(("abort", req.request_id)))) as outputs:
             async for item in outputs:
@@ -123,7 +123,7 @@ class AsyncLLM(EngineFacade, EngineLoop):
         return True
 
 
-def _put_all(batch: list[tuple[str, asyncio.Queue, object]]) -> None:
+def _put_all(batch: list[tuple[str, Mailbox, object]]) -> None:
     """Runs on a caller's event loop: one step's outputs for the requests of that loop, in order."""
     for _, queue, out in batch:
         queue.put_nowait(out)

@@ -28,7 +28,7 @@ from chatengine.engine.front import EngineFront
 from chatengine.engine.kv.hashing import hash_blocks, load_or_create_secret, salt_start_block, user_salt
 from chatengine.engine.loader import load_model
 from chatengine.engine.model_runner import context_len, resolve_device_dtype
-from chatengine.engine.output_queue import follow, make_request
+from chatengine.engine.output_queue import Mailbox, follow, make_request
 from chatengine.engine.replicas.deltas import Delta, OutputAssembler
 from chatengine.engine.replicas.handle import ReplicaHandle
 from chatengine.engine.replicas.replica import WARM, ReplicaSpec
@@ -45,7 +45,7 @@ class _Running:
 
     replica: int
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: Mailbox
     assembler: OutputAssembler
     user: str | None
     first_private_block: int
@@ -105,7 +105,7 @@ class DataParallelLLM(EngineFacade):
         ids = req.prompt_token_ids
         first = salt_start_block(self.front.public_prefix_len(ids), self.front.config.block_size)
         hashes = self._hashes(ids, user, first)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Mailbox()
         with self._lock:
             if req.request_id in self._running:
                 raise ValueError(f"request id {req.request_id!r} is already running")
