@@ -66,6 +66,10 @@ class BlockManager:
         self.chains = ChainMemo()  # recent hash chains, to start new ones from
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
+        # kept as blocks change hands (stats() runs every 0.2 s: a scan of a GPU's ~100k blocks took
+        # ~30 ms of the engine thread each time): free blocks holding a page, blocks held twice or more
+        self._free_cached = 0
+        self._shared = 0
         self.cached: dict[bytes, int] = {}  # hash -> block id (in use or free)
         self.tiers: Any = None  # the host and disk tiers (TieredCache), if any; the pool never imports them
         self.write_behind = False  # queue newly published blocks for the disk
@@ -87,9 +91,7 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        # list() first: stats() runs on other threads, and iterating the LRU while the engine
-        # thread changes it raises "OrderedDict mutated during iteration"; list() copies it in C
-        return sum(1 for b in list(self.free_lru) if self.blocks[b].hash is not None)
+        return self._free_cached
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -256,15 +258,19 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free_lru[block_id]
+            self._free_cached -= block.hash is not None
         block.ref_count += 1
+        self._shared += block.ref_count == 2
 
     def _unref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"double free of {block}"
+        self._shared -= block.ref_count == 2
         block.ref_count -= 1
         if block.ref_count == 0:
             block.freed_at = time.monotonic()
             self.free_lru[block_id] = None
+            self._free_cached += block.hash is not None
             if block.hash is None:
                 self.free_lru.move_to_end(block_id, last=False)
 
@@ -272,6 +278,7 @@ class BlockManager:
         block_id, _ = self.free_lru.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict: drop the old hash (stale-entry bug)
+            self._free_cached -= 1
             if self.tiers is not None:  # write back to host memory before reuse
                 self.pending_evictions.append((block_id, block.meta()))
             if self.cached.get(block.hash) == block_id:
@@ -285,6 +292,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
+        if block.hash is not None and block.ref_count == 0:
+            self._free_cached -= 1
         block.clear_hash()
 
     # ---- what the KV transfers take and give back ------------------------------------------------
@@ -329,7 +338,7 @@ class BlockManager:
             "prefix_cache_hit_tokens": self.num_hit_tokens,
             "prefix_cache_queried_tokens": self.num_queried_tokens,
             "evictions": self.num_evictions,
-            "kv_blocks_shared": sum(1 for b in self.blocks if b.ref_count > 1),
+            "kv_blocks_shared": self._shared,
         }
 
     def drop_owner(self, owner: bytes) -> int:
@@ -347,6 +356,7 @@ class BlockManager:
             if block.hash is not None and match(block):
                 del self.cached[block.hash]
                 block.clear_hash()
+                self._free_cached -= 1
                 self.free_lru.move_to_end(block_id, last=False)
                 n += 1
         return n
@@ -363,6 +373,10 @@ class BlockManager:
         )
         free = set(self.free_lru)
         assert len(free) == len(self.free_lru)
+        counted = (self._free_cached, self._shared)
+        cached_free = sum(1 for b in free if self.blocks[b].hash is not None)
+        scanned = (cached_free, sum(1 for b in self.blocks if b.ref_count > 1))
+        assert counted == scanned, f"(cached free, shared) blocks counted {counted}, scanned {scanned}"
         wrong = [b for b in self.blocks if (b.ref_count == 0) != (b.block_id in free)]
         assert not wrong, f"free list disagrees with ref counts: {wrong[:8]}"
         for h, block_id in self.cached.items():
