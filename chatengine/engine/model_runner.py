@@ -59,6 +59,8 @@ from chatengine.sampling_params import SamplingParams
 log = logging.getLogger("chatengine")
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton kernel's (KV as the queries)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a captured graph's staged inputs: tokens that store nothing, sequences with no keys
+_PADDING = (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0), ("block_tables", -1))
 EAGER, DECODE_GRAPH, PREFILL_GRAPH, MIXED_GRAPH = range(4)  # how a step's forward runs (the same on every rank)
 ALIGN = 32  # staging regions start at multiples of 32 int32 (128 bytes)
 
@@ -589,6 +591,12 @@ class ModelRunner:
                 return b, t
         return None
 
+    def _fill(self, lay: "Staging", values) -> None:
+        """Set whole staged views to constants: (name, value) pairs (a graph's all-padding layout)."""
+        for name, value in values:
+            off, n = lay[name]
+            self._host_np[off : off + n] = value
+
     def _capture(self, lay, B: int, max_seqlen_q: int, num_splits: int, pool):
         """Capture one forward over the staged layout `lay` (all padding: nothing read or stored);
         its replays read whatever a later _stage writes there. Returns (graph, logits)."""
@@ -628,19 +636,9 @@ class ModelRunner:
             pool = self.graphs[bs][0].pool()
         for Tp in reversed(self.prefill_graph_sizes()):
             lay = self._staging(Tp, 1, 1, self.max_num_pages)  # an empty sequence: no keys, nothing stored
-            h = self._host_np
-            for name, value in (
-                ("input_ids", 0),
-                ("positions", 0),
-                ("slot_mapping", -1),
-                ("seq_lens", 0),
-                ("block_tables", -1),
-                ("logits_indices", Tp - 1),
-            ):
-                off, n = lay[name]
-                h[off : off + n] = value
+            self._fill(lay, (*_PADDING, ("logits_indices", Tp - 1)))
             off, _ = lay["cu_seqlens_q"]
-            h[off : off + 2] = (0, Tp)
+            self._host_np[off : off + 2] = (0, Tp)
             splits = self._graph_splits() or paged_attention._prefill_splits(
                 1, Tp, self.num_heads // self.num_kv_heads, self.num_kv_heads, self.max_model_len, sms
             )
@@ -648,18 +646,7 @@ class ModelRunner:
             pool = self.prefill_graphs[Tp][0].pool()
         for Bp, Tp in sorted(self.mixed_graph_shapes(), key=lambda bt: (bt[1], bt[0]), reverse=True):
             lay = self._staging(Tp, Bp, Bp, self.max_num_pages)  # empty sequences: no queries, nothing stored
-            h = self._host_np
-            for name, value in (
-                ("input_ids", 0),
-                ("positions", 0),
-                ("slot_mapping", -1),
-                ("seq_lens", 0),
-                ("block_tables", -1),
-                ("logits_indices", 0),
-                ("cu_seqlens_q", 0),
-            ):
-                off, n = lay[name]
-                h[off : off + n] = value
+            self._fill(lay, (*_PADDING, ("logits_indices", 0), ("cu_seqlens_q", 0)))
             splits = self._graph_splits() or paged_attention._prefill_splits(
                 Bp, Tp, self.num_heads // self.num_kv_heads, self.num_kv_heads, self.max_model_len, sms
             )
