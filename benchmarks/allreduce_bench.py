@@ -1,14 +1,15 @@
 """The all-reduces of one tensor-parallel decode step, alone: what each NCCL protocol costs at the sizes
-a decode step reduces, to see how much of TP=2's step they are (tp_bench.py --part profile).
+a decode step reduces, to see how much of TP=2's step they are (tp_bench.py --part profile), through
+the engine's one-shot path and through NCCL alone.
 
-    python benchmarks/allreduce_bench.py [--ranks 2] [--rows 64 256] [--hidden 4096] [--calls 64]
+    python benchmarks/allreduce_bench.py [--ranks 2] [--rows 64 256 1024] [--hidden 4096] [--calls 65]
     python benchmarks/allreduce_bench.py --device cpu --ranks 2 --rows 4 --hidden 64   # gloo smoke run
 
-Each variant (NCCL_PROTO unset, LL, LL128, Simple) runs in fresh processes (NCCL reads its settings
-at start): `--calls` all-reduces of a (rows, hidden) bf16 tensor, as a decode step of a 32-layer
-model makes (two a layer and one after the vocabulary-parallel embedding), captured in one CUDA graph
-and replayed; prints microseconds per all-reduce (median of --repeats replays) on rank 0. NVLink
-multicast stays off.
+Each variant (one-shot, then NCCL with NCCL_PROTO unset, LL, LL128, Simple) runs in fresh processes
+(NCCL reads its settings at start): `--calls` all-reduces of a (rows, hidden) bf16 tensor, as a
+decode step of a 32-layer model makes (two a layer and one after the vocabulary-parallel
+embedding), captured in one CUDA graph and replayed; prints microseconds per all-reduce (median of
+--repeats replays) on rank 0. NVLink multicast stays off.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chatengine.engine.parallel.group import TPGroup, connect_store, host_store, no_nvlink_multicast  # noqa: E402
 
-PROTOCOLS = ["default", "LL", "LL128", "Simple"]
+# "one-shot": the engine's default on CUDA (parallel/one_shot.py, NCCL past its size limit); the rest
+# are NCCL alone (CHATENGINE_ALL_REDUCE=nccl) with NCCL_PROTO unset ("default") or set
+PROTOCOLS = ["one-shot", "default", "LL", "LL128", "Simple"]
 
 
 def timed_calls(group: TPGroup, x: torch.Tensor, calls: int, repeats: int) -> float:
@@ -35,7 +38,7 @@ def timed_calls(group: TPGroup, x: torch.Tensor, calls: int, repeats: int) -> fl
 
     def step() -> None:
         for _ in range(calls):
-            group.all_reduce(x)
+            group.all_reduce(x)  # one shot: a new tensor each call (x stays zeros: sums stay finite)
 
     step()
     replay = step
@@ -60,6 +63,9 @@ def timed_calls(group: TPGroup, x: torch.Tensor, calls: int, repeats: int) -> fl
 
 def rank_main(rank: int, size: int, address: str, args, results) -> None:
     group = TPGroup.join(rank, size, connect_store(address, size), args.device)
+    if rank == 0 and os.environ["CHATENGINE_ALL_REDUCE"] == "auto":
+        state = f"on, up to {group.one_shot.max_bytes} bytes" if group.one_shot else "off"
+        print(f"one-shot path: {state}", flush=True)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     for rows in args.rows:
         x = torch.zeros(rows, args.hidden, dtype=dtype, device=group.device)  # sums stay finite
@@ -71,7 +77,8 @@ def rank_main(rank: int, size: int, address: str, args, results) -> None:
 
 def run_variant(protocol: str, args) -> list[tuple[int, float]]:
     no_nvlink_multicast()
-    if protocol == "default":
+    os.environ["CHATENGINE_ALL_REDUCE"] = "auto" if protocol == "one-shot" else "nccl"
+    if protocol in ("one-shot", "default"):
         os.environ.pop("NCCL_PROTO", None)
     else:
         os.environ["NCCL_PROTO"] = protocol
@@ -97,7 +104,7 @@ def run_variant(protocol: str, args) -> list[tuple[int, float]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="sequences in the decode step")
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 1024], help="sequences (tokens) in the step")
     ap.add_argument("--hidden", type=int, default=4096, help="the model's hidden size (llama-3.1-8b: 4096)")
     ap.add_argument("--calls", type=int, default=65, help="all-reduces a step (two a layer, one after the embedding)")
     ap.add_argument("--repeats", type=int, default=20)

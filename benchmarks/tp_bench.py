@@ -12,7 +12,8 @@ Parts (logits and throughput by default):
               Triton kernels (their split counts follow the heads a rank holds)
   throughput  the nano-vllm workload (256 requests, prompt and output lengths uniform in [100, 1024],
               seed 0, random ids < 10000, ignore_eos, temperature 0.6; benchmarks/gpu_bench.py's)
-              in bf16 at TP=1 and TP=N in the same run: output tokens/s and the ratio (goal >= 1.6x)
+              in bf16 at TP=1 and TP=N in the same run: output tokens/s and the ratio (goal >= 1.6x);
+              TP=N twice: sums through the one-shot NVLink path (the default) and NCCL's ring alone
   big         the same workload on a shape one GPU cannot hold (llama-3.1-70b, 140 GB in bf16) at
               TP=--big-tp only: load time, KV pages, output tokens/s
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from datetime import UTC, datetime
@@ -148,17 +150,24 @@ def run_workload(llm: LLM, prompts, outs) -> dict:
 def part_throughput(args, res) -> None:
     prompts, outs = nano_workload(args.num_requests)
     out = res["throughput"] = {}
-    for tp in (1, args.tp):
+    # TP=N twice: its sums through the one-shot path (the default) and through NCCL's ring alone
+    for name, tp, all_reduce in (("tp1", 1, "auto"), (f"tp{args.tp}", args.tp, "auto"), ("nccl", args.tp, "nccl")):
+        os.environ["CHATENGINE_ALL_REDUCE"] = all_reduce  # read as the ranks join (children inherit it)
         llm = engine(args.shape, tp, "bfloat16", args)
-        out[f"tp{tp}"] = run_workload(llm, prompts, outs)
+        one_shot = tp > 1 and llm.engine.ranks.group.one_shot is not None
+        out[name] = {**run_workload(llm, prompts, outs), "one_shot": one_shot}
         release(llm)
-        row = out[f"tp{tp}"]
+        row = out[name]
         print(
-            f"[throughput] {args.shape} TP={tp}: {row['tok_s']:,.0f} output tok/s ({row['seconds']:.1f} s); "
+            f"[throughput] {args.shape} TP={tp} ({'one-shot sums' if one_shot else 'NCCL sums'}): "
+            f"{row['tok_s']:,.0f} output tok/s ({row['seconds']:.1f} s); "
             f"{row['steps']} steps of {row['step_ms']:.2f} ms, {row['wait_ms']:.2f} ms of each waiting for the GPU"
         )
+    os.environ.pop("CHATENGINE_ALL_REDUCE", None)
     out["ratio"] = out[f"tp{args.tp}"]["tok_s"] / out["tp1"]["tok_s"]
-    print(f"[throughput] TP={args.tp} / TP=1: {out['ratio']:.2f}x", flush=True)
+    out["ratio_nccl"] = out["nccl"]["tok_s"] / out["tp1"]["tok_s"]
+    ratios = f"{out['ratio']:.2f}x (NCCL sums only: {out['ratio_nccl']:.2f}x)"
+    print(f"[throughput] TP={args.tp} / TP=1: {ratios}", flush=True)
 
 
 def part_big(args, res) -> None:
@@ -254,13 +263,19 @@ def markdown(res) -> str:
             "of it waiting for the GPU |",
             "|---|---|---|---|---|---|",
         ]
-        for key in ("tp1", f"tp{res['tp']}"):
+        for key in ("tp1", f"tp{res['tp']}", "nccl"):
+            if key not in t:
+                continue
             r = t[key]
+            label = f"TP={res['tp']}, NCCL sums only" if key == "nccl" else f"TP={key[2:]}"
             lines.append(
-                f"| TP={key[2:]} | {r['tok_s']:,.0f} | {r['seconds']:.1f} | {r['steps']} | {r['step_ms']:.2f} "
+                f"| {label} | {r['tok_s']:,.0f} | {r['seconds']:.1f} | {r['steps']} | {r['step_ms']:.2f} "
                 f"| {r['wait_ms']:.2f} |"
             )
-        lines += [f"| ratio | {t['ratio']:.2f}x | | | | |", ""]
+        lines += [f"| ratio | {t['ratio']:.2f}x | | | | |"]
+        if "ratio_nccl" in t:
+            lines += [f"| ratio, NCCL sums only | {t['ratio_nccl']:.2f}x | | | | |"]
+        lines += [""]
     for key, p in res.get("profile", {}).items():
         lines += [
             f"Eager decode steps at TP={key[2:]}, batch {p['batch']} (torch.profiler, rank 0): "

@@ -28,6 +28,7 @@ from chatengine.engine.models.parallel_layers import (
     kv_heads_per_rank,
 )
 from chatengine.engine.parallel import group as group_module
+from chatengine.engine.parallel import one_shot
 from chatengine.engine.parallel.group import TPGroup, connect_store, host_store
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -165,6 +166,29 @@ def test_kv_heads_are_split_or_replicated():
         kv_heads_per_rank(2, TPGroup(0, 3))
 
 
+def test_the_one_shot_sum_takes_what_fits_and_nccl_the_rest(monkeypatch):
+    """Small sums go through the one-shot path (a new tensor), bigger ones through the ring in place;
+    its size limit shrinks as ranks (peer copies to read) grow; no one-shot without CUDA."""
+    assert [one_shot.max_bytes_for(n) for n in (2, 4, 8)] == [8 << 20, 512 << 10, 256 << 10]
+    assert one_shot.try_one_shot(torch.device("cpu"), 2) is None
+
+    class FakeOneShot:
+        max_bytes = 64
+
+        def fits(self, x):
+            return x.numel() * x.element_size() <= self.max_bytes
+
+        def __call__(self, x):
+            return x * 2
+
+    rings = []
+    monkeypatch.setattr(group_module.dist, "all_reduce", lambda x: rings.append(x.numel()))
+    g = TPGroup(0, 2, one_shot=FakeOneShot())
+    small, big = torch.ones(16), torch.ones(17)
+    assert torch.equal(g.all_reduce(small), torch.full((16,), 2.0)) and rings == []
+    assert g.all_reduce(big) is big and rings == [17]
+
+
 def test_a_split_that_does_not_divide_is_a_clear_error():
     with pytest.raises(ValueError, match=r"num_heads \(9\) must be divisible by tensor_parallel_size \(2\)"):
         LLM("dummy:smollm2-135m", tensor_parallel_size=2, num_kv_blocks=8)
@@ -294,6 +318,8 @@ def test_cuda_tp2_gives_tp1_greedy_tokens(variant):
     for tp in (1, 2):
         llm = LLM("dummy:llama-3.2-1b", tensor_parallel_size=tp, **opts, **variant)
         try:
+            if tp == 2:  # the sums go through the one-shot NVLink path (it passed its self-test)
+                assert llm.engine.ranks.group.one_shot is not None
             first = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
             llm.engine.offload_cached_blocks()
             again = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16))[0]

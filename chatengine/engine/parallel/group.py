@@ -8,11 +8,13 @@ the model's layers call them unconditionally and pay nothing.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from chatengine.engine.parallel.one_shot import OneShotAllReduce, try_one_shot
 
 # How long one collective may wait for the other ranks (a stuck rank fails the others instead of
 # hanging them). Idle ranks wait on their plan pipe, not in a collective, so idling never times out;
@@ -42,6 +44,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")
+    # CUDA: small sums in one NVLink hop instead of NCCL's ring (None: NCCL for every sum)
+    one_shot: OneShotAllReduce | None = field(default=None, repr=False)
 
     @classmethod
     def single(cls, device: torch.device) -> TPGroup:
@@ -66,17 +70,23 @@ class TPGroup:
             timeout=TIMEOUT,
             device_id=device if device.type == "cuda" else None,  # NCCL: connect now, not at the first op
         )
-        return cls(rank, size, device)
+        group = cls(rank, size, device)
+        if os.environ.get("CHATENGINE_ALL_REDUCE", "auto") != "nccl":  # "nccl": the ring alone (A/B runs)
+            group.one_shot = try_one_shot(device, size)
+        return group
 
     def leave(self) -> None:
         """Tear the group down (NCCL: with every rank; drop CUDA graphs that hold its work first)."""
+        self.one_shot = None  # its peer mappings go before the group that made them
         if self.is_parallel and dist.is_initialized():
             dist.destroy_process_group()
 
     # ---- the model's collectives (no-ops on one rank) -----------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over the ranks, in place."""
+        """Sum of x over the ranks: x itself, summed in place, or (one shot) a new tensor."""
         if self.is_parallel:
+            if self.one_shot is not None and self.one_shot.fits(x):
+                return self.one_shot(x)
             dist.all_reduce(x)
         return x
 
