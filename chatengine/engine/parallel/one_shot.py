@@ -39,8 +39,6 @@ class OneShotAllReduce:
 
         self.max_bytes = max_bytes_for(size) if max_bytes is None else max_bytes
         self.group_name = dist.group.WORLD.group_name  # type: ignore[union-attr]
-        if hasattr(symm_mem, "set_backend"):
-            symm_mem.set_backend("CUDA")  # peer-mapped cuMem allocations (not NVSHMEM)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecated (a no-op) in newer torch, needed in older
             symm_mem.enable_symm_mem_for_group(self.group_name)
