@@ -331,7 +331,9 @@ def main(argv=None) -> int:
         "tp": args.tp,
         "args": vars(args),
     }
-    for part in args.part:
+    # throughput first: only a process's first tensor-parallel group sums in one shot
+    # (engine/parallel/one_shot.py), and that is the path its TP=N row measures
+    for part in sorted(args.part, key=lambda p: p != "throughput"):
         {"logits": part_logits, "throughput": part_throughput, "big": part_big, "profile": part_profile}[part](
             args, res
         )

@@ -20,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ imports triton
 
-from chatengine.kernels import cache_ops, fp8_ops, fused_ops, logprob_ops, peer_sum, sampling  # noqa: E402
+from chatengine.kernels import cache_ops, fp8_ops, fused_ops, logprob_ops, sampling  # noqa: E402
 from chatengine.kernels import paged_attention as pa
 
 tl, triton = pa.tl, pa.triton  # (None without triton)
@@ -841,31 +841,3 @@ def test_quantize_rows_kernel_equals_reference(device, dtype):
     q_ref, scale_ref = fp8_ops.quantize_rows_ref(x)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.float(), q_ref.float())
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_peer_sum_is_the_parts_in_rank_order_across_epochs_and_the_wrap(device):
-    """Rank 0's launch against a peer that already copied its part and raised its flags (one
-    process plays both): the sum equals the reference to the bit, rank 0's part lands in its own
-    buffer half of the epoch, its flags in the peer's pad; epochs alternate halves and survive the
-    int32 wrap (the counters start two calls before it)."""
-    dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])  # the interpreter truncates bf16
-    for dtype in dtypes:
-        world, half, n, programs = 2, 6000, 5000, peer_sum.PROGRAMS
-        bufs = [torch.zeros(2 * half, dtype=dtype, device=device) for _ in range(world)]
-        pads = [torch.zeros(programs * world, dtype=torch.int32, device=device) for _ in range(world)]
-        epochs = torch.full((programs,), 2**31 - 2, dtype=torch.int32, device=device)
-        buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
-        pad_ptrs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=device)
-        gen = torch.Generator().manual_seed(0)
-        for epoch in (2**31 - 1, -(2**31), -(2**31) + 1):
-            x, y = (torch.randn(n, generator=gen).to(dtype).to(device) for _ in range(2))
-            h = (epoch & 1) * half
-            bufs[1][h : h + n] = y  # the peer's copy, and its flags for every program
-            pads[0][1::2] = epoch
-            out = peer_sum.peer_sum_triton(x, buf_ptrs, pad_ptrs, epochs, half, 0)
-            assert torch.equal(out, peer_sum.peer_sum_ref([x, y]))
-            assert torch.equal(bufs[0][h : h + n], x)
-            assert (pads[1][0::2] == epoch).all() and (epochs == epoch).all()
-        with pytest.raises(ValueError, match="do not fit"):
-            peer_sum.peer_sum_triton(torch.zeros(half + 1, device=device), buf_ptrs, pad_ptrs, epochs, half, 0)
