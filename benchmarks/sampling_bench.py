@@ -10,7 +10,8 @@
              (the same arrivals and lengths without grammars: what the grammars themselves cost)
   json-bounded, control-bounded   the same with a schema whose strings and array are bounded
              (maxLength / maxItems: a mask fill inside such a string costs ~8x an open one's)
-  logprobs   every request with logprobs=5: total tokens/s against `plain`'s
+  logprobs   every request with logprobs=5, its client reading each new token's candidates as a
+             streaming client does: total tokens/s against `plain`'s
 Rounds alternate (plain, json, control, json-bounded, control-bounded, logprobs) x --rounds; the
 table gives medians and ratios. --model needs a tokenizer (grammars): the default model, or a
 random-weight directory of a real shape (benchmarks/random_hf_model.py); --logprob-model
@@ -87,16 +88,23 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
         while todo:
             i, ids = todo.pop()
             p = params_for(kind, i, max_tokens, lengths)
-            t0, first, n = time.perf_counter(), None, 0
+            t0, first, n, read, candidates = time.perf_counter(), None, 0, 0, 0
             async for out in llm.generate(ids, p):
-                n = len(out.outputs[0].token_ids)
+                c = out.outputs[0]
+                n = len(c.token_ids)
                 if first is None and n:
                     first = time.perf_counter()
+                if c.logprobs is not None:  # as a streaming client does: each new token's candidates, once
+                    candidates += sum(len(d) for d in c.logprobs[read:n])
+                    read = n
             end = time.perf_counter()
             plain = not kind.startswith(("json", "control")) or i % 4 != 0
             if kind.startswith("json") and not plain:
                 lengths.setdefault(kind, {})[i] = n
-            records.append({"plain": plain, "tokens": n, "ttft": first - t0, "tpot": (end - first) / max(n - 1, 1)})
+            records.append(
+                {"plain": plain, "tokens": n, "candidates": candidates, "ttft": first - t0,
+                 "tpot": (end - first) / max(n - 1, 1)}
+            )  # fmt: skip
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -111,6 +119,7 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
         "plain_tpot_ms_p90": 1e3 * statistics.quantiles([r["tpot"] for r in plain], n=10)[-1],
         "plain_ttft_ms_p50": 1e3 * statistics.median(r["ttft"] for r in plain),
         "constrained": len(records) - len(plain),
+        "logprob_candidates": sum(r["candidates"] for r in records),  # read by the clients
         "constrained_tokens_mean": statistics.mean([r["tokens"] for r in records if not r["plain"]] or [0]),
     }
 

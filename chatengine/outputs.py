@@ -1,6 +1,59 @@
 """RequestOutput and CompletionOutput: what generate / chat / AsyncLLM return."""
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class TokenLogprobs(Sequence):
+    """A sequence's generated tokens' logprobs, read as one {token_id: logprob} dict per token (the
+    top k candidates best first, then the token when it is not among them).
+
+    Stored flat: row i is `2 + 2k` floats of `flat` (token, its logprob, k values, k ids). The engine
+    appends a row a token and hands out views of the first n rows, so a step builds no dicts and
+    copies no lists that nobody may read; a reader pays for the rows it reads (the HTTP API: the new
+    ones of each chunk). Rows are only ever appended, so a view never changes. Indexing gives a
+    dict, slicing a list of dicts, + a list; equal to any sequence of the same dicts; pickles as a list."""
+
+    __slots__ = ("_flat", "_k", "_n")
+
+    def __init__(self, flat: array, k: int, n: int):
+        self._flat, self._k, self._n = flat, k, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self._row(j) for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("logprobs index out of range")
+        return self._row(i)
+
+    def _row(self, i: int) -> dict[int, float]:
+        k = self._k
+        at = i * (2 + 2 * k)
+        row = self._flat[at : at + 2 + 2 * k]
+        d = dict(zip(map(int, row[2 + k :]), row[2 : 2 + k]))
+        d.setdefault(int(row[0]), row[1])
+        return d
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == self._n and list(self) == list(other)
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def __reduce__(self):
+        return (list, (list(self),))
+
+    def __repr__(self) -> str:
+        return f"TokenLogprobs({list(self)!r})"
 
 
 @dataclass
@@ -12,7 +65,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or token that ended it, if any
     # with SamplingParams.logprobs: per generated token {token_id: logprob}, the top candidates best
     # first, then the sampled token when it is not among them (so token_ids[i] is always a key)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: Sequence[dict[int, float]] | None = None  # a TokenLogprobs from the engine
     cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs
 
 

@@ -35,7 +35,7 @@ from chatengine.engine.sampler import seed_key
 from chatengine.engine.scheduler import Scheduler
 from chatengine.engine.sequence import Sequence
 from chatengine.engine.tokenizer import IncrementalDetokenizer
-from chatengine.outputs import CompletionOutput, RequestOutput
+from chatengine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 log = logging.getLogger("chatengine")
 KV_LAYOUT = "page-first/v1"
@@ -383,11 +383,11 @@ class LLMEngine:
         return outputs
 
     def _record_logprobs(self, seqs: list[Sequence], sampled: list, logprobs: dict, prompt: dict) -> None:
-        for seq, token_id, _ in sampled:
-            d = logprobs.get(seq.seq_id)
-            if d is not None:
-                seq.logprobs.append(d)
-                seq.cumulative_logprob += d[token_id]
+        for seq, _, _ in sampled:
+            row = logprobs.get(seq.seq_id)
+            if row is not None:
+                seq.logprob_rows.extend(row)
+                seq.cumulative_logprob += row[1]
         for seq in seqs:
             if seq.seq_id not in prompt or seq.request_id not in self.requests:
                 continue
@@ -469,7 +469,7 @@ class LLMEngine:
                 text = text[: len(text) - hold]
             completion = CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
             if seq.params.logprobs is not None:
-                completion.logprobs = seq.logprobs[: len(completion.token_ids)]
+                completion.logprobs = TokenLogprobs(seq.logprob_rows, seq.params.logprobs, len(completion.token_ids))
                 completion.cumulative_logprob = seq.cumulative_logprob
             completions.append(completion)
         return RequestOutput(

@@ -848,12 +848,13 @@ class ModelRunner:
 
     @staticmethod
     def collected_logprobs(step: LaunchedStep) -> tuple[dict, dict]:
-        """After collect: {seq_id: {token: logprob}} of the sampled tokens that asked, and
-        {seq_id: (first position, [{token: logprob}] per prompt token from there)}."""
+        """After collect: {seq_id: [token, logprob, k values, k ids]} (a TokenLogprobs row) of the
+        sampled tokens that asked, and {seq_id: (first position, [{token: logprob}] per prompt token
+        from there)}."""
         sampled, prompt = {}, {}
         if step.logprobs is not None and step.logprob_rows:
-            dicts = step.logprobs.as_dicts([k for _, k in step.logprob_rows])
-            sampled = {seq_id: d for (seq_id, _), d in zip(step.logprob_rows, dicts)}
+            rows = step.logprobs.flat_rows([k for _, k in step.logprob_rows])
+            sampled = {seq_id: row for (seq_id, _), row in zip(step.logprob_rows, rows)}
         if step.prompt_logprobs is not None and step.prompt_rows:
             dicts = step.prompt_logprobs.as_dicts([k for _, _, k, count in step.prompt_rows for _ in range(count)])
             at = 0

@@ -4,6 +4,7 @@ The scheduler and the block manager read and write `block_table`, `num_computed_
 `status`; the model runner reads them to build the batch. That is where the two sides meet.
 """
 
+from array import array
 from enum import Enum, auto
 from itertools import count
 from typing import Any
@@ -47,7 +48,8 @@ class Sequence:
         self.seed_key = 0  # seeded: sampler.seed_key(seed, index), the fused sampler's stream
         self.grammar: Any = None  # structured-output state: the engine advances it, the runner masks by it
         self.history: Any = None  # penalties' numpy copy of the known token ids (the logits processor's)
-        self.logprobs: list[dict[int, float]] = []  # per output token, when params.logprobs is set
+        # per output token, when params.logprobs is set: TokenLogprobs rows (token, logprob, k values, k ids)
+        self.logprob_rows = array("d")
         self.cumulative_logprob = 0.0
 
     def __len__(self):
