@@ -371,6 +371,7 @@ BAD = [
     ("chat", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "UTF-8"),
     ("chat", '{"messages": [{"role": "user", "content": "bad \\ud800 surrogate"}]}', 400, "surrogate"),
     ("chat", '{"messages": [{"role": "user", "content": "x"}], "stop": ["\\udfff"]}', 400, "surrogate"),
+    ("chat", b'{"messages": [{"role": "user", "content": "bad \xed\xa0\x80 encoded surrogate"}]}', 400, "surrogate"),
     ("chat", "[" * 100_000 + "]" * 100_000, 400, "JSON"),
     ("chat", json.dumps({"model": MODEL}), 400, "messages"),
     ("chat", json.dumps({"messages": []}), 400, "empty"),

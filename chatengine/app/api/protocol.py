@@ -8,6 +8,7 @@ routes work with. Errors use OpenAI's shape `{"error": {"message", "type", "para
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -257,8 +258,24 @@ async def read_json_body(request: Request, limit: int) -> dict:
         raise APIError(400, f"invalid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_json_type(data)}")
-    _check_unicode(data, "")
+    if _may_hold_surrogates(body):
+        _check_unicode(data, "")
     return data
+
+
+# a \u escape of a UTF-16 surrogate (D800-DFFF); a pair of them is one valid character, a lone one is not
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _may_hold_surrogates(body: bytes) -> bool:
+    """Whether the parsed body can hold a lone surrogate: json.loads lets them through from \\u
+    escapes and from UTF-8 bytes that encode one, never from strict UTF-8 without such escapes. The
+    walk over every value (a token-id prompt is thousands of them) runs only then."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return _SURROGATE_ESCAPE.search(body) is not None
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:
