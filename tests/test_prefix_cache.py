@@ -7,6 +7,9 @@ from chatengine import LLM, SamplingParams
 from chatengine.engine.kv.hashing import hash_blocks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
+# the tests that read only which prompt blocks hit (users, personas, salts) decode one token: the
+# hits are the prompt's full blocks, the same whatever follows them
+ONE = SamplingParams(temperature=0, max_tokens=1)
 PERSONA = (
     "You are a patient maths tutor. Explain every step in plain words, check the student's "
     "reasoning, and end with one short practice question they can try on their own."
@@ -76,18 +79,18 @@ def test_forked_samples_are_seeded_per_index(llm):
 def test_a_persona_is_shared_across_users_but_conversations_are_not(llm):
     llm.register_persona("maths-tutor", PERSONA)
     alice = conversation(PERSONA, "Alice asks: what is a prime number? Please explain carefully.")
-    llm.chat(alice, GREEDY, user="alice")
+    llm.chat(alice, ONE, user="alice")
     persona_len = len(llm.engine.personas["maths-tutor"])
     public_blocks = persona_len // 16
     assert public_blocks >= 2
 
     bob_same_persona = conversation(PERSONA, "Bob wants to know how fractions work, step by step.")
-    out = llm.chat(bob_same_persona, GREEDY, user="bob")[0]
+    out = llm.chat(bob_same_persona, ONE, user="bob")[0]
     assert out.num_cached_tokens == public_blocks * 16  # the persona's blocks, no more
 
-    bob_copies_alice = llm.chat(alice, GREEDY, user="bob")[0]  # bob sends alice's exact text
+    bob_copies_alice = llm.chat(alice, ONE, user="bob")[0]  # bob sends alice's exact text
     assert bob_copies_alice.num_cached_tokens == public_blocks * 16  # never alice's own blocks
-    alice_again = llm.chat(alice, GREEDY, user="alice")[0]
+    alice_again = llm.chat(alice, ONE, user="alice")[0]
     assert alice_again.num_cached_tokens > public_blocks * 16  # alice hits her own history
 
 
@@ -95,7 +98,7 @@ def test_an_unregistered_persona_is_no_longer_shared_and_its_pages_leave_the_cac
     prompt = "You are a pirate captain who answers every question in a sea shanty. " * 3
     llm.register_persona("pirate", prompt)
     chat = conversation(prompt, "Where is the treasure buried on the island?")
-    llm.chat(chat, GREEDY, user="alice")
+    llm.chat(chat, ONE, user="alice")
     ids = llm.engine.personas["pirate"]
     public = hash_blocks(llm.engine.block_manager.root, ids, 16)
     assert len(public) >= 2 and all(h in llm.engine.block_manager.cached for h in public)
@@ -103,19 +106,19 @@ def test_an_unregistered_persona_is_no_longer_shared_and_its_pages_leave_the_cac
     llm.unregister_persona("pirate")  # twice, or an unknown name: nothing happens
     assert "pirate" not in llm.engine.personas
     assert not any(h in llm.engine.block_manager.cached for h in public)  # unpublished
-    assert llm.chat(chat, GREEDY, user="bob")[0].num_cached_tokens == 0  # none of it, none of alice's
+    assert llm.chat(chat, ONE, user="bob")[0].num_cached_tokens == 0  # none of it, none of alice's
     # alice's history now hashes salted from its first block: computed once more, then hers alone
-    llm.chat(chat, GREEDY, user="alice")
-    assert llm.chat(chat, GREEDY, user="alice")[0].num_cached_tokens > 0
+    llm.chat(chat, ONE, user="alice")
+    assert llm.chat(chat, ONE, user="alice")[0].num_cached_tokens > 0
 
 
 def test_unregistering_keeps_the_pages_that_a_registered_persona_shares(llm):
     prompt = "You are a lighthouse keeper who answers calmly and briefly, always. " * 3
     llm.register_persona("keeper", prompt)
     llm.register_persona("keeper-copy", prompt)  # an admin's copy of the same public text
-    llm.chat(conversation(prompt, "Is a storm coming tonight?"), GREEDY, user="alice")
+    llm.chat(conversation(prompt, "Is a storm coming tonight?"), ONE, user="alice")
     llm.unregister_persona("keeper")
-    out = llm.chat(conversation(prompt, "What do you do all day?"), GREEDY, user="bob")[0]
+    out = llm.chat(conversation(prompt, "What do you do all day?"), ONE, user="bob")[0]
     assert out.num_cached_tokens == len(llm.engine.personas["keeper-copy"]) // 16 * 16
     llm.unregister_persona("keeper-copy")
 
@@ -123,15 +126,15 @@ def test_unregistering_keeps_the_pages_that_a_registered_persona_shares(llm):
 def test_a_private_system_prompt_is_private(llm):
     secret_prompt = "You are Carol's private diary assistant. " * 4
     chat = conversation(secret_prompt, "What did I write yesterday about the garden?")
-    llm.chat(chat, GREEDY, user="carol")
-    assert llm.chat(chat, GREEDY, user="dave")[0].num_cached_tokens == 0
-    assert llm.chat(chat, GREEDY, user="carol")[0].num_cached_tokens > 0
+    llm.chat(chat, ONE, user="carol")
+    assert llm.chat(chat, ONE, user="dave")[0].num_cached_tokens == 0
+    assert llm.chat(chat, ONE, user="carol")[0].num_cached_tokens > 0
 
 
 def test_single_tenant_shares_everything(llm):
     chat = conversation("You are terse. " * 6, "Say yes.")
-    llm.chat(chat, GREEDY)
-    assert llm.chat(chat, GREEDY)[0].num_cached_tokens > 0
+    llm.chat(chat, ONE)
+    assert llm.chat(chat, ONE)[0].num_cached_tokens > 0
 
 
 def test_shipped_personas_are_registered(llm):
