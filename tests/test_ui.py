@@ -30,7 +30,12 @@ def server(tmp_path_factory):
     app = create_app(
         data_dir=data, users_file=users_file, engine_options=dict(kv_cache_gib=0.25, max_num_batched_tokens=512)
     )
-    with ServerThread(app) as srv:
+    # Gradio's heartbeat every 0.25 s (its own end-to-end tests' interval; 15 s by default): a
+    # client's close() joins its heartbeat thread for up to 1 s, and that thread only sees the close
+    # when the next heartbeat arrives, so every closed client cost a 1 s wait (and left the thread
+    # behind); now close() ends the thread, and the server sees the session go, within 0.25 s
+    with pytest.MonkeyPatch.context() as env, ServerThread(app) as srv:
+        env.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.25")
         yield srv
     close_app(app)
 
