@@ -129,13 +129,17 @@ def test_attention_ref_matches_naive(batch, H_q, H_kv, page_size, dtype):
 
 # ---------------------------------------------------------------------------- vectorised torch attention
 # (q_lens, seq_lens) beyond MIXED / DECODE: decodes at page edges (16, 17, 32, 33 keys), one fresh
-# prefill, one prefix + odd chunk, and prefill-only batches with and without a cached prefix
+# prefill, fresh prefills of several lengths (SDPA's causal mask, queries padded), one prefix + odd
+# chunk, and prefill-only batches with and without a cached prefix
 EDGES = ([1] * 5, [5, 16, 17, 32, 33])
 PREFILL_ONE = ([13], [13])
+PREFILL_FRESH = ([13, 40, 5], [13, 40, 5])
 PREFILL_PREFIX = ([7, 9, 1], [7, 40, 1])
 
 
-@pytest.mark.parametrize("batch", [MIXED, DECODE, EDGES, PREFILL_ONE, PREFILL_PREFIX, ([1], [1]), ([2], [35])])
+@pytest.mark.parametrize(
+    "batch", [MIXED, DECODE, EDGES, PREFILL_ONE, PREFILL_FRESH, PREFILL_PREFIX, ([1], [1]), ([2], [35])]
+)
 @pytest.mark.parametrize("H_q, H_kv, page_size", [(4, 4, 16), (8, 2, 32), (9, 3, 16), (7, 1, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_torch_matches_ref(batch, H_q, H_kv, page_size, dtype):

@@ -689,7 +689,7 @@ class AttentionGroup:
     rows: torch.Tensor | None  # (T_g,) their tokens' rows of q; None: all of q, in order
     dest: torch.Tensor | None  # prefill: padded row (b * Q + i) of each token; None: no padding
     pages: torch.Tensor  # (B_g * P,) int64 page ids (table padding -1 -> page 0, masked)
-    bias: torch.Tensor  # (B_g, 1, 1 or Q, P * block_size) additive mask: 0 or -inf
+    bias: torch.Tensor | None  # (B_g, 1, 1 or Q, P * block_size) additive mask: 0 or -inf; None: causal
     batch: int  # B_g
     max_q: int  # Q: padded queries per sequence (1 for decodes)
     num_pages: int  # P: pages gathered per sequence
@@ -760,6 +760,12 @@ def plan_paged_attention_torch(
             ok &= s[None, None, :] > q_abs[:, :, None] - window
         ok[:, :, 0] |= ~ok.any(-1)  # padded rows: no NaN
         bias = torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf"))[:, None]
+        if not decode and window == 0 and bool((sl == ql).all()):
+            # every chunk starts at position 0: the mask is SDPA's own causal one (query i sees keys
+            # 0..i; keys past a sequence's end come after all its queries), whose CPU kernel skips
+            # the key blocks above the diagonal (~half of a fresh prompt's attention) where an
+            # explicit mask computes them all
+            bias = None
         dest = None if (decode or B_g == 1) else b_of * Q + i_of
         groups.append(
             AttentionGroup(
@@ -767,7 +773,7 @@ def plan_paged_attention_torch(
                 rows=None if all_rows else rows.to(device),
                 dest=None if dest is None else dest.to(device),
                 pages=tables[sel, :P].reshape(-1).to(device),
-                bias=bias.to(device),
+                bias=None if bias is None else bias.to(device),
                 batch=B_g,
                 max_q=Q,
                 num_pages=P,
@@ -825,6 +831,7 @@ def paged_attention_torch(
                     k.transpose(1, 2),
                     v.transpose(1, 2),
                     attn_mask=g.bias,
+                    is_causal=g.bias is None,
                     scale=scale,
                 )
                 .transpose(1, 2)
