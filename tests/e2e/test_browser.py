@@ -1,8 +1,12 @@
 """End to end in a real headless Chromium (Debian's `chromium`, driven by Playwright through
 executable_path; never `playwright install`): log in, chat, see the reply stream, switch
 alternatives, edit and fork, stop, HTML stays inert, a second user sees nothing, and a SIGKILL
-mid-reply loses no finished message. Screenshots go to $E2E_ARTIFACTS (default
-/tmp/chatengine-e2e). Skips cleanly without chromium or playwright."""
+mid-reply loses no finished message. The Admin tab and personas (at the end, on the same server:
+each server start costs ~20 s of CI's two cores): an admin adds a user who then signs in; a
+non-admin sees neither the Engine nor the Admin tab; a public persona made by the admin is there
+for another user to pick; a user's private persona is nobody else's. Screenshots (the Admin
+page's is 08-admin.png) go to $E2E_ARTIFACTS (default /tmp/chatengine-e2e). Skips cleanly
+without chromium or playwright."""
 
 import json
 import os
@@ -634,3 +638,107 @@ def test_at_phone_width_the_sidebar_leaves_the_chat_in_sight_and_closes_after_a_
     assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the phone
     page.screenshot(path=str(ARTIFACTS / "13-phone-chat-picked.png"))
     page.close()
+
+
+# ---- the Admin tab and personas: after the tests above (which know only alice and bob), on their
+# server; the admin adds erin (carol's name is throttled by the failed sign-ins above)
+
+PIRATE_PROMPT = "You are a pirate. Answer every question like a pirate would, briefly."
+
+
+def fill(page, elem_id: str, text: str) -> None:
+    page.locator(f"#{elem_id} input, #{elem_id} textarea").first.fill(text)
+
+
+def signed_in(browser_ctx, url, user, password):
+    """A fresh page signed in as `user` (the context's cookies cleared first: one sign-in at a time)."""
+    browser_ctx.clear_cookies()
+    page = browser_ctx.new_page()
+    page.errors = []
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    login(page, url, user, password)
+    expect(page.locator("#who")).to_contain_text(f"Signed in as {user}")
+    return page
+
+
+def persona_options(page) -> list[str]:
+    """The titles the chat's persona picker offers."""
+    page.locator("#persona input").click()
+    options = page.get_by_role("option")
+    options.first.wait_for()
+    titles = [t.replace("✓", "").strip() for t in options.all_inner_texts()]  # ✓ marks the chosen one
+    page.keyboard.press("Escape")
+    return titles
+
+
+def test_an_admin_creates_a_user_who_then_logs_in(server, browser_ctx):
+    page = signed_in(browser_ctx, server.url, "alice", "pw-alice")
+    page.get_by_role("tab", name="Admin").click()
+    fill(page, "new-user-name", "erin")
+    fill(page, "new-user-password", "pw-erin-123")
+    page.locator("#add-user").click()
+    expect(page.locator("#users-table")).to_contain_text("erin")
+    assert not page.errors, page.errors
+    page.close()
+    erin = signed_in(browser_ctx, server.url, "erin", "pw-erin-123")
+    expect(erin.locator("#msg textarea")).to_be_visible()
+    erin.close()
+
+
+def test_a_non_admin_sees_no_engine_and_no_admin_tab(server, browser_ctx):
+    page = signed_in(browser_ctx, server.url, "bob", "pw-bob")
+    expect(page.get_by_role("tab", name="Chat")).to_be_visible()
+    assert page.get_by_role("tab", name="Engine").count() == 0
+    assert page.get_by_role("tab", name="Admin").count() == 0
+    assert page.locator("#users-table").count() == 0 or not page.locator("#users-table").is_visible()
+    page.close()
+
+
+def test_an_admins_public_persona_is_there_for_another_user(server, browser_ctx):
+    page = signed_in(browser_ctx, server.url, "alice", "pw-alice")
+    page.get_by_role("tab", name="Admin").click()
+    fill(page, "persona-title", "Pirate")
+    fill(page, "persona-description", "Arr, matey")
+    fill(page, "persona-prompt", PIRATE_PROMPT)
+    page.locator("#persona-save").click()
+    expect(page.locator(".toast-body").filter(has_text="public and warmed")).to_be_visible()
+    expect(page.locator("#users-table")).to_contain_text("bob")
+    page.screenshot(path=str(ARTIFACTS / "08-admin.png"), full_page=True)
+    assert not page.errors, page.errors
+    page.close()
+
+    bob = signed_in(browser_ctx, server.url, "bob", "pw-bob")
+    assert "Pirate" in persona_options(bob)
+    picker = bob.locator("#persona input")
+    picker.click()
+    picker.fill("Pirate")  # typing filters the options; Enter takes the match
+    picker.press("Enter")
+    expect(picker).to_have_value("Pirate")
+    set_setting(bob, "max-tokens", 8)
+    send(bob, "Hello!")
+    wait_idle(bob)
+    expect(bob.locator("#conv-header")).to_contain_text("Pirate")
+    bob.close()
+
+
+def test_a_private_persona_is_not_visible_to_another_user(server, browser_ctx):
+    bob = signed_in(browser_ctx, server.url, "bob", "pw-bob")
+    bob.locator("#new-persona").get_by_text("New persona").first.click()
+    fill(bob, "np-title", "Bob's diary")
+    fill(bob, "np-description", "private notes")
+    fill(bob, "np-prompt", "You keep Bob's diary and tell no one.")
+    bob.locator("#np-create").click()
+    expect(bob.locator("#persona input")).to_have_value("Bob's diary")
+    assert "Bob's diary" in persona_options(bob)
+    assert not bob.errors, bob.errors
+    bob.close()
+
+    alice = signed_in(browser_ctx, server.url, "alice", "pw-alice")
+    titles = persona_options(alice)
+    assert "Assistant" in titles or any(re.search("assist", t, re.I) for t in titles)
+    assert "Bob's diary" not in titles
+    alice.get_by_role("tab", name="Admin").click()  # nor in the admin's persona editor
+    alice.locator("#pick-persona input").click()
+    expect(alice.get_by_role("option").first).to_be_visible()
+    assert not any("diary" in t for t in alice.get_by_role("option").all_inner_texts())
+    alice.close()
