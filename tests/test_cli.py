@@ -22,13 +22,6 @@ def test_console_script_is_declared():
     assert 'chatengine = "chatengine.app.cli:main"' in (ROOT / "pyproject.toml").read_text()
 
 
-def test_help():
-    out = run("--help")  # the real command, in a subprocess
-    assert out.returncode == 0
-    for word in ("serve", "chat", "bench"):
-        assert word in out.stdout
-
-
 def call(capsys, *args):
     """main() in this process (cheap: no second torch import); (exit code, stdout, stderr)."""
     try:
@@ -37,6 +30,15 @@ def call(capsys, *args):
         code = e.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def test_help(capsys):
+    # in this process: the real command, the installed console script in a subprocess, runs in
+    # test_chat_through_stdin (a subprocess of its own here cost 4-7 s: `--help` imports torch)
+    code, out, _ = call(capsys, "--help")
+    assert code == 0
+    for word in ("serve", "chat", "bench"):
+        assert word in out
 
 
 def test_subcommand_help(capsys):
