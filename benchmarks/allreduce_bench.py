@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chatengine.engine.parallel.group import TPGroup, connect_store, host_store, no_nvlink_multicast  # noqa: E402
 
-# "one-shot": the engine's default on CUDA (parallel/one_shot.py, NCCL past its size limit); the rest
-# are NCCL alone (CHATENGINE_ALL_REDUCE=nccl) with NCCL_PROTO unset ("default") or set
+# "one-shot": the engine's opt-in path (CHATENGINE_ALL_REDUCE=one-shot, parallel/one_shot.py; NCCL past
+# its size limit); the rest are NCCL alone (the default) with NCCL_PROTO unset ("default") or set
 PROTOCOLS = ["one-shot", "default", "LL", "LL128", "Simple"]
 
 
@@ -63,7 +63,7 @@ def timed_calls(group: TPGroup, x: torch.Tensor, calls: int, repeats: int) -> fl
 
 def rank_main(rank: int, size: int, address: str, args, results) -> None:
     group = TPGroup.join(rank, size, connect_store(address, size), args.device)
-    if rank == 0 and os.environ["CHATENGINE_ALL_REDUCE"] == "auto":
+    if rank == 0 and os.environ["CHATENGINE_ALL_REDUCE"] == "one-shot":
         state = f"on, up to {group.one_shot.max_bytes} bytes" if group.one_shot else "off"
         print(f"one-shot path: {state}", flush=True)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -77,7 +77,7 @@ def rank_main(rank: int, size: int, address: str, args, results) -> None:
 
 def run_variant(protocol: str, args) -> list[tuple[int, float]]:
     no_nvlink_multicast()
-    os.environ["CHATENGINE_ALL_REDUCE"] = "auto" if protocol == "one-shot" else "nccl"
+    os.environ["CHATENGINE_ALL_REDUCE"] = "one-shot" if protocol == "one-shot" else "nccl"
     if protocol in ("one-shot", "default"):
         os.environ.pop("NCCL_PROTO", None)
     else:

@@ -13,11 +13,13 @@ Parts (logits and throughput by default):
   throughput  the nano-vllm workload (256 requests, prompt and output lengths uniform in [100, 1024],
               seed 0, random ids < 10000, ignore_eos, temperature 0.6; benchmarks/gpu_bench.py's)
               in bf16 at TP=1 and TP=N in the same run: output tokens/s and the ratio (goal >= 1.6x);
-              TP=N twice: sums through the one-shot NVLink path (the default) and NCCL's ring alone
+              TP=N twice: sums through the opt-in one-shot NVLink path and through NCCL's ring alone
+              (the logits part sums through NCCL: the default, and a process's later groups anyway)
   big         the same workload on a shape one GPU cannot hold (llama-3.1-70b, 140 GB in bf16) at
               TP=--big-tp only: load time, KV pages, output tokens/s
 
-Needs N GPUs; NVLink multicast stays off (the engine sets NCCL_NVLS_ENABLE=0). Saves JSON + markdown
+Needs N GPUs; NVLink multicast stays off (the engine sets NCCL_NVLS_ENABLE=0 and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1). Saves JSON + markdown
 under --out and prints the table last.
 """
 
@@ -150,20 +152,29 @@ def run_workload(llm: LLM, prompts, outs) -> dict:
 def part_throughput(args, res) -> None:
     prompts, outs = nano_workload(args.num_requests)
     out = res["throughput"] = {}
-    # TP=N twice: its sums through the one-shot path (the default) and through NCCL's ring alone
-    for name, tp, all_reduce in (("tp1", 1, "auto"), (f"tp{args.tp}", args.tp, "auto"), ("nccl", args.tp, "nccl")):
-        os.environ["CHATENGINE_ALL_REDUCE"] = all_reduce  # read as the ranks join (children inherit it)
-        llm = engine(args.shape, tp, "bfloat16", args)
-        one_shot = tp > 1 and llm.engine.ranks.group.one_shot is not None
-        out[name] = {**run_workload(llm, prompts, outs), "one_shot": one_shot}
-        release(llm)
-        row = out[name]
-        print(
-            f"[throughput] {args.shape} TP={tp} ({'one-shot sums' if one_shot else 'NCCL sums'}): "
-            f"{row['tok_s']:,.0f} output tok/s ({row['seconds']:.1f} s); "
-            f"{row['steps']} steps of {row['step_ms']:.2f} ms, {row['wait_ms']:.2f} ms of each waiting for the GPU"
-        )
-    os.environ.pop("CHATENGINE_ALL_REDUCE", None)
+    before = os.environ.get("CHATENGINE_ALL_REDUCE")
+    try:  # TP=N twice: sums through the opt-in one-shot path, and through NCCL's ring (the default)
+        for name, tp, all_reduce in (
+            ("tp1", 1, "nccl"),
+            (f"tp{args.tp}", args.tp, "one-shot"),
+            ("nccl", args.tp, "nccl"),
+        ):
+            os.environ["CHATENGINE_ALL_REDUCE"] = all_reduce  # read as the ranks join (children inherit it)
+            llm = engine(args.shape, tp, "bfloat16", args)
+            one_shot = tp > 1 and llm.engine.ranks.group.one_shot is not None
+            out[name] = {**run_workload(llm, prompts, outs), "one_shot": one_shot}
+            release(llm)
+            row = out[name]
+            print(
+                f"[throughput] {args.shape} TP={tp} ({'one-shot sums' if one_shot else 'NCCL sums'}): "
+                f"{row['tok_s']:,.0f} output tok/s ({row['seconds']:.1f} s); "
+                f"{row['steps']} steps of {row['step_ms']:.2f} ms, {row['wait_ms']:.2f} ms of each waiting for the GPU"
+            )
+    finally:
+        if before is None:
+            os.environ.pop("CHATENGINE_ALL_REDUCE", None)
+        else:
+            os.environ["CHATENGINE_ALL_REDUCE"] = before
     out["ratio"] = out[f"tp{args.tp}"]["tok_s"] / out["tp1"]["tok_s"]
     out["ratio_nccl"] = out["nccl"]["tok_s"] / out["tp1"]["tok_s"]
     ratios = f"{out['ratio']:.2f}x (NCCL sums only: {out['ratio_nccl']:.2f}x)"
@@ -331,7 +342,7 @@ def main(argv=None) -> int:
         "tp": args.tp,
         "args": vars(args),
     }
-    # throughput first: only a process's first tensor-parallel group sums in one shot
+    # throughput first: only a process's first tensor-parallel group can sum in one shot
     # (engine/parallel/one_shot.py), and that is the path its TP=N row measures
     for part in sorted(args.part, key=lambda p: p != "throughput"):
         {"logits": part_logits, "throughput": part_throughput, "big": part_big, "profile": part_profile}[part](

@@ -19,7 +19,8 @@
 # run a part without losing the others' results. Results go to benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0  # NVLink multicast off: the GPU machines require it
+# NVLink multicast off in NCCL, torch's symmetric memory and NVSHMEM: the GPU machines require it
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 parts=("$@")
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ ${#parts[@]} -eq 0 ]; then

@@ -171,6 +171,13 @@ def test_the_one_shot_sum_takes_what_fits_and_nccl_the_rest(monkeypatch):
     its size limit shrinks as ranks (peer copies to read) grow; no one-shot without CUDA."""
     assert [one_shot.max_bytes_for(n) for n in (2, 4, 8)] == [2 << 20, 512 << 10, 256 << 10]
     assert one_shot.try_one_shot(torch.device("cpu"), 2) is None
+    real = one_shot.OneShotAllReduce.__new__(one_shot.OneShotAllReduce)  # its buffer needs CUDA
+    real.max_bytes = 64
+    assert real.fits(torch.ones(16)) and real.fits(torch.ones(32, dtype=torch.bfloat16))
+    assert not real.fits(torch.ones(17))  # too big
+    assert not real.fits(torch.ones(8, dtype=torch.float16))  # torch's kernel sums bf16 and fp32 only
+    assert not real.fits(torch.ones(3, dtype=torch.bfloat16))  # 6 bytes: not whole 4-byte words
+    assert not real.fits(torch.ones(4, 4).t())  # not contiguous
 
     class FakeOneShot:
         max_bytes = 64
@@ -261,7 +268,9 @@ def test_tp2_runs_in_an_async_engine_and_shuts_down():
     ref = LLM("dummy:tiny", num_kv_blocks=32)
     assert got == ref.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
     ref.shutdown()
-    assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast off, for every rank
+    # NVLink multicast off, for every rank: NCCL, torch's symmetric memory, NVSHMEM
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
 
 
 def test_a_rank_that_dies_is_a_clear_error_not_a_hang():
@@ -310,8 +319,10 @@ def test_an_idle_engine_outlives_the_collective_timeout(monkeypatch):
     ],
     ids=["graphs-async", "eager-torch-sync", "eager-async", "graphs-sync"],
 )
-def test_cuda_tp2_gives_tp1_greedy_tokens(variant):
-    """NCCL, fp32: the same greedy tokens as one GPU, in each way a step can run, with host restores."""
+def test_cuda_tp2_gives_tp1_greedy_tokens(variant, monkeypatch):
+    """fp32: the same greedy tokens as one GPU, in each way a step can run, with host restores; the
+    process's first TP=2 engine sums through the opt-in one-shot path, the later ones through NCCL."""
+    monkeypatch.setenv("CHATENGINE_ALL_REDUCE", "one-shot")
     opts = dict(device="cuda", dtype="float32", num_kv_blocks=64, cpu_offload_gib=0.05, register_personas=False)
     prompts = [list(range(1, 40)), list(range(50, 70)), [7] * 33, list(range(3, 300))]
     results = []

@@ -23,8 +23,11 @@ TIMEOUT = timedelta(seconds=float(os.environ.get("CHATENGINE_TP_TIMEOUT_S", 600)
 
 
 def no_nvlink_multicast() -> None:
-    """NCCL's NVLink SHARP (multicast) stays off: the GPU machines we run on require it."""
+    """NVLink multicast stays off in NCCL (NVLS), torch's symmetric memory and NVSHMEM: the GPU
+    machines we run on require it (set before any of them starts; spawned ranks inherit it)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 
 def host_store(size: int) -> tuple[dist.TCPStore, str]:
@@ -44,7 +47,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")
-    # CUDA: small sums in one NVLink hop instead of NCCL's ring (None: NCCL for every sum)
+    # CUDA, opt-in: small sums in one NVLink hop instead of NCCL's ring (None: NCCL for every sum)
     one_shot: OneShotAllReduce | None = field(default=None, repr=False)
 
     @classmethod
@@ -71,7 +74,7 @@ class TPGroup:
             device_id=device if device.type == "cuda" else None,  # NCCL: connect now, not at the first op
         )
         group = cls(rank, size, device)
-        if os.environ.get("CHATENGINE_ALL_REDUCE", "auto") != "nccl":  # "nccl": the ring alone (A/B runs)
+        if os.environ.get("CHATENGINE_ALL_REDUCE", "nccl") == "one-shot":  # opt-in: one_shot.py says why
             group.one_shot = try_one_shot(device, size)
         return group
 

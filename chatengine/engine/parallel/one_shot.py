@@ -1,20 +1,26 @@
-"""A one-shot all-reduce over NVLink for the small sums a decode step makes.
+"""A one-shot all-reduce over NVLink for the small sums a decode step makes (opt-in).
 
 A tensor-parallel decode step sums a (batch, hidden) activation twice a layer: 65 all-reduces of
 0.1-2 MB for an 8B model. NCCL's ring costs ~16-35 us each at those sizes on two H200s (mostly its
 protocol's latency, not bandwidth). Here every rank copies its part into a buffer the other ranks
 can address (torch's symmetric memory: peer-mapped device memory, no NVLink multicast), meets the
 others at a device-side barrier and adds all ranks' parts itself (torch's one-shot kernel): one
-launch, one hop; ~11 us at 0.5 MB and ~21 us at 2 MB there.
+launch, one hop; ~11 us at 0.5 MB and ~21 us at 2 MB there, TP=2 1.56x TP=1 against 1.52x.
 
-Only on CUDA, only up to `max_bytes`, and only after a self-test at start agreed with NCCL; any
-other case (CPU, a bigger tensor, a failed set-up) goes through NCCL as before.
+Opt-in (`CHATENGINE_ALL_REDUCE=one-shot`) because of how it fails: that kernel's barrier waits on
+the device with no timeout, so a rank that dies in the middle of a step leaves the others' GPUs
+waiting for good, where NCCL's kernels are cancelled when the engine aborts the group and the
+engine reports the dead rank.
+
+Only on CUDA, only for bf16 and fp32 tensors up to `max_bytes`, and only after a self-test at
+start agreed with NCCL on every rank; any other case (CPU, another dtype, a bigger tensor, a torch
+without these ops, a failed set-up) goes through NCCL.
 
 One process group a process: torch keeps a group's symmetric-memory registration by its name for
 the life of the process, and a later group (another engine in the same process, after the first
 one's group is gone) gets the same name, whose stale registration makes the rendezvous hang. So a
 process's second tensor-parallel engine sums through NCCL alone (logged); worker processes are new
-for each engine, and the decision is collective (rank 0 says).
+for each engine. Every decision is collective: the least of the ranks' answers.
 """
 
 from __future__ import annotations
@@ -37,22 +43,33 @@ def max_bytes_for(size: int) -> int:
     return 512 << 10 if size <= 4 else 256 << 10
 
 
+DTYPES = (torch.bfloat16, torch.float32)  # what torch's one-shot kernel sums
+
+
 class OneShotAllReduce:
-    """The peer-addressable buffer of one process group, and the sum through it."""
+    """The peer-addressable buffer of one process group, and the sum through it. Built in two
+    halves so that every rank has its buffer before any rank enters the (collective) rendezvous."""
 
     def __init__(self, device: torch.device, size: int, max_bytes: int | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
+        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+            raise RuntimeError(f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy")
         self.max_bytes = max_bytes_for(size) if max_bytes is None else max_bytes
         self.group_name = dist.group.WORLD.group_name  # type: ignore[union-attr]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecated (a no-op) in newer torch, needed in older
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
+
+    def rendezvous(self) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank, same point
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
+        nbytes = x.numel() * x.element_size()
+        return x.dtype in DTYPES and x.is_contiguous() and nbytes <= self.max_bytes and nbytes % 4 == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks, as a new tensor of x's shape (x must `fit`)."""
@@ -68,22 +85,31 @@ _registered = False
 
 def try_one_shot(device: torch.device, size: int) -> OneShotAllReduce | None:
     """The one-shot path if it can run here and sums as NCCL does, else None (NCCL only).
-    Collective: every rank calls it at the same point and all get the same answer."""
+    Collective: every rank calls it at the same point and all get the same answer; no rank starts
+    a collective its peers would not join, whatever fails where."""
     global _registered
     if device.type != "cuda" or size < 2:
         return None
     if not _everywhere(not _registered, device):
         log.warning("one-shot all-reduce: a process's second tensor-parallel group sums through NCCL alone")
         return None
-    _registered, one_shot = True, None
+    _registered = True
+    one_shot = _local(lambda: OneShotAllReduce(device, size))
+    if not _everywhere(one_shot is not None, device) or one_shot is None:
+        return None
+    joined = _local(lambda: one_shot.rendezvous() or True)  # every rank is here: a failure is its own
+    if not _everywhere(joined is not None, device):
+        return None
+    return one_shot if _everywhere(_agrees_with_nccl(one_shot, device), device) else None
+
+
+def _local(make):
+    """make()'s value, or None (logged) if it raises on this rank."""
     try:
-        one_shot = OneShotAllReduce(device, size)
+        return make()
     except Exception as e:  # noqa: BLE001 - any failure means NCCL alone, never a broken engine
         log.warning("one-shot all-reduce unavailable, NCCL only: %s", e)
-    if not _everywhere(one_shot is not None, device):  # no rank starts a sum its peers would not join
         return None
-    assert one_shot is not None
-    return one_shot if _everywhere(_agrees_with_nccl(one_shot, device), device) else None
 
 
 def _everywhere(ok: bool, device: torch.device) -> bool:
@@ -95,13 +121,17 @@ def _everywhere(ok: bool, device: torch.device) -> bool:
 def _agrees_with_nccl(one_shot: OneShotAllReduce, device: torch.device) -> bool:
     """Both paths sum bf16 and fp32 tensors (a small one and the largest that fits) alike: to the bit
     at two ranks (one addition either way), within rounding at more; and every rank got the same.
-    Every rank runs every case (no early return: the ranks' collectives stay paired)."""
+    Every rank makes every collective of every case, whatever happens to the one-shot sum (a rank
+    whose sum raised contributes zeros and says no)."""
     size, rank, ok = dist.get_world_size(), dist.get_rank(), True
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in DTYPES:
         for numel in (64 * 512, one_shot.max_bytes // torch.empty(0, dtype=dtype).element_size()):
             x = torch.randn(numel, generator=gen, device=device).to(dtype)
-            want, got = x.clone(), one_shot(x)
+            want = x.clone()
+            got = _local(lambda x=x: one_shot(x))
+            if got is None:
+                ok, got = False, torch.zeros_like(x)
             dist.all_reduce(want)
             same = [torch.empty_like(got) for _ in range(size)]
             dist.all_gather(same, got)
