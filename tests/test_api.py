@@ -362,6 +362,10 @@ def chat_body(**kw):
     return json.dumps({"model": MODEL, "messages": hello(), "max_tokens": 2, **kw})
 
 
+# UTF-16 that is also valid UTF-8, with a lone surrogate in it: json.loads of the bytes would take it
+UTF16_SURROGATE = '{"messages": [{"role": "user", "content": "x"}], "stop": ["\ud800\x80"]}'.encode(
+    "utf-16-le", "surrogatepass"
+)
 BAD = [
     # (route, raw body, expected status, text expected in the message)
     ("chat", '{"model": "x", "messages": [', 400, "invalid JSON"),
@@ -371,7 +375,14 @@ BAD = [
     ("chat", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "UTF-8"),
     ("chat", '{"messages": [{"role": "user", "content": "bad \\ud800 surrogate"}]}', 400, "surrogate"),
     ("chat", '{"messages": [{"role": "user", "content": "x"}], "stop": ["\\udfff"]}', 400, "surrogate"),
-    ("chat", b'{"messages": [{"role": "user", "content": "bad \xed\xa0\x80 encoded surrogate"}]}', 400, "surrogate"),
+    ("chat", b'{"messages": [{"role": "user", "content": "bad \xed\xa0\x80 encoded surrogate"}]}', 400, "UTF-8"),
+    # UTF-16 that is also valid UTF-8, a lone surrogate in it: json.loads of the bytes would take it
+    (
+        "chat",
+        '{"messages": [{"role": "user", "content": "x"}], "stop": ["\ud800\x80"]}'.encode("utf-16-le", "surrogatepass"),
+        400,
+        "JSON",
+    ),
     ("chat", "[" * 100_000 + "]" * 100_000, 400, "JSON"),
     ("chat", json.dumps({"model": MODEL}), 400, "messages"),
     ("chat", json.dumps({"messages": []}), 400, "empty"),

@@ -247,7 +247,9 @@ async def read_json_body(request: Request, limit: int) -> dict:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        data = json.loads(body, parse_constant=no_constants)
+        # strict UTF-8 (a BOM allowed), decoded here: json.loads of bytes would also guess UTF-16 or
+        # UTF-32 and let encoded surrogates through ('surrogatepass')
+        data = json.loads(body.decode("utf-8-sig"), parse_constant=no_constants)
     except RecursionError:
         raise APIError(400, "invalid JSON: nested too deeply") from None
     except UnicodeDecodeError:
@@ -268,13 +270,9 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _may_hold_surrogates(body: bytes) -> bool:
-    """Whether the parsed body can hold a lone surrogate: json.loads lets them through from \\u
-    escapes and from UTF-8 bytes that encode one, never from strict UTF-8 without such escapes. The
-    walk over every value (a token-id prompt is thousands of them) runs only then."""
-    try:
-        body.decode("utf-8")
-    except UnicodeDecodeError:
-        return True
+    """Whether the body, strict UTF-8 (read_json_body decodes it so), can hold a lone surrogate once
+    parsed: only through a \\u escape of one. The walk over every value (a token-id prompt is
+    thousands of them) runs only then."""
     return _SURROGATE_ESCAPE.search(body) is not None
 
 
