@@ -46,8 +46,8 @@ def test_rms_norm_matches_reference(with_residual):
 def test_silu_mul_matches_reference():
     gate_up = torch.randn(4, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4
     close(cf.silu_mul(gate_up), silu_mul_ref(gate_up))
-    many = torch.randn(cf.SILU_TORCH_ROWS, 2 * 64, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(cf.silu_mul(many), silu_mul_ref(many))  # a prefill chunk: torch's own
+    many = torch.randn(40, 2 * 64, generator=torch.Generator().manual_seed(2))  # split over threads
+    assert torch.equal(cf.silu_mul(many)[:3], cf.silu_mul(many[:3]))  # a row's value: not the row count's
 
 
 def paged_setup(lens, H_kv=3, D=64, bs=16, seed=2):

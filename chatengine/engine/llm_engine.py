@@ -469,7 +469,9 @@ class LLMEngine:
                 text = text[: len(text) - hold]
             completion = CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
             if seq.params.logprobs is not None:
-                completion.logprobs = TokenLogprobs(seq.logprob_rows, seq.params.logprobs, len(completion.token_ids))
+                k = seq.params.logprobs  # rows recorded so far (a token not yet recorded gets none)
+                rows = min(len(completion.token_ids), len(seq.logprob_rows) // (2 + 2 * k))
+                completion.logprobs = TokenLogprobs(seq.logprob_rows, k, rows)
                 completion.cumulative_logprob = seq.cumulative_logprob
             completions.append(completion)
         return RequestOutput(

@@ -70,7 +70,10 @@ void cf_rms_norm(const float* x, int64_t ldx, const float* res, int64_t ldr, con
 }
 
 // out (T, I) = silu(gate) * up for gate_up = [gate | up] (T, 2I) with row stride ldg.
-void cf_silu_mul(const float* gate_up, int64_t ldg, float* out, int64_t ldo, int64_t T, int64_t I) {
+// Rows split over `threads` from 32 rows (a prefill chunk); each row's arithmetic is the same either
+// way, so the result does not depend on how many rows a step holds.
+void cf_silu_mul(const float* gate_up, int64_t ldg, float* out, int64_t ldo, int64_t T, int64_t I, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= 32)
   for (int64_t t = 0; t < T; t++) {
     const float* g = gate_up + t * ldg;
     const float* u = g + I;
@@ -243,7 +246,7 @@ int cf_decode_layer(const Layer* L, const Step* S, const float* x, const float* 
   rc = rc ? rc : run_linear(L->o, att, B, o, threads);
   cf_rms_norm(o, H, res_out, H, L->post_norm, h, H, res_out, H, B, H, eps);  // res_out += o, in place
   rc = rc ? rc : run_linear(L->gate_up, h, B, gu, threads);
-  cf_silu_mul(gu, 2 * L->I, h, L->I, B, L->I);
+  cf_silu_mul(gu, 2 * L->I, h, L->I, B, L->I, static_cast<int>(threads));
   rc = rc ? rc : run_linear(L->down, h, B, out, threads);
   return rc;
 }

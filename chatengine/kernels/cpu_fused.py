@@ -28,10 +28,7 @@ from .paged_attention import paged_attention_ref
 log = logging.getLogger("chatengine")
 
 SOURCE = cpu_quant.SOURCE.with_name("cpu_fused.cpp")
-# from this many rows (a prefill chunk) SiLU-and-mul is torch's: its vectorised exp on every thread
-# beats the kernel's scalar loop (1000 x 1536: 5.2 vs 10.5 ms on two AVX2 cores); below, the call's
-# overhead is what counts
-SILU_TORCH_ROWS = 32
+
 
 _lib: ctypes.CDLL | None = None
 _lib_tried = False
@@ -54,7 +51,7 @@ def library() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.cf_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, f32]
-    lib.cf_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.cf_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.cf_rope_store.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr]
     lib.cf_rope_store.argtypes += [ptr, ptr, i64, i64]
     lib.cf_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, i64]
@@ -97,11 +94,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul_ref: silu(gate) * up for gate_up = [gate | up] (T, 2I); returns (T, I)."""
     lib = _lib if _lib_tried else library()
-    if lib is None or not _fp32_rows(gate_up) or gate_up.shape[0] >= SILU_TORCH_ROWS:
+    if lib is None or not _fp32_rows(gate_up):
         return silu_mul_ref(gate_up)
     T, I2 = gate_up.shape
     out = torch.empty(T, I2 // 2)
-    lib.cf_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), I2 // 2, T, I2 // 2)
+    lib.cf_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), I2 // 2, T, I2 // 2, torch.get_num_threads())
     return out
 
 

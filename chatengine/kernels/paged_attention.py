@@ -752,20 +752,20 @@ def plan_paged_attention_torch(
         i_of = torch.arange(b_of.numel()) - (torch.cumsum(ql, 0) - ql)[b_of]  # index within its chunk
         rows = cu[:-1][sel][b_of] + i_of
         all_rows = rows.numel() == T and bool((rows == torch.arange(T)).all())
-        # mask[b, i, s]: key s is real (< seq_len) and not after query i's absolute position
-        s = torch.arange(S)
-        q_abs = (sl - ql)[:, None] + torch.arange(Q)[None, :]  # (B_g, Q)
-        ok = (s[None, None, :] <= q_abs[:, :, None]) & (s[None, None, :] < sl[:, None, None])
-        if window > 0:
-            ok &= s[None, None, :] > q_abs[:, :, None] - window
-        ok[:, :, 0] |= ~ok.any(-1)  # padded rows: no NaN
-        bias = torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf"))[:, None]
-        if not decode and window == 0 and bool((sl == ql).all()):
-            # every chunk starts at position 0: the mask is SDPA's own causal one (query i sees keys
-            # 0..i; keys past a sequence's end come after all its queries), whose CPU kernel skips
-            # the key blocks above the diagonal (~half of a fresh prompt's attention) where an
-            # explicit mask computes them all
-            bias = None
+        bias: torch.Tensor | None = None
+        # every chunk starts at position 0: the mask is SDPA's own causal one (query i sees keys 0..i;
+        # keys past a sequence's end come after all its queries), whose CPU kernel skips the key
+        # blocks above the diagonal (~half of a fresh prompt's attention) where an explicit mask
+        # computes them all
+        if decode or window > 0 or not bool((sl == ql).all()):
+            # mask[b, i, s]: key s is real (< seq_len) and not after query i's absolute position
+            s = torch.arange(S)
+            q_abs = (sl - ql)[:, None] + torch.arange(Q)[None, :]  # (B_g, Q)
+            ok = (s[None, None, :] <= q_abs[:, :, None]) & (s[None, None, :] < sl[:, None, None])
+            if window > 0:
+                ok &= s[None, None, :] > q_abs[:, :, None] - window
+            ok[:, :, 0] |= ~ok.any(-1)  # padded rows: no NaN
+            bias = torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf"))[:, None]
         dest = None if (decode or B_g == 1) else b_of * Q + i_of
         groups.append(
             AttentionGroup(
