@@ -256,11 +256,14 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     page.locator("#chat textarea").fill("Tell me about the sun.")
     page.locator("#chat").get_by_role("button", name="Submit").click()
     expect(page.locator("#chat")).to_contain_text("Tell me about the sun.")
-    wait_idle(page)
     expect(page.locator("#chat")).not_to_contain_text("Name a planet.")
     # the edited message carries its own ‹ 2/2 ›; ‹ brings back the old branch
     first_user = page.locator('#chat [data-testid="user"]').first
     expect(first_user.locator(".ver-count")).to_have_text("2/2")
+    # once the fork's reply is final: the edited page still shows the old last reply (final) until
+    # the server's first render of the fork, so a wait before that could pass while the fork's reply
+    # then streamed, and a streaming reply refuses ‹ (it owns the view)
+    wait_idle(page)
     first_user.locator(".ver-prev.ver-on").click()
     expect(page.locator("#chat")).to_contain_text("Name a planet.")
     expect(page.locator('#chat [data-testid="user"]').first.locator(".ver-count")).to_have_text("1/2")
