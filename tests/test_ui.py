@@ -12,9 +12,16 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from gradio_client import Client  # noqa: E402
 
+from chatengine.app.auth import hash_password  # noqa: E402
 from chatengine.app.server import ServerThread, close_app, create_app  # noqa: E402
 
-USERS = {"alice": {"password": "pw-alice", "api_key": "sk-alice"}, "bob": {"password": "pw-bob", "api_key": "sk-bob"}}
+# the passwords stored hashed with few PBKDF2 iterations, as the unit tests do: every sign-in checks
+# one, and at the default 600k each cost ~0.35 s of CPU (test_auth.py covers the default)
+FAST = 1000
+USERS = {
+    "alice": {"password": hash_password("pw-alice", iterations=FAST), "api_key": "sk-alice"},
+    "bob": {"password": hash_password("pw-bob", iterations=FAST), "api_key": "sk-bob"},
+}
 # text, persona, temperature, top_p, max_tokens, seed, n
 SHORT = ("assistant", 0, 1, 8, -1, 1)
 LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."

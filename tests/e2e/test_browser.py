@@ -39,6 +39,8 @@ pytest.importorskip("chatengine.app.auth", reason="login needs chatengine.app.au
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
+from chatengine.app.auth import hash_password  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("E2E_ARTIFACTS", "/tmp/chatengine-e2e"))
 CHROMIUM_ARGS = [
@@ -51,9 +53,12 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+# the passwords stored hashed with few PBKDF2 iterations, as the unit tests do: each sign-in checks
+# one on the server, and at the default 600k each cost ~0.35 s of CPU (test_auth.py covers the default)
+FAST = 1000
 USERS = {
-    "alice": {"password": "pw-alice", "api_key": "sk-alice", "admin": True},
-    "bob": {"password": "pw-bob", "api_key": "sk-bob"},
+    "alice": {"password": hash_password("pw-alice", iterations=FAST), "api_key": "sk-alice", "admin": True},
+    "bob": {"password": hash_password("pw-bob", iterations=FAST), "api_key": "sk-bob"},
 }
 LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."
 KNIGHT_PROMPT = "Write a very long story about a knight, at least 1000 words."
