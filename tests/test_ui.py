@@ -106,7 +106,8 @@ def test_internal_endpoints_are_hidden(alice):
 
 
 def test_streaming_reply(alice, server):
-    job = alice.submit("Write three short sentences about the sea.", "assistant", 0, 1, 48, -1, 1, api_name="/send")
+    # 16 tokens: each step (~0.1 s) outlasts the UI's 80 ms repaint throttle, so ~16 streamed updates
+    job = alice.submit("Write three short sentences about the sea.", "assistant", 0, 1, 16, -1, 1, api_name="/send")
     seen = []
     for out in job:  # every streamed update
         chat = texts(out[1])

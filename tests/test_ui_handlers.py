@@ -186,7 +186,8 @@ def test_regenerate_then_switch_versions(ui):
 
 def test_n_alternatives_stream_side_by_side(ui):
     c = ui.c
-    ups = drain(ui.send("Name a fruit.", None, "assistant", 1.0, 1, 40, 5, 3, request("alice")))
+    # 8 tokens each: a step (~0.1 s for three rows) outlasts the 80 ms throttle, so every token repaints
+    ups = drain(ui.send("Name a fruit.", None, "assistant", 1.0, 1, 8, 5, 3, request("alice")))
     live = [u for u in ups if u.get(c.alt_label) == "Generating 3 alternatives…"]
     assert live, "no streaming update"
     bubbles = live[-1][c.chatbot][1:]
