@@ -27,9 +27,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chatengine.engine.parallel.group import TPGroup, connect_store, host_store, no_nvlink_multicast  # noqa: E402
 
-# "one-shot": the engine's opt-in path (CHATENGINE_ALL_REDUCE=one-shot, parallel/one_shot.py; NCCL past
-# its size limit); the rest are NCCL alone (the default) with NCCL_PROTO unset ("default") or set
-PROTOCOLS = ["one-shot", "default", "LL", "LL128", "Simple"]
+# "one-shot": the engine's default path (parallel/one_shot.py; NCCL past its size limit), summing a
+# tensor copied in by the kernel (the embedding's sum); "one-shot-inplace": a tensor already in the
+# peer-addressable buffer (a row-parallel layer's); the rest are NCCL alone (CHATENGINE_ALL_REDUCE=nccl)
+# with NCCL_PROTO unset ("default") or set
+PROTOCOLS = ["one-shot", "one-shot-inplace", "default", "LL", "LL128", "Simple"]
 
 
 def timed_calls(group: TPGroup, x: torch.Tensor, calls: int, repeats: int) -> float:
@@ -61,7 +63,7 @@ def timed_calls(group: TPGroup, x: torch.Tensor, calls: int, repeats: int) -> fl
     return statistics.median(times)
 
 
-def rank_main(rank: int, size: int, address: str, args, results) -> None:
+def rank_main(rank: int, size: int, address: str, args, results, protocol: str) -> None:
     group = TPGroup.join(rank, size, connect_store(address, size), args.device)
     if rank == 0 and os.environ["CHATENGINE_ALL_REDUCE"] == "one-shot":
         state = f"on, up to {group.one_shot.max_bytes} bytes" if group.one_shot else "off"
@@ -69,6 +71,9 @@ def rank_main(rank: int, size: int, address: str, args, results) -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     for rows in args.rows:
         x = torch.zeros(rows, args.hidden, dtype=dtype, device=group.device)  # sums stay finite
+        if protocol == "one-shot-inplace":  # where a row-parallel layer writes (NCCL past the limit)
+            buffer = group.sum_buffer(tuple(x.shape), dtype)
+            x = x if buffer is None else buffer.zero_()
         seconds = timed_calls(group, x, args.calls, args.repeats)
         if rank == 0:
             results.put((rows, 1e6 * seconds / args.calls))
@@ -77,15 +82,17 @@ def rank_main(rank: int, size: int, address: str, args, results) -> None:
 
 def run_variant(protocol: str, args) -> list[tuple[int, float]]:
     no_nvlink_multicast()
-    os.environ["CHATENGINE_ALL_REDUCE"] = "one-shot" if protocol == "one-shot" else "nccl"
-    if protocol in ("one-shot", "default"):
+    os.environ["CHATENGINE_ALL_REDUCE"] = "one-shot" if protocol.startswith("one-shot") else "nccl"
+    if protocol in ("one-shot", "one-shot-inplace", "default"):
         os.environ.pop("NCCL_PROTO", None)
     else:
         os.environ["NCCL_PROTO"] = protocol
     store, address = host_store(args.ranks)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args.ranks, address, args, results)) for r in range(args.ranks)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, args.ranks, address, args, results, protocol)) for r in range(args.ranks)
+    ]
     for p in procs:
         p.start()
     rows = []

@@ -8,13 +8,14 @@ for one.
 Parts (logits and throughput by default):
   logits      the last-token logits of 8 prompts (100..512 tokens) at TP=1 and TP=N, fp32, eager, on
               the same dummy weights: the largest absolute difference (the promise: <= 1e-4), with the
-              torch attention reference (the same arithmetic on any number of heads) and with the
-              Triton kernels (their split counts follow the heads a rank holds)
+              torch attention reference (the same arithmetic on any number of heads), with the
+              Triton kernels (their split counts follow the heads a rank holds), and (TP=2) in
+              deterministic mode, whose row-parallel sums reduce the same halves on one rank and two
   throughput  the nano-vllm workload (256 requests, prompt and output lengths uniform in [100, 1024],
               seed 0, random ids < 10000, ignore_eos, temperature 0.6; benchmarks/gpu_bench.py's)
               in bf16 at TP=1 and TP=N in the same run: output tokens/s and the ratio (goal >= 1.6x);
-              TP=N twice: sums through the opt-in one-shot NVLink path and through NCCL's ring alone
-              (the logits part sums through NCCL: the default, and a process's later groups anyway)
+              TP=N twice: sums through the one-shot NVLink path (the default) and through NCCL's ring alone
+              (the logits part sums through NCCL: a process's later groups do)
   big         the same workload on a shape one GPU cannot hold (llama-3.1-70b, 140 GB in bf16) at
               TP=--big-tp only: load time, KV pages, output tokens/s
 
@@ -85,10 +86,13 @@ def part_logits(args, res) -> None:
     prompts = nano_workload(8, seed=1, max_in=512)[0]
     out = res["logits"] = {}
     tp1 = {}
-    for backend in ("torch", "triton"):
+    variants = {"torch": dict(attention_backend="torch"), "triton": dict(attention_backend="triton")}
+    if args.tp == 2:  # deterministic mode runs on one or two ranks, the same answers on both
+        variants["deterministic"] = dict(deterministic=True)
+    for backend, kw in variants.items():
         got = {}
         for tp in (1, args.tp):
-            llm = engine(args.shape, tp, "float32", args, enforce_eager=True, attention_backend=backend)
+            llm = engine(args.shape, tp, "float32", args, enforce_eager=True, **kw)
             got[tp] = prefill_logits(llm, prompts)
             release(llm)
         diff = (got[1] - got[args.tp]).abs()
@@ -153,7 +157,7 @@ def part_throughput(args, res) -> None:
     prompts, outs = nano_workload(args.num_requests)
     out = res["throughput"] = {}
     before = os.environ.get("CHATENGINE_ALL_REDUCE")
-    try:  # TP=N twice: sums through the opt-in one-shot path, and through NCCL's ring (the default)
+    try:  # TP=N twice: sums through the one-shot path (the default), and through NCCL's ring alone
         for name, tp, all_reduce in (
             ("tp1", 1, "nccl"),
             (f"tp{args.tp}", args.tp, "one-shot"),
@@ -260,9 +264,8 @@ def markdown(res) -> str:
         for backend, r in res["logits"].items():
             if not isinstance(r, dict):
                 continue
-            lines.append(
-                f"| {backend} attention | {r['max_abs_diff']:.2e} | {r['mean_abs_diff']:.2e} | {r['same_argmax']} |"
-            )
+            name = "deterministic mode (Triton)" if backend == "deterministic" else f"{backend} attention"
+            lines.append(f"| {name} | {r['max_abs_diff']:.2e} | {r['mean_abs_diff']:.2e} | {r['same_argmax']} |")
         noise = res["logits"].get("torch_vs_triton_tp1")
         if noise is not None:
             lines.append(f"\nTP=1 with torch vs Triton attention (fp32's own noise): max abs diff {noise:.2e}")

@@ -42,7 +42,8 @@ class EngineConfig:
     debug_checks: bool = False  # check block-manager invariants after every step
     # batch- and cache-invariant inference: a request's tokens and logprobs do not depend on its
     # neighbours in a batch, the step's token budget, or how much of its prompt came from a cache tier
-    # (kernels/invariant_matmul.py; paged_attention.py split_keys). Slower; weights unquantized, one device.
+    # (kernels/invariant_matmul.py; paged_attention.py split_keys), and on one device or two the same.
+    # Slower; weights unquantized; tensor_parallel_size 1 or 2.
     deterministic: bool = False
 
     def __post_init__(self):
@@ -68,8 +69,11 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             known = ", ".join(QUANTIZATIONS)
             raise ValueError(f"quantization must be None or one of {known}, got {self.quantization!r}")
-        if self.deterministic and self.tensor_parallel_size > 1:
-            raise ValueError("deterministic mode runs on one device: tensor_parallel_size must be 1")
+        if self.deterministic and self.tensor_parallel_size > 2:
+            raise ValueError(
+                "deterministic mode runs on one or two devices (its answers are the same on both): "
+                "tensor_parallel_size must be 1 or 2"
+            )
         if self.deterministic and self.quantization not in (None, "none", "gguf"):  # gguf: then full precision
             raise ValueError("deterministic mode runs unquantized weights: leave quantization unset (or 'none')")
         if self.kv_cache_gib <= 0:

@@ -86,8 +86,9 @@ def test_settings():
     assert EngineConfig(deterministic=True).deterministic is True
     with pytest.raises(ValueError, match="unquantized"):
         EngineConfig(deterministic=True, quantization="q8_0")
-    with pytest.raises(ValueError, match="one device"):
-        EngineConfig(deterministic=True, tensor_parallel_size=2)
+    assert EngineConfig(deterministic=True, tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="one or two devices"):
+        EngineConfig(deterministic=True, tensor_parallel_size=4)
     from chatengine.app.server import build_parser  # (the app's dependencies: here only)
 
     assert build_parser().parse_args(["--deterministic"]).deterministic is True

@@ -58,6 +58,28 @@ def test_tiled_torch_linear_rows_do_not_depend_on_the_batch(dtype):
     torch.testing.assert_close(full, im.linear_ref(x, w, b), **CLOSE[dtype])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_segments_are_the_sum_of_the_halves_in_fp32(device, dtype, request):
+    """segments=2: exactly what two tensor-parallel ranks get from their halves of K, summed in fp32
+    and rounded once -- and still row-invariant."""
+    if device == "cpu":
+        request.getfixturevalue("row_exact_dot")
+    torch.manual_seed(1)
+    M, K, N = (300, 4096, 1024) if device == "cuda" else (40, 160, 48)  # halves of 80: not whole tiles
+    x = torch.randn(M, K, device=device).to(dtype)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    h = K // 2
+    linear = im.linear_triton if device == "cuda" else im.linear_tiled_torch
+    whole = linear(x, w, segments=2)
+    halves = [linear(x[:, s * h : (s + 1) * h], w[:, s * h : (s + 1) * h], out_dtype=torch.float32) for s in (0, 1)]
+    assert whole.dtype == dtype
+    assert torch.equal(whole, (halves[0] + halves[1]).to(dtype))
+    assert torch.equal(halves[1] + halves[0], halves[0] + halves[1])  # either rank's order of the two
+    torch.testing.assert_close(whole.float(), im.linear_ref(x, w).float(), **CLOSE[dtype])
+    rows_invariant(lambda x, w, b: linear(x, w, b, segments=2), x, w, None, [1, 3, 17])
+
+
 def test_linear_keeps_leading_dims():
     x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
     assert im.linear(x, w).shape == (2, 5, 3)

@@ -178,6 +178,10 @@ def test_the_one_shot_sum_takes_what_fits_and_nccl_the_rest(monkeypatch):
     assert not real.fits(torch.ones(8, dtype=torch.float16))  # torch's kernel sums bf16 and fp32 only
     assert not real.fits(torch.ones(3, dtype=torch.bfloat16))  # 6 bytes: not whole 4-byte words
     assert not real.fits(torch.ones(4, 4).t())  # not contiguous
+    real.buffer = torch.zeros(64, dtype=torch.uint8)  # (a CPU stand-in for the peer-mapped buffer)
+    view = real.buffer_for((2, 8), torch.float32)
+    assert view.shape == (2, 8) and view.data_ptr() == real.buffer.data_ptr()
+    assert real.buffer_for((2, 9), torch.float32) is None and real.buffer_for((4,), torch.float16) is None
 
     class FakeOneShot:
         max_bytes = 64
@@ -194,6 +198,28 @@ def test_the_one_shot_sum_takes_what_fits_and_nccl_the_rest(monkeypatch):
     small, big = torch.ones(16), torch.ones(17)
     assert torch.equal(g.all_reduce(small), torch.full((16,), 2.0)) and rings == []
     assert g.all_reduce(big) is big and rings == [17]
+
+
+def test_a_row_parallel_layer_writes_its_partial_sums_where_the_one_shot_sum_reads_them():
+    """With a sum buffer on offer the matmul's output goes there and is what gets all-reduced (no
+    copy); the result is the plain layer's."""
+    buffer, summed = torch.empty(3, 5), []
+
+    class Group(TPGroup):
+        def sum_buffer(self, shape, dtype):
+            return buffer if shape == (3, 5) else None
+
+        def all_reduce(self, x):
+            summed.append(x)
+            return x.clone()
+
+    torch.manual_seed(0)
+    layer = RowParallelLinear(4, 5, Group(0, 2))
+    x = torch.randn(3, 4)
+    with torch.no_grad():  # (as the engine runs)
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and summed[-1] is buffer
+        layer(torch.randn(2, 4))  # no buffer for this shape: an ordinary tensor
+    assert summed[-1] is not buffer
 
 
 def test_a_split_that_does_not_divide_is_a_clear_error():
@@ -247,6 +273,24 @@ def test_tp2_gives_tp1_greedy_tokens_with_cache_hits_samples_and_host_restores(s
     assert results[0] == results[1]
     assert results[0][1] == results[0][0][0][0] == results[0][5]  # the cache changed nothing
     assert len(set(map(tuple, results[0][2][0]))) > 1  # three samples, not one copied
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deterministic_tp2_gives_tp1_logprobs_bit_for_bit(dtype):
+    """Deterministic mode: every prompt and generated token's logprobs (so the logits they come from)
+    equal at TP=1 and TP=2 -- the row-parallel sums reduced as the same two halves on one rank and on
+    two -- where the default mode differs by fp32's reordering noise."""
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=5)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    got = []
+    for tp in (1, 2):
+        llm = LLM("dummy:tiny", tensor_parallel_size=tp, dtype=dtype, deterministic=True, num_kv_blocks=24, seed=5)
+        try:
+            outs = llm.generate(prompts, params)
+            got.append([(o.prompt_logprobs, o.outputs[0].token_ids, list(o.outputs[0].logprobs)) for o in outs])
+        finally:
+            llm.shutdown()
+    assert got[0] == got[1]
 
 
 def test_tp2_runs_in_an_async_engine_and_shuts_down():
@@ -321,7 +365,7 @@ def test_an_idle_engine_outlives_the_collective_timeout(monkeypatch):
 )
 def test_cuda_tp2_gives_tp1_greedy_tokens(variant, monkeypatch):
     """fp32: the same greedy tokens as one GPU, in each way a step can run, with host restores; the
-    process's first TP=2 engine sums through the opt-in one-shot path, the later ones through NCCL."""
+    process's first TP=2 engine sums through the one-shot path (the default), the later ones through NCCL."""
     monkeypatch.setenv("CHATENGINE_ALL_REDUCE", "one-shot")
     opts = dict(device="cuda", dtype="float32", num_kv_blocks=64, cpu_offload_gib=0.05, register_personas=False)
     prompts = [list(range(1, 40)), list(range(50, 70)), [7] * 33, list(range(3, 300))]
@@ -342,3 +386,56 @@ def test_cuda_tp2_gives_tp1_greedy_tokens(variant, monkeypatch):
             llm.shutdown()
             assert time.monotonic() - t < 60
     assert results[0] == results[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_deterministic_tp2_gives_tp1_logprobs_bit_for_bit(dtype):
+    """Deterministic mode on GPUs, CUDA graphs on: TP=2's prompt and token logprobs are TP=1's."""
+    opts = dict(device="cuda", dtype=dtype, deterministic=True, num_kv_blocks=64, register_personas=False)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5, prompt_logprobs=5)
+    prompts = [list(range(1, 40)), list(range(3, 300)), [7] * 33]
+    got = []
+    for tp in (1, 2):
+        llm = LLM("dummy:llama-3.2-1b", tensor_parallel_size=tp, **opts)
+        try:
+            outs = llm.generate(prompts, params)
+            got.append([(o.prompt_logprobs, o.outputs[0].token_ids, list(o.outputs[0].logprobs)) for o in outs])
+        finally:
+            llm.shutdown()
+    assert got[0] == got[1]
+
+
+_DIES_MID_STEP = """
+import os, signal, sys, threading
+from chatengine import LLM, SamplingParams
+from chatengine.engine.parallel.plan import TensorParallelError
+llm = LLM("dummy:llama-3.2-1b", device="cuda", tensor_parallel_size=2, register_personas=False, max_model_len=4096)
+assert llm.engine.ranks.group.one_shot is not None, "the one-shot sums are off"
+(worker,) = llm.engine.ranks.procs
+threading.Timer(5.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+try:
+    llm.generate([[1 + i] * 200 for i in range(64)], SamplingParams(max_tokens=3000, ignore_eos=True))
+except TensorParallelError as e:
+    print("raised:", e, flush=True)
+    os._exit(3)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cuda_a_rank_that_dies_mid_step_is_an_error_or_an_exit_never_a_hang():
+    """One-shot sums on (the default): a rank killed while steps run either fails the engine (the
+    step had ended) or, its GPU stuck in a sum that waits on the device, ends the process saying why."""
+    import subprocess
+    import sys
+
+    from chatengine.engine.parallel import ranks
+
+    t = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", _DIES_MID_STEP], capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode in (3, ranks.STUCK_EXIT_CODE), out[-3000:]
+    assert "tensor-parallel rank 1 died" in out, out[-3000:]
+    if run.returncode == ranks.STUCK_EXIT_CODE:
+        assert "stuck in a one-shot sum" in out
+    print(f"exit {run.returncode} after {time.monotonic() - t:.0f} s")

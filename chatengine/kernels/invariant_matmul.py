@@ -11,6 +11,10 @@ bf16 a near-tie between two tokens then flips. Here every call of a layer runs o
 - CPU: `linear_tiled_torch`, the rows in tiles of TILE_ROWS (the last one padded with zeros), one
   BLAS call of that fixed shape per tile: BLAS chooses by shape, so every call chooses the same.
 `linear_ref` (F.linear) is what both compute, up to the summation order.
+
+`segments=2` reduces K as two halves, each from zero, added at the end in fp32: the sum a two-rank
+tensor-parallel group computes for a row-parallel layer (each rank its half, all-reduced in fp32), so
+that deterministic answers are the same on one GPU and on two (models/parallel_layers.py).
 """
 
 import torch
@@ -51,7 +55,9 @@ def _matmul_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    SEG_K,
     HAS_BIAS: tl.constexpr,
+    SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -76,20 +82,36 @@ def _matmul_kernel(
     x_ptr = X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     w_ptr = W + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # (K, N): W^T
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # in order from 0, never split: the one reduction order
-        k_ok = k0 + ks < K
-        x = tl.load(x_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    for s in tl.static_range(SEGMENTS):  # K's segments [s * SEG_K, (s + 1) * SEG_K), in order
+        part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        end = (s + 1) * SEG_K
+        for k0 in range(s * SEG_K, end, BLOCK_K):  # from the segment's start, never split
+            k_ok = k0 + ks < end
+            x = tl.load(x_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            part = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), part, input_precision=DOT_PRECISION)
+        if s == 0:
+            acc = part
+        else:
+            acc += part
     if HAS_BIAS:  # added in fp32 before the one rounding (a fixed order too)
         acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y_ptr = Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
+def linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config=None,
+    segments: int = 1,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T (+ bias (N,)) with one tile configuration for every M (`config_for`
-    N). `config`: another (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for benchmarks."""
+    N). `config`: another (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for benchmarks or a
+    split layer's whole width. `segments`: K in that many equal parts (module docstring). `out_dtype`:
+    the result's (float32: the sums before their rounding to x's dtype)."""
     check_device(x)
     *lead, K = x.shape
     N = weight.shape[0]
@@ -97,8 +119,9 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     assert weight.stride(-1) == 1 and weight.shape[1] == K and weight.dtype == x.dtype
+    assert K % segments == 0, f"K={K} does not split into {segments} segments"
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
     block_m, block_n, block_k, warps, stages = config or config_for(N)
@@ -117,7 +140,9 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x2.stride(0),
         weight.stride(0),
         y.stride(0),
+        K // segments,
         HAS_BIAS=bias is not None,
+        SEGMENTS=segments,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -130,25 +155,54 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.view(*lead, N)
 
 
-def linear_tiled_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear in tiles of TILE_ROWS rows, one BLAS call of that shape each (CPU)."""
+def linear_tiled_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    segments: int = 1,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """F.linear in tiles of TILE_ROWS rows, one BLAS call of that shape each (CPU). `segments` > 1:
+    one call per equal part of K, each in x's dtype, added in fp32 in order, then rounded once to
+    `out_dtype` (x's by default) -- the sum of two ranks' partials all-reduced in fp32."""
     *lead, K = x.shape
+    assert K % segments == 0, f"K={K} does not split into {segments} segments"
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     pad = -M % TILE_ROWS
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, K)])
-    tiles = [F.linear(t, weight, bias) for t in x2.split(TILE_ROWS)]
+    tiles = [_tile(t, weight, bias, segments) for t in x2.split(TILE_ROWS)]
     y = torch.cat(tiles) if len(tiles) > 1 else tiles[0]
-    return y[:M].view(*lead, weight.shape[0])
+    return y[:M].view(*lead, weight.shape[0]).to(out_dtype or x.dtype)
+
+
+def _tile(t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int) -> torch.Tensor:
+    if segments == 1:
+        return F.linear(t, weight, bias)
+    n = t.shape[1] // segments
+    parts = [F.linear(t[:, s * n : (s + 1) * n].contiguous(), weight[:, s * n : (s + 1) * n]) for s in range(segments)]
+    total = parts[0].float()
+    for part in parts[1:]:
+        total += part.float()
+    return total if bias is None else total + bias.float()
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The batch-invariant linear of x's device: Triton on CUDA, fixed tiles elsewhere."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    width: int | None = None,
+    segments: int = 1,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The batch-invariant linear of x's device: Triton on CUDA, fixed tiles elsewhere. `width`: the
+    output width that picks the tiles (a rank's share of a split layer tiles as the whole layer)."""
     if x.device.type == "cuda":
-        return linear_triton(x, weight, bias)
-    return linear_tiled_torch(x, weight, bias)
+        config = config_for(width or weight.shape[0])
+        return linear_triton(x, weight, bias, config, segments, out_dtype)
+    return linear_tiled_torch(x, weight, bias, segments, out_dtype)

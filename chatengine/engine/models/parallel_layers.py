@@ -12,6 +12,11 @@ its slice of a full Hugging Face weight (every rank reads the full tensor, keeps
 
 On one rank each is exactly the nn.Linear / nn.Embedding it replaces (same shapes, same kernels,
 no collectives), so single-GPU numerics and speed do not change.
+
+Deterministic mode (the batch-invariant matmul) also keeps answers the same on one rank and on two:
+a column-parallel rank tiles its outputs as the whole layer does, and a row-parallel layer reduces
+its inputs in two halves added in fp32 -- on one rank in the kernel, on two by an fp32 all-reduce of
+the ranks' halves (a + b either way).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class _QuantizableWeight:
 
     fp8 = False
     invariant = False  # deterministic mode: the batch-invariant matmul (kernels/invariant_matmul.py)
+    width = 0  # the whole layer's output features (over every rank): what picks the invariant tiles
     weight_fp8: torch.Tensor  # buffers once quantized (annotations only: register_buffer makes them)
     weight_scale: torch.Tensor
     qweight: cpu_quant.QuantWeight | None = None
@@ -86,7 +92,7 @@ class _QuantizableWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.invariant:
-            return invariant_matmul.linear(x, self.weight, bias)  # type: ignore[attr-defined]
+            return invariant_matmul.linear(x, self.weight, bias, self.width)  # type: ignore[attr-defined]
         if self.qweight is not None:
             return cpu_quant.linear(x, self.qweight, bias)
         if self.fp8:
@@ -99,7 +105,7 @@ class ColumnParallelLinear(_QuantizableWeight, nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: TPGroup):
         super().__init__(in_features, out_features, bias=bias)
-        self.group = group
+        self.group, self.width = group, out_features * group.size
 
     def forward(self, x):
         return self.matmul(x, self.bias)
@@ -140,10 +146,27 @@ class RowParallelLinear(_QuantizableWeight, nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup):
         super().__init__(in_features, out_features, bias=False)
-        self.group = group
+        self.group, self.width = group, out_features
 
     def forward(self, x):
-        return self.group.all_reduce(self.matmul(x, None))
+        if self.invariant:
+            return self._invariant(x)
+        plain = self.qweight is None and not self.fp8
+        out = self.group.sum_buffer((*x.shape[:-1], self.out_features), x.dtype) if plain else None
+        if out is None:
+            return self.group.all_reduce(self.matmul(x, None))
+        torch.matmul(x, self.weight.t(), out=out)  # straight into the one-shot sum's buffer
+        return self.group.all_reduce(out)
+
+    def _invariant(self, x):
+        """Deterministic mode: the two halves of the inputs (module docstring). One rank sums them in
+        the kernel; two ranks each hold one and all-reduce its fp32 sums."""
+        if not self.group.is_parallel:
+            segments = 2 if self.in_features % 2 == 0 else 1  # an odd width never splits over two ranks
+            return invariant_matmul.linear(x, self.weight, None, self.width, segments)
+        assert self.group.size == 2, "deterministic mode runs on one or two ranks"
+        partial = invariant_matmul.linear(x, self.weight, None, self.width, out_dtype=torch.float32)
+        return self.group.all_reduce(partial).to(x.dtype)
 
     @torch.no_grad()
     def load(self, full: torch.Tensor) -> None:
@@ -202,7 +225,7 @@ class ParallelLMHead(_QuantizableWeight, _VocabRows, nn.Linear):
         self.vocab_size, self.group = vocab_size, group
         self.rows = -(-vocab_size // group.size)
         nn.Linear.__init__(self, hidden_size, self.rows, bias=False)
-        self.first = group.rank * self.rows
+        self.first, self.width = group.rank * self.rows, self.rows * group.size
 
     def forward(self, x):
         logits = self.matmul(x, None)

@@ -30,6 +30,15 @@ def no_nvlink_multicast() -> None:
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 
+def all_reduce_mode() -> str:
+    """CHATENGINE_ALL_REDUCE: "one-shot" (the default: small CUDA sums in one NVLink hop, one_shot.py)
+    or "nccl" (every sum through NCCL's ring)."""
+    mode = os.environ.get("CHATENGINE_ALL_REDUCE", "one-shot")
+    if mode not in ("one-shot", "nccl"):
+        raise ValueError(f"CHATENGINE_ALL_REDUCE must be one-shot or nccl, got {mode!r}")
+    return mode
+
+
 def host_store(size: int) -> tuple[dist.TCPStore, str]:
     """Rank 0: the rendezvous store on a free loopback port; returns (store, "host:port")."""
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
@@ -47,7 +56,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")
-    # CUDA, opt-in: small sums in one NVLink hop instead of NCCL's ring (None: NCCL for every sum)
+    # CUDA: small sums in one NVLink hop instead of NCCL's ring (None: NCCL for every sum)
     one_shot: OneShotAllReduce | None = field(default=None, repr=False)
 
     @classmethod
@@ -74,7 +83,7 @@ class TPGroup:
             device_id=device if device.type == "cuda" else None,  # NCCL: connect now, not at the first op
         )
         group = cls(rank, size, device)
-        if os.environ.get("CHATENGINE_ALL_REDUCE", "nccl") == "one-shot":  # opt-in: one_shot.py says why
+        if all_reduce_mode() == "one-shot":
             group.one_shot = try_one_shot(device, size)
         return group
 
@@ -92,6 +101,11 @@ class TPGroup:
                 return self.one_shot(x)
             dist.all_reduce(x)
         return x
+
+    def sum_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a layer may write a tensor it will `all_reduce` next, so that the one-shot sum reads it
+        in place (no copy); None: anywhere (NCCL, or too big for one shot)."""
+        return self.one_shot.buffer_for(shape, dtype) if self.one_shot is not None else None
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """(..., n) on every rank -> (..., size * n): the ranks' pieces side by side, rank 0's first."""

@@ -1,16 +1,19 @@
-"""A one-shot all-reduce over NVLink for the small sums a decode step makes (opt-in).
+"""A one-shot all-reduce over NVLink for the small sums a decode step makes (on by default on CUDA;
+`CHATENGINE_ALL_REDUCE=nccl` turns it off).
 
 A tensor-parallel decode step sums a (batch, hidden) activation twice a layer: 65 all-reduces of
 0.1-2 MB for an 8B model. NCCL's ring costs ~16-35 us each at those sizes on two H200s (mostly its
-protocol's latency, not bandwidth). Here every rank copies its part into a buffer the other ranks
-can address (torch's symmetric memory: peer-mapped device memory, no NVLink multicast), meets the
-others at a device-side barrier and adds all ranks' parts itself (torch's one-shot kernel): one
-launch, one hop; ~11 us at 0.5 MB and ~21 us at 2 MB there, TP=2 1.56x TP=1 against 1.52x.
+protocol's latency, not bandwidth). Here every rank's row-parallel layer writes its partial sums
+into a buffer the other ranks can address (torch's symmetric memory: peer-mapped device memory, no
+NVLink multicast), and one kernel (torch's one-shot) meets the others at a device-side barrier and
+adds all ranks' parts: one launch, one hop; ~11 us at 0.5 MB and ~21 us at 2 MB there, TP=2 1.56x
+TP=1 against 1.52x. Sums of tensors made elsewhere (the embedding's) are copied in by the kernel.
 
-Opt-in (`CHATENGINE_ALL_REDUCE=one-shot`) because of how it fails: that kernel's barrier waits on
-the device with no timeout, so a rank that dies in the middle of a step leaves the others' GPUs
-waiting for good, where NCCL's kernels are cancelled when the engine aborts the group and the
-engine reports the dead rank.
+How it fails: the kernel's barrier waits on the device with no timeout, so a rank that dies in the
+middle of a step leaves the others' GPUs waiting for good (NCCL's kernels are cancelled when the
+engine aborts the group). Rank 0's watchdog (ranks.py) then sees its GPU stuck and ends the
+process after saying why, as torch's NCCL watchdog does when a collective times out: a restart is
+the only way to get the GPU back either way.
 
 Only on CUDA, only for bf16 and fp32 tensors up to `max_bytes`, and only after a self-test at
 start agreed with NCCL on every rank; any other case (CPU, another dtype, a bigger tensor, a torch
@@ -71,8 +74,23 @@ class OneShotAllReduce:
         nbytes = x.numel() * x.element_size()
         return x.dtype in DTYPES and x.is_contiguous() and nbytes <= self.max_bytes and nbytes % 4 == 0
 
+    def buffer_for(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The start of the peer-addressable buffer as a tensor of this shape, for a layer to write
+        its partial sums into (then `__call__` skips the copy), or None if such a tensor won't fit."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if dtype not in DTYPES or nbytes > self.max_bytes or nbytes % 4:
+            return None
+        return self.buffer[:nbytes].view(dtype).view(shape)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of x over the ranks, as a new tensor of x's shape (x must `fit`)."""
+        """The sum of x over the ranks, as a new tensor of x's shape (x must `fit`). x already in the
+        buffer (`buffer_for`): summed where it is; else copied in by the same kernel. The kernel's
+        closing barrier keeps the buffer unwritten until every rank has read it."""
+        if x.data_ptr() == self.buffer.data_ptr():
+            return torch.ops.symm_mem.one_shot_all_reduce(x, "sum", self.group_name)
         nbytes = x.numel() * x.element_size()
         symm = self.buffer[:nbytes].view(x.dtype)
         flat = torch.ops.symm_mem.one_shot_all_reduce_copy(symm, x.reshape(-1), "sum", self.group_name)
