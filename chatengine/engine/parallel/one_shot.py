@@ -1,19 +1,18 @@
-"""A one-shot all-reduce over NVLink for the small sums a decode step makes (on by default on CUDA;
-`CHATENGINE_ALL_REDUCE=nccl` turns it off).
+"""A one-shot all-reduce over NVLink for the small sums a decode step makes (opt-in:
+`CHATENGINE_ALL_REDUCE=one-shot`).
 
 A tensor-parallel decode step sums a (batch, hidden) activation twice a layer: 65 all-reduces of
-0.1-2 MB for an 8B model. NCCL's ring costs ~16-35 us each at those sizes on two H200s (mostly its
+0.1-2 MB for an 8B model. NCCL's ring costs ~17-38 us each at those sizes on two H200s (mostly its
 protocol's latency, not bandwidth). Here every rank's row-parallel layer writes its partial sums
 into a buffer the other ranks can address (torch's symmetric memory: peer-mapped device memory, no
 NVLink multicast), and one kernel (torch's one-shot) meets the others at a device-side barrier and
-adds all ranks' parts: one launch, one hop; ~11 us at 0.5 MB and ~21 us at 2 MB there, TP=2 1.56x
-TP=1 against 1.52x. Sums of tensors made elsewhere (the embedding's) are copied in by the kernel.
+adds all ranks' parts: one launch, one hop; ~10 us at 0.5 MB and ~19 us at 2 MB there, TP=2 1.57x
+TP=1 against 1.51x. Sums of tensors made elsewhere (the embedding's) are copied in by the kernel.
 
-How it fails: the kernel's barrier waits on the device with no timeout, so a rank that dies in the
-middle of a step leaves the others' GPUs waiting for good (NCCL's kernels are cancelled when the
-engine aborts the group). Rank 0's watchdog (ranks.py) then sees its GPU stuck and ends the
-process after saying why, as torch's NCCL watchdog does when a collective times out: a restart is
-the only way to get the GPU back either way.
+Opt-in because of how it fails: the kernel's barrier waits on the device with no timeout, so a
+rank that dies in the middle of a step leaves the others' GPUs waiting for good, where NCCL's
+kernels are cancelled when the engine aborts the group and the engine reports the dead rank. (On
+two H200s, with a step stuck in a one-shot sum, NCCL's abort itself then never returns either.)
 
 Only on CUDA, only for bf16 and fp32 tensors up to `max_bytes`, and only after a self-test at
 start agreed with NCCL on every rank; any other case (CPU, another dtype, a bigger tensor, a torch

@@ -4,15 +4,13 @@ group with them, sends them ops through `plan`, watches for a rank that dies, an
 A rank that dies is reported at once with its exit code and its error (a watchdog thread waits on
 the processes): the next op, or the collective that was waiting on it, raises TensorParallelError
 instead of hanging. On CUDA the watchdog also aborts the NCCL group, since NCCL would wait for the
-dead rank until its timeout; and if rank 0's GPU is still stuck after STUCK_S (a one-shot sum
-waiting for the dead rank on the device, which nothing cancels) it ends the process, saying why.
+dead rank until its timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 from multiprocessing.connection import Connection, wait
@@ -27,8 +25,6 @@ from chatengine.engine.parallel.plan import Op, PlanSender, TensorParallelError
 
 log = logging.getLogger("chatengine.tp")
 START_TIMEOUT_S = 120.0  # for a spawned rank to import torch and reach the rendezvous
-STUCK_S = 30.0  # after a rank died: how long rank 0's GPU may stay busy before the process ends
-STUCK_EXIT_CODE = 70  # EX_SOFTWARE
 
 
 class WorkerRanks:
@@ -116,8 +112,6 @@ class WorkerRanks:
                 self.plan.fail(reason)
                 if self.device.type == "cuda":
                     self._abort()
-                    if self.group.one_shot is not None:
-                        self._end_if_stuck(reason)
 
     def _abort(self) -> None:
         """Make rank 0's NCCL waits on a dead rank fail now instead of at the timeout."""
@@ -127,25 +121,6 @@ class WorkerRanks:
                 abort()
         except Exception:
             log.exception("could not abort the NCCL group")
-
-    def _end_if_stuck(self, reason: str) -> None:
-        """A marker queued behind rank 0's work: if it has not run after STUCK_S, the GPU waits in a
-        one-shot sum for the dead rank and never will finish; end the process (one_shot.py)."""
-        probe = torch.cuda.Event()
-        probe.record(torch.cuda.current_stream(self.device))
-        deadline = time.monotonic() + STUCK_S
-        while time.monotonic() < deadline:
-            if probe.query():
-                return
-            time.sleep(0.1)
-        log.critical(
-            "%s, and this GPU is stuck in a one-shot sum waiting for it: ending the process (exit code %d); "
-            "restart the engine (CHATENGINE_ALL_REDUCE=nccl sums through NCCL, which can be cancelled)",
-            reason,
-            STUCK_EXIT_CODE,
-        )
-        logging.shutdown()
-        os._exit(STUCK_EXIT_CODE)
 
     def stop(self, runner=None, timeout: float = 30.0) -> None:
         """Tell the ranks to stop, tear the group down with them, wait for their processes.
