@@ -317,6 +317,26 @@ def test_tp2_runs_in_an_async_engine_and_shuts_down():
     assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
 
 
+def test_a_rank_that_exits_before_joining_is_a_clear_error():
+    """Its report pipe ends without a word (e.g. its interpreter could not start): a
+    TensorParallelError naming the rank and its exit code, not an EOFError."""
+    import multiprocessing
+
+    from chatengine.engine.parallel.plan import TensorParallelError
+    from chatengine.engine.parallel.ranks import WorkerRanks
+
+    ctx = multiprocessing.get_context("spawn")
+    report_out, report_in = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=os._exit, args=(3,))
+    proc.start()
+    report_in.close()  # nobody writes: end of file once the process is gone
+    proc.join(30)
+    ranks = WorkerRanks.__new__(WorkerRanks)
+    ranks.procs, ranks.reports = [proc], [report_out]
+    with pytest.raises(TensorParallelError, match=r"rank 1 did not start \(exit code 3\)"):
+        ranks._await_joining()
+
+
 def test_a_rank_that_dies_is_a_clear_error_not_a_hang():
     llm = LLM("dummy:tiny", tensor_parallel_size=2, num_kv_blocks=32)
     try:

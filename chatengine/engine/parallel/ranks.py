@@ -78,7 +78,10 @@ class WorkerRanks:
             while not report.poll(0.1):
                 if not p.is_alive() or time.monotonic() > deadline:
                     raise TensorParallelError(self._why(rank, "did not start"))
-            message = report.recv()
+            try:
+                message = report.recv()
+            except EOFError:  # it exited without a word (e.g. killed, or its interpreter failed to start)
+                raise TensorParallelError(self._why(rank, "did not start")) from None
             if message[0] != "joining":
                 raise TensorParallelError(self._why(rank, "failed at start", message))
 
