@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from chatengine import LLM, DataParallelLLM, SamplingParams, StructuredOutputs
-from chatengine.engine.replicas.data_parallel import _Running
+from chatengine.engine.replicas.data_parallel import _Outputs, _Running
 from chatengine.engine.replicas.deltas import OutputAssembler
 
 SETTINGS = dict(num_kv_blocks=96, max_num_batched_tokens=128, register_personas=False)
@@ -254,6 +254,41 @@ def test_settings_are_checked_before_any_process_starts():
     args = build_parser().parse_args(["--data-parallel-size", "2", "--engine-process"])
     assert (args.data_parallel_size, args.engine_process) == (2, True)
     assert {"data_parallel_size", "engine_process"} <= set(ENGINE_FLAGS)
+
+
+def test_a_mailbox_makes_the_newest_output_once_per_read():
+    """A caller behind by several steps gets one output of all of them; a hand-over whose deltas an
+    earlier output already held gives none (the caller waits for the next)."""
+
+    def delta(n, finished=False):
+        ids = list(range(1, n + 1))
+        return ("r", finished, None, 0, 1.0, 2.0, [(0, ids[-1:], n - 1, "x", "length" if finished else None, None,
+                None, None)], None)  # fmt: skip
+
+    async def run():
+        box, asm = _Outputs(), OutputAssembler("r", None, [9])
+        for n in (1, 2):
+            asm.add(delta(n))
+            box.put_nowait(asm)  # two steps' hand-overs, not read yet
+        first = await box.get()
+        asm.add(delta(3))
+        box.put_nowait(asm)
+        box.put_nowait(asm)  # a second hand-over of the same deltas
+        second = await box.get()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(box.get(), 0.05)
+        asm.add(delta(4, finished=True))
+        box.put_nowait(asm)
+        return first, second, await box.get()
+
+    first, second, last_one = asyncio.run(run())
+    assert (first.outputs[0].token_ids, first.outputs[0].text, first.finished) == ([1, 2], "xx", False)
+    assert (second.outputs[0].token_ids, second.outputs[0].text) == ([1, 2, 3], "xxx")
+    assert (last_one.outputs[0].token_ids, last_one.outputs[0].finish_reason, last_one.finished) == (
+        [1, 2, 3, 4],
+        "length",
+        True,
+    )
 
 
 @pytest.mark.slow  # six processes (two replicas of two gloo ranks): run with the whole suite (README)

@@ -1,5 +1,7 @@
 """Replica outputs travel as deltas and are put back together exactly."""
 
+import pickle
+
 from chatengine.engine.replicas.deltas import DeltaEncoder, OutputAssembler
 from chatengine.outputs import CompletionOutput, RequestOutput
 
@@ -34,7 +36,7 @@ def test_deltas_carry_only_what_is_new():
     enc = DeltaEncoder()
     enc.encode(out(["ab"], [[1, 2]]))
     delta = enc.encode(out(["abc"], [[1, 2, 3]]))
-    index, ids, keep, text, *_ = delta.completions[0]
+    index, ids, keep, text, *_ = delta[6][0]
     assert (index, ids, keep, text) == (0, [3], 2, "c")
 
 
@@ -43,3 +45,31 @@ def test_an_output_kept_by_a_caller_does_not_change_later():
     first = asm.apply(enc.encode(out(["a"], [[1]])))
     asm.apply(enc.encode(out(["ab"], [[1, 2]])))
     assert first.outputs[0].token_ids == [1] and first.outputs[0].text == "a"
+
+
+def test_deltas_are_plain_tuples():
+    # a step's list of them pickles and unpickles in C: no class to call per delta
+    delta = DeltaEncoder().encode(out(["a"], [[1]], logprobs=True))
+    assert type(delta) is tuple and type(delta[6][0]) is tuple
+    assert pickle.loads(pickle.dumps(delta)) == delta
+
+
+def test_kept_logprobs_are_views_that_later_deltas_do_not_change():
+    enc, asm = DeltaEncoder(), OutputAssembler("r", "p", [1, 2])
+    first = asm.apply(enc.encode(out(["a"], [[1]], logprobs=True, prompt_logprobs=[None])))
+    second = asm.apply(enc.encode(out(["ab"], [[1, 2]], logprobs=True, prompt_logprobs=[None, {2: -1.0}])))
+    assert list(first.outputs[0].logprobs) == [{1: -0.5}] and len(first.outputs[0].logprobs) == 1
+    assert first.outputs[0].logprobs[-1] == {1: -0.5} and first.outputs[0].logprobs[1:] == []
+    assert second.outputs[0].logprobs[1:] == [{2: -0.5}] and second.outputs[0].logprobs == [{1: -0.5}, {2: -0.5}]
+    assert first.prompt_logprobs == [None] and second.prompt_logprobs == [None, {2: -1.0}]
+    assert [None] + first.outputs[0].logprobs == [None, {1: -0.5}]
+    assert pickle.loads(pickle.dumps(first.outputs[0].logprobs)) == [{1: -0.5}]
+
+
+def test_an_assembler_makes_outputs_only_when_asked():
+    enc, asm = DeltaEncoder(), OutputAssembler("r", "p", [1, 2])
+    assert asm.add(enc.encode(out(["a"], [[1]]))) is False
+    assert asm.add(enc.encode(out(["ab"], [[1, 2]]))) is False
+    assert asm.add(enc.encode(out(["abc"], [[1, 2, 3]], finished=True))) is True
+    assert asm.finished and asm.token_ids(0) == [1, 2, 3]
+    assert asm.output_and_count() == (out(["abc"], [[1, 2, 3]], finished=True), 3)

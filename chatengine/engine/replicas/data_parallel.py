@@ -4,8 +4,9 @@ It offers what AsyncLLM offers (generate / chat / abort / stats / personas / for
 serves it the same way. Requests are validated and tokenized here (EngineFront: the tokenizer
 and the model's limits, no weights), routed (router.py: to the replica that holds the
 conversation's pages, else the least loaded), and streamed back as deltas that are put together
-into the cumulative RequestOutputs AsyncLLM gives. Public personas are registered and warmed on
-every replica. A replica that dies fails only its own requests; the others serve on.
+into the cumulative RequestOutputs AsyncLLM gives (each made when its caller reads it). Public
+personas are registered and warmed on every replica. A replica that dies fails only its own
+requests; the others serve on.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from chatengine.engine.replicas.deltas import Delta, OutputAssembler
 from chatengine.engine.replicas.handle import ReplicaHandle
 from chatengine.engine.replicas.replica import WARM, ReplicaSpec
 from chatengine.engine.replicas.router import Router
-from chatengine.outputs import RequestOutput
 
 MAX_REPLICAS = 64
 ROUTER_ROOT = b"chatengine/router"  # the router's own hash chains: never compared with a replica's
@@ -45,7 +45,7 @@ class _Running:
 
     replica: int
     loop: asyncio.AbstractEventLoop
-    queue: Mailbox
+    queue: Mailbox  # an _Outputs, or an exception put in its place
     assembler: OutputAssembler
     user: str | None
     first_private_block: int
@@ -105,7 +105,7 @@ class DataParallelLLM(EngineFacade):
         ids = req.prompt_token_ids
         first = salt_start_block(self.front.public_prefix_len(ids), self.front.config.block_size)
         hashes = self._hashes(ids, user, first)
-        queue = Mailbox()
+        queue = _Outputs()
         with self._lock:
             if req.request_id in self._running:
                 raise ValueError(f"request id {req.request_id!r} is already running")
@@ -154,15 +154,17 @@ class DataParallelLLM(EngineFacade):
 
     # ---- what comes back (listener threads) -----------------------------------------------------
     def _on_out(self, replica: int, deltas: list[Delta], refused: list[tuple[str, str]]) -> None:
+        """A step's deltas: each applied to its request's assembler here, and the assembler handed
+        to the caller's mailbox, which makes the RequestOutput when the caller reads it (a caller
+        behind by several steps gets the newest, and the ones it skipped are never made)."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for delta in deltas:
-            running = self._running.get(delta.request_id)
+            running = self._running.get(delta[0])
             if running is None:
                 continue
-            out = running.assembler.apply(delta)
-            if out.finished:
-                self._finish(delta.request_id, out)
-            batches.setdefault(running.loop, []).append((running.queue, out))
+            if running.assembler.add(delta):
+                self._finish(delta[0], running.assembler)
+            batches.setdefault(running.loop, []).append((running.queue, running.assembler))
         for request_id, message in refused:
             running = self._finish(request_id)
             if running is not None:
@@ -172,18 +174,18 @@ class DataParallelLLM(EngineFacade):
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the caller's loop has closed: nobody is listening any more
                 for queue, out in batch:
-                    if isinstance(out, RequestOutput) and not out.finished:
+                    if isinstance(out, OutputAssembler) and not out.finished:
                         self.replicas[replica].send(("abort", out.request_id))
 
-    def _finish(self, request_id: str, out: RequestOutput | None = None) -> _Running | None:
+    def _finish(self, request_id: str, done: OutputAssembler | None = None) -> _Running | None:
         """The request is done: its replica now holds its prompt and answer (the router learns so)."""
         with self._lock:
             running = self._running.pop(request_id, None)
         if running is None:
             return None
         held = []  # hashed outside the lock, which the event loops' new requests need
-        if out is not None and out.outputs:
-            ids = out.prompt_token_ids + out.outputs[0].token_ids
+        if done is not None:
+            ids = done.prompt_token_ids + done.token_ids(0)
             held = self._hashes(ids, running.user, running.first_private_block)
         with self._lock:
             self.router.finished(running.replica, held)
@@ -297,6 +299,25 @@ def _sum_stats(each: list[dict]) -> dict:
     queried = total.get("prefix_cache_queried_tokens", 0)
     total["prefix_cache_hit_rate"] = total.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
     return total
+
+
+class _Outputs(Mailbox):
+    """A request's mailbox: holds its assembler (or an exception), and makes the newest output of
+    it when the caller takes one."""
+
+    def __init__(self):
+        super().__init__()
+        self._read = 0  # deltas in the last output taken
+
+    async def get(self):
+        while True:
+            item = await super().get()
+            if not isinstance(item, OutputAssembler):
+                return item
+            out, count = item.output_and_count()
+            if count > self._read:  # else an earlier hand-over's output held it all already
+                self._read = count
+                return out
 
 
 def _put_all(batch: list) -> None:
