@@ -27,9 +27,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chatengine.engine.parallel.group import TPGroup, connect_store, host_store, no_nvlink_multicast  # noqa: E402
 
-# "one-shot": the engine's opt-in path (parallel/one_shot.py; NCCL past its size limit), summing a
+# "one-shot": the engine's default path (parallel/one_shot.py; NCCL past its size limit), summing a
 # tensor copied in by the kernel (the embedding's sum); "one-shot-inplace": a tensor already in the
-# peer-addressable buffer (a row-parallel layer's); the rest are NCCL alone (the default)
+# peer-addressable buffer (a row-parallel layer's); the rest are NCCL alone (CHATENGINE_ALL_REDUCE=nccl)
 # with NCCL_PROTO unset ("default") or set
 PROTOCOLS = ["one-shot", "one-shot-inplace", "default", "LL", "LL128", "Simple"]
 

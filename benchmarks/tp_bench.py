@@ -14,8 +14,8 @@ Parts (logits and throughput by default):
   throughput  the nano-vllm workload (256 requests, prompt and output lengths uniform in [100, 1024],
               seed 0, random ids < 10000, ignore_eos, temperature 0.6; benchmarks/gpu_bench.py's)
               in bf16 at TP=1 and TP=N in the same run: output tokens/s and the ratio (goal >= 1.6x);
-              TP=N twice: sums through the opt-in one-shot NVLink path and through NCCL's ring alone (the default)
-              (the logits part sums through NCCL: the default, and a process's later groups anyway)
+              TP=N twice: sums through the one-shot NVLink path (the default) and through NCCL's ring alone
+              (the logits part sums through NCCL: a process's later groups do)
   big         the same workload on a shape one GPU cannot hold (llama-3.1-70b, 140 GB in bf16) at
               TP=--big-tp only: load time, KV pages, output tokens/s
 
@@ -157,7 +157,7 @@ def part_throughput(args, res) -> None:
     prompts, outs = nano_workload(args.num_requests)
     out = res["throughput"] = {}
     before = os.environ.get("CHATENGINE_ALL_REDUCE")
-    try:  # TP=N twice: sums through the opt-in one-shot path, and through NCCL's ring (the default)
+    try:  # TP=N twice: sums through the one-shot path (the default), and through NCCL's ring alone
         for name, tp, all_reduce in (
             ("tp1", 1, "nccl"),
             (f"tp{args.tp}", args.tp, "one-shot"),

@@ -337,6 +337,28 @@ def test_a_rank_that_exits_before_joining_is_a_clear_error():
         ranks._await_joining()
 
 
+def test_a_dead_rank_with_steps_in_flight_arms_the_exit_timer_until_they_are_collected(monkeypatch):
+    """exit_if_stuck arms faulthandler's exit timer only while forwards are in flight, and the
+    collect of the last one calls it off (one-shot sums: a stuck step is never collected)."""
+    from chatengine.engine.parallel import plan as plan_module
+    from chatengine.engine.parallel.plan import Op, PlanSender
+
+    timer = []
+    monkeypatch.setattr(plan_module.faulthandler, "dump_traceback_later", lambda s, exit: timer.append((s, exit)))
+    monkeypatch.setattr(plan_module.faulthandler, "cancel_dump_traceback_later", lambda: timer.append("off"))
+    plan = PlanSender([])
+    assert not plan.exit_if_stuck(30.0) and timer == []  # nothing in flight: nothing to wait for
+    plan.send(Op.FORWARD)
+    plan.send(Op.FORWARD)
+    plan.send(Op.COPY_BLOCKS, [1], [2])
+    assert plan.in_flight == 2
+    assert plan.exit_if_stuck(30.0) and timer == [(30.0, True)]
+    plan.collected()
+    assert timer == [(30.0, True)]  # one step still out
+    plan.collected()
+    assert timer == [(30.0, True), "off"] and plan.in_flight == 0
+
+
 def test_a_rank_that_dies_is_a_clear_error_not_a_hang():
     llm = LLM("dummy:tiny", tensor_parallel_size=2, num_kv_blocks=32)
     try:
@@ -385,7 +407,7 @@ def test_an_idle_engine_outlives_the_collective_timeout(monkeypatch):
 )
 def test_cuda_tp2_gives_tp1_greedy_tokens(variant, monkeypatch):
     """fp32: the same greedy tokens as one GPU, in each way a step can run, with host restores; the
-    process's first TP=2 engine sums through the opt-in one-shot path, the later ones through NCCL."""
+    process's first TP=2 engine sums through the one-shot path (the default), the later ones through NCCL."""
     monkeypatch.setenv("CHATENGINE_ALL_REDUCE", "one-shot")
     opts = dict(device="cuda", dtype="float32", num_kv_blocks=64, cpu_offload_gib=0.05, register_personas=False)
     prompts = [list(range(1, 40)), list(range(50, 70)), [7] * 33, list(range(3, 300))]
@@ -424,3 +446,36 @@ def test_cuda_deterministic_tp2_gives_tp1_logprobs_bit_for_bit(dtype):
         finally:
             llm.shutdown()
     assert got[0] == got[1]
+
+
+_DIES_MID_STEP = """
+import os, signal, threading
+from chatengine import LLM, SamplingParams
+from chatengine.engine.parallel.plan import TensorParallelError
+llm = LLM("dummy:llama-3.2-1b", device="cuda", tensor_parallel_size=2, register_personas=False, max_model_len=4096)
+assert llm.engine.ranks.group.one_shot is not None, "the one-shot sums are off"
+(worker,) = llm.engine.ranks.procs
+threading.Timer(5.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+try:
+    llm.generate([[1 + i] * 200 for i in range(64)], SamplingParams(max_tokens=3000, ignore_eos=True))
+except TensorParallelError as e:
+    print("raised:", e, flush=True)
+    os._exit(3)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cuda_a_rank_that_dies_mid_step_is_an_error_or_an_exit_never_a_hang():
+    """One-shot sums on (the default): a rank killed while steps run either fails the engine (its
+    steps had finished) or, rank 0's GPU stuck in a sum waiting for it, ends the process saying why."""
+    import subprocess
+    import sys
+
+    t = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", _DIES_MID_STEP], capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode in (1, 3), out[-3000:]
+    assert "tensor-parallel rank 1 died" in out, out[-3000:]
+    if run.returncode == 1:
+        assert "unless it finishes within 30 s, this process ends" in out, out[-3000:]
+    print(f"exit {run.returncode} after {time.monotonic() - t:.0f} s")

@@ -841,6 +841,8 @@ class ModelRunner:
         """Wait for a launched step; the sampled token of each sequence (None: mid-prefill)."""
         if step.done is not None:
             step.done.synchronize()
+        if self.plan is not None:
+            self.plan.collected()
         if step.token_ids is None:
             return [None] * len(step.samples)
         token_ids = iter(step.token_ids.tolist())

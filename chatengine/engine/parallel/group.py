@@ -31,9 +31,9 @@ def no_nvlink_multicast() -> None:
 
 
 def all_reduce_mode() -> str:
-    """CHATENGINE_ALL_REDUCE: "nccl" (the default: every sum through NCCL's ring) or "one-shot" (opt-in:
-    small CUDA sums in one NVLink hop, one_shot.py says why it is not the default)."""
-    mode = os.environ.get("CHATENGINE_ALL_REDUCE", "nccl")
+    """CHATENGINE_ALL_REDUCE: "one-shot" (the default: small CUDA sums in one NVLink hop, one_shot.py)
+    or "nccl" (every sum through NCCL's ring)."""
+    mode = os.environ.get("CHATENGINE_ALL_REDUCE", "one-shot")
     if mode not in ("one-shot", "nccl"):
         raise ValueError(f"CHATENGINE_ALL_REDUCE must be one-shot or nccl, got {mode!r}")
     return mode
@@ -56,7 +56,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")
-    # CUDA, opt-in: small sums in one NVLink hop instead of NCCL's ring (None: NCCL for every sum)
+    # CUDA: small sums in one NVLink hop instead of NCCL's ring (None: NCCL for every sum)
     one_shot: OneShotAllReduce | None = field(default=None, repr=False)
 
     @classmethod

@@ -1,5 +1,5 @@
-"""A one-shot all-reduce over NVLink for the small sums a decode step makes (opt-in:
-`CHATENGINE_ALL_REDUCE=one-shot`).
+"""A one-shot all-reduce over NVLink for the small sums a decode step makes (the default on CUDA;
+`CHATENGINE_ALL_REDUCE=nccl` sums everything through NCCL).
 
 A tensor-parallel decode step sums a (batch, hidden) activation twice a layer: 65 all-reduces of
 0.1-2 MB for an 8B model. NCCL's ring costs ~17-38 us each at those sizes on two H200s (mostly its
@@ -9,10 +9,11 @@ NVLink multicast), and one kernel (torch's one-shot) meets the others at a devic
 adds all ranks' parts: one launch, one hop; ~10 us at 0.5 MB and ~19 us at 2 MB there, TP=2 1.57x
 TP=1 against 1.51x. Sums of tensors made elsewhere (the embedding's) are copied in by the kernel.
 
-Opt-in because of how it fails: the kernel's barrier waits on the device with no timeout, so a
-rank that dies in the middle of a step leaves the others' GPUs waiting for good, where NCCL's
-kernels are cancelled when the engine aborts the group and the engine reports the dead rank. (On
-two H200s, with a step stuck in a one-shot sum, NCCL's abort itself then never returns either.)
+How it fails: the kernel's barrier waits on the device with no timeout, so a rank that dies in the
+middle of a step leaves the others' GPUs waiting for good (NCCL's kernels are cancelled when the
+engine aborts the group; here even that abort then blocks behind the stuck sum). So when a rank
+dies with steps in flight, rank 0 ends its process unless they finish within ranks.STUCK_S
+(plan.PlanSender.exit_if_stuck): a restart is the only way to get such a GPU back.
 
 Only on CUDA, only for bf16 and fp32 tensors up to `max_bytes`, and only after a self-test at
 start agreed with NCCL on every rank; any other case (CPU, another dtype, a bigger tensor, a torch

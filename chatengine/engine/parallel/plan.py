@@ -10,6 +10,7 @@ device one step before.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import threading
 from enum import IntEnum
 from multiprocessing.connection import Connection
@@ -36,6 +37,8 @@ class PlanSender:
         self.conns = conns  # conns[i]: rank i + 1's pipe
         self.failure: str | None = None
         self._failed = threading.Event()
+        self.in_flight = 0  # forwards sent whose step rank 0 has not collected yet
+        self._exit_armed = False
 
     def send(self, op: Op, *args) -> None:
         self.check()
@@ -44,6 +47,26 @@ class PlanSender:
                 conn.send((int(op), args))
             except OSError as e:  # BrokenPipeError: that rank's process is gone
                 raise self.explain(f"tensor-parallel rank {rank} is gone ({e})") from e
+        if op == Op.FORWARD:
+            self.in_flight += 1
+
+    def collected(self) -> None:
+        """Rank 0 has a step's results (its device work is done): once none is left in flight, a
+        failure's exit timer (`exit_if_stuck`) is called off."""
+        self.in_flight = max(0, self.in_flight - 1)
+        if self.in_flight == 0 and self._exit_armed:
+            faulthandler.cancel_dump_traceback_later()
+            self._exit_armed = False
+
+    def exit_if_stuck(self, seconds: float) -> bool:
+        """After a rank died: if steps are in flight, end the process unless they are all collected
+        within `seconds` (a C timer, which fires whatever the stuck threads hold: the traceback of
+        every thread, then exit code 1). For device waits nothing can cancel (one_shot.py)."""
+        if self.in_flight == 0:
+            return False
+        faulthandler.dump_traceback_later(seconds, exit=True)
+        self._exit_armed = True
+        return True
 
     def check(self) -> None:
         if self.failure is not None:

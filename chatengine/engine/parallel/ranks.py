@@ -4,7 +4,10 @@ group with them, sends them ops through `plan`, watches for a rank that dies, an
 A rank that dies is reported at once with its exit code and its error (a watchdog thread waits on
 the processes): the next op, or the collective that was waiting on it, raises TensorParallelError
 instead of hanging. On CUDA the watchdog also aborts the NCCL group, since NCCL would wait for the
-dead rank until its timeout.
+dead rank until its timeout. With the one-shot sums on, a step in flight may instead be stuck in a
+sum that waits on the device for the dead rank, which nothing cancels: unless rank 0 collects
+every step in flight within STUCK_S, the process ends (exit code 1, every thread's traceback on
+stderr after the reason), as torch's NCCL watchdog ends a process whose collective timed out.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from chatengine.engine.parallel.plan import Op, PlanSender, TensorParallelError
 
 log = logging.getLogger("chatengine.tp")
 START_TIMEOUT_S = 120.0  # for a spawned rank to import torch and reach the rendezvous
+STUCK_S = 30.0  # one-shot sums, a rank dead: how long rank 0's steps in flight may take to finish
 
 
 class WorkerRanks:
@@ -114,6 +118,13 @@ class WorkerRanks:
                 log.error("%s; the engine cannot go on: restart it", reason)
                 self.plan.fail(reason)
                 if self.device.type == "cuda":
+                    # before the abort, which can itself block behind a step stuck in a one-shot sum
+                    if self.group.one_shot is not None and self.plan.exit_if_stuck(STUCK_S):
+                        log.error(
+                            "a step is in flight and one-shot sums wait on the device: unless it finishes "
+                            "within %.0f s, this process ends (exit code 1)",
+                            STUCK_S,
+                        )
                     self._abort()
 
     def _abort(self) -> None:
