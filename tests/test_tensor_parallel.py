@@ -467,15 +467,18 @@ except TensorParallelError as e:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_cuda_a_rank_that_dies_mid_step_is_an_error_or_an_exit_never_a_hang():
     """One-shot sums on (the default): a rank killed while steps run either fails the engine (its
-    steps had finished) or, rank 0's GPU stuck in a sum waiting for it, ends the process saying why."""
+    steps had finished) or ends the process after saying why: rank 0's GPU stuck in a sum waiting
+    for it (our timer: exit code 1), or NCCL's watchdog aborting it (SIGABRT) once its communicator
+    was aborted under pending work -- what the H200s showed at a4e5e3a (within ~60 s of the start,
+    the reason logged first)."""
     import subprocess
     import sys
 
     t = time.monotonic()
     run = subprocess.run([sys.executable, "-c", _DIES_MID_STEP], capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
-    assert run.returncode in (1, 3), out[-3000:]
+    assert run.returncode in (1, 3, -signal.SIGABRT), out[-3000:]
     assert "tensor-parallel rank 1 died" in out, out[-3000:]
-    if run.returncode == 1:
+    if run.returncode != 3:
         assert "unless it finishes within 30 s, this process ends" in out, out[-3000:]
     print(f"exit {run.returncode} after {time.monotonic() - t:.0f} s")
