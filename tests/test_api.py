@@ -658,3 +658,26 @@ def test_text_past_the_context_is_refused_before_tokenizing(engine, local, monke
         parse_request("completion", {"prompt": "x" * 101}, Limits(4, 100, 128, 96, max_prompt_chars=100))
     assert e.value.param == "prompt"
     assert parse_request("completion", {"prompt": [1] * 50}, Limits(4, 100, 128, 96, max_prompt_chars=10)).prompt
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_plain_chunks_are_the_bytes_of_their_json(kind):
+    """A chunk of new text alone is filled into the stream's template: the same bytes as json.dumps
+    of its dict (escapes, non-ASCII, an empty chat delta, each finish reason)."""
+    from chatengine.app.api.stream import Chunks, Job, _event
+    from chatengine.sampling_params import SamplingParams
+
+    job = Job(kind, 'cmpl-"q"é', [1, 2], SamplingParams(max_tokens=4), None, "m\\odel\u2028")
+    chunks = Chunks([job], continuous_usage=False)
+    for content in ["", "hi", 'é"\\\n\t\x01\x7f😀\u2028', "</script>"]:
+        for reason in [None, "stop", "length"]:
+            if kind == "chat":
+                choice = {"index": 3, "delta": {"content": content} if content else {}}
+            else:
+                choice = {"index": 3, "text": content}
+            choice |= {"logprobs": None, "finish_reason": reason}
+            expected = _event(
+                {"id": job.request_id, "object": chunks.object, "created": chunks.created, "model": job.model_name}
+                | {"choices": [choice]}
+            )
+            assert chunks.chunk(3, content, reason) == expected

@@ -16,6 +16,7 @@ import logging
 import time
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
+from json.encoder import encode_basestring  # json.dumps of one str, ensure_ascii=False
 
 from starlette.requests import Request
 
@@ -343,6 +344,12 @@ class Chunks:
         self.done = [False] * total
         self.echoed = [False] * total
         self.tool_streams: dict[int, ToolStream] = {}  # chat with tools: each choice's parser
+        # the common chunk (new text, no logprobs, no usage) is filled into this stream's template,
+        # the same bytes _event writes (tested): json.dumps of the whole dict was ~9% of the API
+        # process's time at 256 streams
+        head = _event(self._data([{"index": 0}]))
+        self._head = head[: head.index('"choices":[{"index":') + len('"choices":[{"index":')]
+        self._text_key = ',"delta":{"content":' if self.chat else ',"text":'
 
     def _data(self, choices: list, **extra) -> dict:
         return {
@@ -365,6 +372,8 @@ class Chunks:
         logprobs=None,
         delta: dict | None = None,
     ) -> str:
+        if logprobs is None and delta is None and not role and not (self.continuous_usage and usage_of is not None):
+            return self._plain_chunk(index, content, finish_reason)
         if self.chat:
             if delta is None:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content else {})
@@ -373,6 +382,17 @@ class Chunks:
             choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
         extra = {"usage": usage_of()} if self.continuous_usage and usage_of is not None else {}
         return _event(self._data([choice], **extra))
+
+    def _plain_chunk(self, index: int, content: str, finish_reason: str | None) -> str:
+        """chunk() of new text alone, filled into the template."""
+        reason = "null" if finish_reason is None else encode_basestring(finish_reason)
+        if self.chat and not content:
+            body = ',"delta":{},"logprobs":null,"finish_reason":'
+        elif self.chat:
+            body = self._text_key + encode_basestring(content) + '},"logprobs":null,"finish_reason":'
+        else:
+            body = self._text_key + encode_basestring(content) + ',"logprobs":null,"finish_reason":'
+        return f"{self._head}{index}{body}{reason}}}]}}\n\n"
 
     def opening(self) -> list[str]:
         """Chat streams open with one role chunk per choice (with continuous usage: the prompt's)."""
