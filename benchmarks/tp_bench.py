@@ -15,7 +15,8 @@ Parts (logits and throughput by default):
               seed 0, random ids < 10000, ignore_eos, temperature 0.6; benchmarks/gpu_bench.py's)
               in bf16 at TP=1 and TP=N in the same run: output tokens/s and the ratio (goal >= 1.6x);
               TP=N twice: sums through the one-shot NVLink path (the default) and through NCCL's ring alone
-              (the logits part sums through NCCL: a process's later groups do)
+              (the logits part, after throughput in one process, sums through NCCL: a process's later groups
+              do; alone, its first TP=N engine takes the one-shot path)
   big         the same workload on a shape one GPU cannot hold (llama-3.1-70b, 140 GB in bf16) at
               TP=--big-tp only: load time, KV pages, output tokens/s
 

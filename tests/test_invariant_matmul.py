@@ -58,9 +58,27 @@ def test_tiled_torch_linear_rows_do_not_depend_on_the_batch(dtype):
     torch.testing.assert_close(full, im.linear_ref(x, w, b), **CLOSE[dtype])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_segments_are_the_sum_of_the_halves_in_fp32(device, dtype, request):
+def _two_halves(linear, x, w, dtype):
+    """segments=2 against the two halves of K computed apart (fp32 results) and added in fp32."""
+    h = x.shape[1] // 2
+    whole = linear(x, w, segments=2)
+    halves = [linear(x[:, s * h : (s + 1) * h], w[:, s * h : (s + 1) * h], out_dtype=torch.float32) for s in (0, 1)]
+    assert whole.dtype == dtype
+    assert torch.equal(whole, (halves[0] + halves[1]).to(dtype))
+    torch.testing.assert_close(whole.float(), im.linear_ref(x, w).float(), **CLOSE[dtype])
+    rows_invariant(lambda x, w, b: linear(x, w, b, segments=2), x, w, None, [1, 3, 17])
+
+
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        # the interpreter rounds fp32 -> bf16 by truncation, compiled Triton to nearest: fp32 here
+        pytest.param("cpu", torch.float32, marks=DEVICES[0].marks),
+        pytest.param("cuda", torch.float32, marks=DEVICES[1].marks),
+        pytest.param("cuda", torch.bfloat16, marks=DEVICES[1].marks),
+    ],
+)
+def test_triton_two_segments_are_the_sum_of_the_halves_in_fp32(device, dtype, request):
     """segments=2: exactly what two tensor-parallel ranks get from their halves of K, summed in fp32
     and rounded once -- and still row-invariant."""
     if device == "cpu":
@@ -69,15 +87,15 @@ def test_two_segments_are_the_sum_of_the_halves_in_fp32(device, dtype, request):
     M, K, N = (300, 4096, 1024) if device == "cuda" else (40, 160, 48)  # halves of 80: not whole tiles
     x = torch.randn(M, K, device=device).to(dtype)
     w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
-    h = K // 2
-    linear = im.linear_triton if device == "cuda" else im.linear_tiled_torch
-    whole = linear(x, w, segments=2)
-    halves = [linear(x[:, s * h : (s + 1) * h], w[:, s * h : (s + 1) * h], out_dtype=torch.float32) for s in (0, 1)]
-    assert whole.dtype == dtype
-    assert torch.equal(whole, (halves[0] + halves[1]).to(dtype))
-    assert torch.equal(halves[1] + halves[0], halves[0] + halves[1])  # either rank's order of the two
-    torch.testing.assert_close(whole.float(), im.linear_ref(x, w).float(), **CLOSE[dtype])
-    rows_invariant(lambda x, w, b: linear(x, w, b, segments=2), x, w, None, [1, 3, 17])
+    _two_halves(im.linear_triton, x, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_torch_two_segments_are_the_sum_of_the_halves_in_fp32(dtype):
+    """The CPU path: each half in x's dtype, the two added in fp32, rounded once."""
+    torch.manual_seed(1)
+    x, w = torch.randn(40, 160).to(dtype), (torch.randn(48, 160) / 160**0.5).to(dtype)
+    _two_halves(im.linear_tiled_torch, x, w, dtype)
 
 
 def test_linear_keeps_leading_dims():

@@ -337,26 +337,41 @@ def test_a_rank_that_exits_before_joining_is_a_clear_error():
         ranks._await_joining()
 
 
-def test_a_dead_rank_with_steps_in_flight_arms_the_exit_timer_until_they_are_collected(monkeypatch):
-    """exit_if_stuck arms faulthandler's exit timer only while forwards are in flight, and the
-    collect of the last one calls it off (one-shot sums: a stuck step is never collected)."""
+def test_a_dead_rank_with_unfinished_steps_arms_the_exit_timer_until_they_finish(monkeypatch):
+    """exit_if_stuck arms faulthandler's exit timer only while a launched step's device work is
+    unfinished (its event), and a collect once all of it has finished calls the timer off."""
     from chatengine.engine.parallel import plan as plan_module
-    from chatengine.engine.parallel.plan import Op, PlanSender
+    from chatengine.engine.parallel.plan import PlanSender
+
+    class Done:  # a CUDA event's stand-in
+        def __init__(self):
+            self.finished = False
+
+        def query(self):
+            return self.finished
 
     timer = []
-    monkeypatch.setattr(plan_module.faulthandler, "dump_traceback_later", lambda s, exit: timer.append((s, exit)))
+    monkeypatch.setattr(
+        plan_module.faulthandler, "dump_traceback_later", lambda s, exit, file: timer.append((s, exit, file))
+    )
     monkeypatch.setattr(plan_module.faulthandler, "cancel_dump_traceback_later", lambda: timer.append("off"))
     plan = PlanSender([])
-    assert not plan.exit_if_stuck(30.0) and timer == []  # nothing in flight: nothing to wait for
-    plan.send(Op.FORWARD)
-    plan.send(Op.FORWARD)
-    plan.send(Op.COPY_BLOCKS, [1], [2])
-    assert plan.in_flight == 2
-    assert plan.exit_if_stuck(30.0) and timer == [(30.0, True)]
+    assert not plan.exit_if_stuck(30.0) and timer == []  # nothing launched
+    first, second = Done(), Done()
+    plan.track(first)
+    plan.track(second)
+    first.finished = True
     plan.collected()
-    assert timer == [(30.0, True)]  # one step still out
+    assert plan.exit_if_stuck(30.0) and timer == [(30.0, True, 2)]  # `second` still runs
     plan.collected()
-    assert timer == [(30.0, True), "off"] and plan.in_flight == 0
+    assert timer == [(30.0, True, 2)]  # still unfinished: the timer stays
+    second.finished = True
+    plan.collected()
+    assert timer == [(30.0, True, 2), "off"]
+    done = Done()
+    done.finished = True
+    plan.track(done)  # a finished step (e.g. a mid-prefill chunk nobody waits for) counts for nothing
+    assert not plan.exit_if_stuck(30.0)
 
 
 def test_a_rank_that_dies_is_a_clear_error_not_a_hang():

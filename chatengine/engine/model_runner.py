@@ -814,6 +814,13 @@ class ModelRunner:
         """Queue the forward of the scheduled tokens and the sampling; returns at once on CUDA.
         Sequences whose chunk reaches their last token sample one token each. `between`: called once
         the forward is queued, before the logits are processed (the engine collects the last step)."""
+        try:
+            return self._launch(seqs, num_new_tokens, between)
+        finally:
+            if self.plan is not None and self._token_host is not None:  # CUDA, tensor parallel
+                self.plan.track(self._record())  # what it queued, even if it failed part-way
+
+    def _launch(self, seqs: list[Sequence], num_new_tokens: list[int], between) -> LaunchedStep:
         logits, samples, d, prompt = self._forward(seqs, num_new_tokens)
         if between is not None:
             between()

@@ -5,7 +5,7 @@ cuBLAS picks its algorithm by the shape: a decode step of 3 rows and a prefill o
 the same row's dot products in different orders (split-K, other tiles, other instructions), and in
 bf16 a near-tie between two tokens then flips. Here every call of a layer runs one configuration:
 - CUDA: one Triton kernel with fixed tiles per layer (BLOCK_M x BLOCK_N by the layer's width, K
-  walked from 0 in BLOCK_K steps, never split), the same compiled code for every M: a row's sums
+  walked in order in BLOCK_K steps, never split across programs), the same compiled code for every M: a row's sums
   are the same instructions in the same order whatever its tile's other rows hold (zeros past M
   included).
 - CPU: `linear_tiled_torch`, the rows in tiles of TILE_ROWS (the last one padded with zeros), one

@@ -80,7 +80,7 @@ class OneShotAllReduce:
         numel = 1
         for n in shape:
             numel *= n
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if dtype not in DTYPES or nbytes > self.max_bytes or nbytes % 4:
             return None
         return self.buffer[:nbytes].view(dtype).view(shape)
@@ -150,6 +150,9 @@ def _agrees_with_nccl(one_shot: OneShotAllReduce, device: torch.device) -> bool:
             got = _local(lambda x=x: one_shot(x))
             if got is None:
                 ok, got = False, torch.zeros_like(x)
+            in_place = _local(lambda x=x: _sum_in_buffer(one_shot, x))  # as a row-parallel layer sums
+            if in_place is None or not torch.equal(in_place, got):
+                ok = False
             dist.all_reduce(want)
             same = [torch.empty_like(got) for _ in range(size)]
             dist.all_gather(same, got)
@@ -158,3 +161,10 @@ def _agrees_with_nccl(one_shot: OneShotAllReduce, device: torch.device) -> bool:
                 log.warning("one-shot all-reduce differs from NCCL (%s, %d elements): NCCL only", dtype, numel)
                 ok = False
     return ok
+
+
+def _sum_in_buffer(one_shot: OneShotAllReduce, x: torch.Tensor) -> torch.Tensor:
+    view = one_shot.buffer_for(tuple(x.shape), x.dtype)
+    assert view is not None
+    view.copy_(x)
+    return one_shot(view)

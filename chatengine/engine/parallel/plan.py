@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import threading
+from collections import deque
 from enum import IntEnum
 from multiprocessing.connection import Connection
 
@@ -37,7 +39,10 @@ class PlanSender:
         self.conns = conns  # conns[i]: rank i + 1's pipe
         self.failure: str | None = None
         self._failed = threading.Event()
-        self.in_flight = 0  # forwards sent whose step rank 0 has not collected yet
+        # rank 0's launched steps whose device work may not have finished (an event recorded after
+        # each: CUDA), oldest first; under _lock with _exit_armed (engine thread vs watchdog)
+        self._steps: deque = deque()
+        self._lock = threading.Lock()
         self._exit_armed = False
 
     def send(self, op: Op, *args) -> None:
@@ -47,26 +52,43 @@ class PlanSender:
                 conn.send((int(op), args))
             except OSError as e:  # BrokenPipeError: that rank's process is gone
                 raise self.explain(f"tensor-parallel rank {rank} is gone ({e})") from e
-        if op == Op.FORWARD:
-            self.in_flight += 1
+
+    def track(self, done) -> None:
+        """A launched step's device work ends at `done` (an event: .query() says if it has)."""
+        with self._lock:
+            self._steps.append(done)
+            self._prune()
 
     def collected(self) -> None:
-        """Rank 0 has a step's results (its device work is done): once none is left in flight, a
-        failure's exit timer (`exit_if_stuck`) is called off."""
-        self.in_flight = max(0, self.in_flight - 1)
-        if self.in_flight == 0 and self._exit_armed:
-            faulthandler.cancel_dump_traceback_later()
-            self._exit_armed = False
+        """Rank 0 waited for a step: once no step's device work is left unfinished, a failure's exit
+        timer (`exit_if_stuck`) is called off."""
+        with self._lock:
+            self._prune()
+            if self._exit_armed and not self._steps:
+                faulthandler.cancel_dump_traceback_later()
+                self._exit_armed = False
 
     def exit_if_stuck(self, seconds: float) -> bool:
-        """After a rank died: if steps are in flight, end the process unless they are all collected
-        within `seconds` (a C timer, which fires whatever the stuck threads hold: the traceback of
-        every thread, then exit code 1). For device waits nothing can cancel (one_shot.py)."""
-        if self.in_flight == 0:
-            return False
-        faulthandler.dump_traceback_later(seconds, exit=True)
-        self._exit_armed = True
-        return True
+        """After a rank died: if a step's device work is unfinished, end the process unless it all
+        finishes and is collected within `seconds` -- faulthandler's timer, a C thread that fires
+        whatever the stuck threads hold (every thread's traceback on fd 2, then exit code 1). One
+        timer a process: it replaces any other armed with dump_traceback_later. For device waits
+        nothing can cancel (one_shot.py)."""
+        with self._lock:
+            self._prune()
+            if not self._steps:
+                return False
+            try:
+                faulthandler.dump_traceback_later(seconds, exit=True, file=2)
+            except (RuntimeError, ValueError, OSError) as e:  # no fd 2: the abort still runs
+                logging.getLogger("chatengine.tp").error("cannot arm the exit timer: %s", e)
+                return False
+            self._exit_armed = True
+            return True
+
+    def _prune(self) -> None:
+        while self._steps and self._steps[0].query():  # one stream: they finish in order
+            self._steps.popleft()
 
     def check(self) -> None:
         if self.failure is not None:

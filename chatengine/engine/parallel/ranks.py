@@ -5,9 +5,10 @@ A rank that dies is reported at once with its exit code and its error (a watchdo
 the processes): the next op, or the collective that was waiting on it, raises TensorParallelError
 instead of hanging. On CUDA the watchdog also aborts the NCCL group, since NCCL would wait for the
 dead rank until its timeout. With the one-shot sums on, a step in flight may instead be stuck in a
-sum that waits on the device for the dead rank, which nothing cancels: unless rank 0 collects
-every step in flight within STUCK_S, the process ends (exit code 1, every thread's traceback on
-stderr after the reason), as torch's NCCL watchdog ends a process whose collective timed out.
+sum that waits on the device for the dead rank, which nothing cancels: unless every launched
+step's device work finishes and is collected within STUCK_S, the process ends (exit code 1, every
+thread's traceback on stderr after the reason), as torch's NCCL watchdog ends a process whose
+collective timed out.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class WorkerRanks:
                     # before the abort, which can itself block behind a step stuck in a one-shot sum
                     if self.group.one_shot is not None and self.plan.exit_if_stuck(STUCK_S):
                         log.error(
-                            "a step is in flight and one-shot sums wait on the device: unless it finishes "
+                            "a step is unfinished and one-shot sums wait on the device: unless it finishes "
                             "within %.0f s, this process ends (exit code 1)",
                             STUCK_S,
                         )
