@@ -6,6 +6,7 @@ The tests share one DataParallelLLM (starting two processes costs seconds) and r
 the last one kills a replica."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -213,6 +214,32 @@ def test_the_api_serves_it(dp, tmp_path):
             assert r.json()["usage"]["completion_tokens"] == 4
     finally:
         close_app(app)
+
+
+def test_the_api_streams_logprobs_and_echo_as_it_answers_them_whole(dp, tmp_path):
+    """Streamed through the replicas' deltas, a completion with echo and logprobs gives the text,
+    tokens, logprobs and usage of the same request answered whole."""
+    from chatengine.app.server import close_app, create_app
+
+    app = create_app(data_dir=tmp_path, engine=dp)
+    body = {"model": dp.model_id, "prompt": "The sea is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body |= {"logprobs": 2, "echo": True}
+    try:
+        with TestClient(app) as client:
+            whole = client.post("/v1/completions", json=body).json()
+            r = client.post("/v1/completions", json=body | {"stream": True, "stream_options": {"include_usage": True}})
+            assert r.status_code == 200, r.text
+    finally:
+        close_app(app)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.text.rstrip().endswith("data: [DONE]")
+    choices = [c for e in events for c in e["choices"]]
+    expected = whole["choices"][0]
+    assert "".join(c["text"] for c in choices) == expected["text"]
+    assert choices[-1]["finish_reason"] == expected["finish_reason"] == "length"
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in choices for x in c["logprobs"][key]] == expected["logprobs"][key], key
+    assert events[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 6
 
 
 def test_a_dead_replica_fails_only_its_own_requests(dp):
