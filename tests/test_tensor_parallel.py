@@ -222,6 +222,16 @@ def test_a_row_parallel_layer_writes_its_partial_sums_where_the_one_shot_sum_rea
     assert summed[-1] is not buffer
 
 
+def test_a_split_layer_picks_the_invariant_tiles_of_the_whole_layer():
+    """Deterministic mode's tile configuration is chosen by the whole layer's width on every rank,
+    replicated KV heads counted once (e.g. 2 query heads + 2 x 1 KV head of 64 at TP=2: 256)."""
+    g = TPGroup(0, 2)
+    qkv = QKVParallelLinear(32, 64, 1, 1, False, g, all_kv_heads=1)  # one KV head, on both ranks
+    assert qkv.width == (2 + 2 * 1) * 64 == QKVParallelLinear(32, 64, 2, 1, False, TPGroup()).width  # TP=1's
+    assert MergedColumnParallelLinear(32, 48, g).width == 2 * 48 * 2
+    assert RowParallelLinear(48, 32, g).width == 32 and ParallelLMHead(32, 100, g).width == 100
+
+
 def test_a_split_that_does_not_divide_is_a_clear_error():
     with pytest.raises(ValueError, match=r"num_heads \(9\) must be divisible by tensor_parallel_size \(2\)"):
         LLM("dummy:smollm2-135m", tensor_parallel_size=2, num_kv_blocks=8)

@@ -137,7 +137,13 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v fused into one matmul; loaded from the separate HF weights
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.attention_bias, group
+            config.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            config.attention_bias,
+            group,
+            all_kv_heads=config.num_kv_heads,
         )
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, group)
         self.scale = config.query_scale or self.head_dim**-0.5

@@ -121,9 +121,14 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v in one matmul: this rank's num_heads query heads, then its num_kv_heads KV heads'
     keys, then their values (num_heads, num_kv_heads: this rank's counts)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, group):
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, group, all_kv_heads=None
+    ):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, group)
+        # the whole layer's width: KV heads replicated over ranks count once (all_kv_heads: the model's)
+        kv = all_kv_heads if all_kv_heads is not None else num_kv_heads * group.size
+        self.width = (num_heads * group.size + 2 * kv) * head_dim
 
     def load(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, param: str = "weight") -> None:
         """From the full q_proj, k_proj, v_proj weights (or biases)."""
