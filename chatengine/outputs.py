@@ -82,4 +82,4 @@ class RequestOutput:
     first_token_time: float | None = None  # time.monotonic() of its first generated token
     # with SamplingParams.prompt_logprobs: per prompt token, as CompletionOutput.logprobs (None for
     # the first token, which nothing predicts)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: Sequence[dict[int, float] | None] | None = None

@@ -140,7 +140,8 @@ class _Completion:
     __slots__ = ("text", "token_ids", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob")
 
     def __init__(self) -> None:
-        self.text, self.token_ids = "", []
+        self.text: str = ""
+        self.token_ids: list[int] = []
         self.finish_reason = self.stop_reason = self.cumulative_logprob = None
         self.logprobs: list | None = None
 
