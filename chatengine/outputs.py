@@ -5,7 +5,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-class TokenLogprobs(Sequence):
+class ListView(Sequence):
+    """A read-only sequence that stands in for the list of its items: equal to any sequence of the
+    same items, + concatenates into a list, pickles as a list (subclasses give __len__, __getitem__)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and list(self) == list(other)
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def __reduce__(self):
+        return (list, (list(self),))
+
+
+class TokenLogprobs(ListView):
     """A sequence's generated tokens' logprobs, read as one {token_id: logprob} dict per token (the
     top k candidates best first, then the token when it is not among them).
 
@@ -39,18 +58,6 @@ class TokenLogprobs(Sequence):
         d = dict(zip(map(int, row[2 + k :]), row[2 : 2 + k]))
         d.setdefault(int(row[0]), row[1])
         return d
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and len(other) == self._n and list(self) == list(other)
-
-    def __add__(self, other):
-        return list(self) + list(other)
-
-    def __radd__(self, other):
-        return list(other) + list(self)
-
-    def __reduce__(self):
-        return (list, (list(self),))
 
     def __repr__(self) -> str:
         return f"TokenLogprobs({list(self)!r})"

@@ -291,16 +291,21 @@ def test_deterministic_tp2_gives_tp1_logprobs_bit_for_bit(dtype):
     equal at TP=1 and TP=2 -- the row-parallel sums reduced as the same two halves on one rank and on
     two -- where the default mode differs by fp32's reordering noise."""
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=5)
-    prompts = [PROMPTS[0], PROMPTS[2]]
+    tp1, tp2 = _answers_at_tp1_and_tp2("dummy:tiny", [PROMPTS[0], PROMPTS[2]], params, dtype=dtype, num_kv_blocks=24)
+    assert tp1 == tp2
+
+
+def _answers_at_tp1_and_tp2(model: str, prompts, params, **opts) -> list:
+    """Deterministic mode: (prompt logprobs, tokens, token logprobs) of each prompt at TP=1, then TP=2."""
     got = []
     for tp in (1, 2):
-        llm = LLM("dummy:tiny", tensor_parallel_size=tp, dtype=dtype, deterministic=True, num_kv_blocks=24, seed=5)
+        llm = LLM(model, tensor_parallel_size=tp, deterministic=True, seed=5, **opts)
         try:
             outs = llm.generate(prompts, params)
             got.append([(o.prompt_logprobs, o.outputs[0].token_ids, list(o.outputs[0].logprobs)) for o in outs])
         finally:
             llm.shutdown()
-    assert got[0] == got[1]
+    return got
 
 
 def test_tp2_runs_in_an_async_engine_and_shuts_down():
@@ -459,18 +464,11 @@ def test_cuda_tp2_gives_tp1_greedy_tokens(variant, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_deterministic_tp2_gives_tp1_logprobs_bit_for_bit(dtype):
     """Deterministic mode on GPUs, CUDA graphs on: TP=2's prompt and token logprobs are TP=1's."""
-    opts = dict(device="cuda", dtype=dtype, deterministic=True, num_kv_blocks=64, register_personas=False)
+    opts = dict(device="cuda", dtype=dtype, num_kv_blocks=64, register_personas=False)
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=5, prompt_logprobs=5)
     prompts = [list(range(1, 40)), list(range(3, 300)), [7] * 33]
-    got = []
-    for tp in (1, 2):
-        llm = LLM("dummy:llama-3.2-1b", tensor_parallel_size=tp, **opts)
-        try:
-            outs = llm.generate(prompts, params)
-            got.append([(o.prompt_logprobs, o.outputs[0].token_ids, list(o.outputs[0].logprobs)) for o in outs])
-        finally:
-            llm.shutdown()
-    assert got[0] == got[1]
+    tp1, tp2 = _answers_at_tp1_and_tp2("dummy:llama-3.2-1b", prompts, params, **opts)
+    assert tp1 == tp2
 
 
 _DIES_MID_STEP = """

@@ -12,9 +12,8 @@ newest output only, so the ones it skips are never made.
 """
 
 import threading
-from collections.abc import Sequence
 
-from chatengine.outputs import CompletionOutput, RequestOutput
+from chatengine.outputs import CompletionOutput, ListView, RequestOutput
 
 # (index, new token ids, characters of the text kept, text added, finish_reason, stop_reason,
 #  new logprobs or None, cumulative logprob)
@@ -160,7 +159,7 @@ class _Completion:
         )
 
 
-class _Prefix(Sequence):
+class _Prefix(ListView):
     """The first n items of a list that is only ever appended to: a snapshot that costs no copy
     (a stream's logprobs would otherwise be copied whole for every chunk, O(n^2) in a long reply).
     Slicing gives a list; equal to any sequence of the same items; + concatenates; pickles as a list."""
@@ -185,18 +184,6 @@ class _Prefix(Sequence):
 
     def __iter__(self):
         return iter(self._items[: self._n])
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and len(other) == self._n and list(self) == list(other)
-
-    def __add__(self, other):
-        return list(self) + list(other)
-
-    def __radd__(self, other):
-        return list(other) + list(self)
-
-    def __reduce__(self):
-        return (list, (list(self),))
 
     def __repr__(self) -> str:
         return repr(list(self))
