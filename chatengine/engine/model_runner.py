@@ -818,7 +818,8 @@ class ModelRunner:
             return self._launch(seqs, num_new_tokens, between)
         finally:
             if self.plan is not None and self._token_host is not None:  # CUDA, tensor parallel
-                self.plan.track(self._record())  # what it queued, even if it failed part-way
+                with contextlib.suppress(RuntimeError):  # (a broken device: the launch's own error stands)
+                    self.plan.track(self._record())  # what it queued, even if it failed part-way
 
     def _launch(self, seqs: list[Sequence], num_new_tokens: list[int], between) -> LaunchedStep:
         logits, samples, d, prompt = self._forward(seqs, num_new_tokens)
