@@ -23,17 +23,16 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import commit, freeze_heap  # noqa: E402
-from benchmarks.serve_bench import BENCH_KEY, HttpTarget, Record  # noqa: E402
+from benchmarks import serve_bench  # noqa: E402
+from benchmarks.common import commit  # noqa: E402
+from benchmarks.serve_bench import HttpTarget, Record  # noqa: E402
 
 WORDS = [" the", " of", " and", " to", " a", " in", " that", " is", " was", "é", "\n", ' "quoted"', " x\\y", " 12"]
 
@@ -91,40 +90,18 @@ def stand_in_replica(spec, conn) -> None:
 
 
 def serve(model: str) -> None:
-    """--serve: the API process, its one replica the stand-in; prints READY url vocab."""
+    """--serve: serve_bench's server with --engine-process, its one replica the stand-in."""
     import types
 
-    from chatengine import DataParallelLLM
-    from chatengine.app.api.routes import build_api
-    from chatengine.app.server import ServerThread
     from chatengine.engine.replicas import handle
 
     handle.replica = types.SimpleNamespace(main=stand_in_replica)  # what ReplicaHandle spawns
-    llm = DataParallelLLM(model, data_parallel_size=1, device="cpu", register_personas=False)
-    server = ServerThread(build_api(llm, {"bench": {"api_key": BENCH_KEY}}, model_name="bench"))
-    freeze_heap()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print("READY", server.url, llm.vocab_size, flush=True)
-    stop.wait()
-    server.stop()
-    llm.shutdown()
+    serve_bench.serve(model, {"device": "cpu", "register_personas": False}, engine_process=True)
 
 
 def start_server(args) -> HttpTarget:
     env = {**os.environ, "CHATENGINE_API_BENCH_STEP_S": str(args.step_ms / 1000)}
-    target = HttpTarget.__new__(HttpTarget)  # its client, with this script's server
-    target.proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--model", args.model], stdout=subprocess.PIPE, text=True, env=env
-    )
-    line = target.proc.stdout.readline() if target.proc.stdout else ""
-    if not line.startswith("READY "):
-        target.proc.kill()
-        raise RuntimeError(f"the server did not start: {line!r}")
-    _, target.url, vocab = line.split()
-    target.host, port = target.url.split("//", 1)[1].rstrip("/").split(":")
-    target.port, target._vocab = int(port), int(vocab)
-    return target
+    return HttpTarget(args.model, {}, engine_process=True, script=__file__, env=env)
 
 
 async def one_round(target: HttpTarget, args, rng: random.Random) -> dict:
@@ -187,6 +164,8 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine-options", help=argparse.SUPPRESS)  # (HttpTarget passes them; the stand-in needs none)
+    ap.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
         serve(args.model)

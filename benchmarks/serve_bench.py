@@ -196,12 +196,14 @@ class HttpTarget:
 
     name = "http"
 
-    def __init__(self, model: str, options: dict, engine_process: bool = False):
+    def __init__(self, model: str, options: dict, engine_process: bool = False, script: str = __file__, env=None):
+        """`script`: the file whose --serve starts the server (api_bench.py's: a stand-in replica)."""
         extra = ["--engine-process"] if engine_process else []
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--model", model, "--engine-options", json.dumps(options), *extra],
+            [sys.executable, script, "--serve", "--model", model, "--engine-options", json.dumps(options), *extra],
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.startswith("READY "):
