@@ -78,7 +78,7 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
         seq = Sequence(p, SamplingParams(), block_size=bs)
         n = -(-len(p) // bs)
         seq.block_table, first = list(range(first, first + n)), first + n
-        logits = runner._forward([seq], [len(p)])[0]
+        logits = runner._forward([seq], [len(p)], whole=True)[0]
         rows.append(logits[-1].float().cpu())
     return torch.stack(rows)
 

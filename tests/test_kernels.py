@@ -722,6 +722,36 @@ def test_seeded_draws_follow_the_distribution(device):
     assert ((freq - p).abs() <= 4 * (p * (1 - p) / N).sqrt() + 1e-3).all(), (freq, p)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draws_from_vocabulary_slices_are_the_whole_rows_draws(device, dtype):
+    """Tensor parallelism samples each rank's slice of the vocabulary apart: the best candidate over
+    the slices (largest value, ties to the lowest column) is the token the whole row gives, for
+    greedy, unseeded and seeded rows, and the greedy slices' values are their maxima."""
+    g = torch.Generator().manual_seed(7)
+    V, parts = 3001, 3  # slices of 1001 columns, the last one short
+    logits = torch.randn(5, V, generator=g).to(device, dtype)
+    logits[0, [10, 2500]] = logits[0].max() + 1  # a greedy tie across slices: the lowest column
+    temps = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3], device=device)
+    keys = torch.tensor([0, 0, 2**40 + 1, 0, 31], dtype=torch.int64, device=device)
+    whole = sampling.sample_triton(logits, temps, seed=9, keys=keys)
+    width = -(-V // parts)
+    vals, ids = [], []
+    for r in range(parts):
+        piece = logits[:, r * width : (r + 1) * width]
+        v, i = sampling.sample_slice_triton(piece, temps, 9, keys, col0=r * width, vocab_size=V)
+        vals.append(v)
+        ids.append(i)
+        if r == 1:  # the all-greedy path: each slice's max and its first column
+            gv, gi = sampling.greedy_slice_triton(piece, r * width, chunk=256)
+            best = piece.float().max(-1)
+            assert torch.equal(gv, best.values) and gi.tolist() == (best.indices + r * width).tolist()
+    vals, ids = torch.stack(vals), torch.stack(ids)
+    drawn = ids.gather(0, vals.argmax(0, keepdim=True)).squeeze(0)
+    assert drawn.tolist() == whole.tolist() and drawn[0] == 10
+    assert (ids >= torch.arange(parts, device=device)[:, None] * width).all()  # columns of the whole row
+
+
 # ---------------------------------------------------------------------------- fused layer ops
 # Against the torch references (which round to bf16 after every op): a bf16 ulp or two (inputs
 # ~N(0, 1)); the float64 comparison is the accuracy check.

@@ -28,8 +28,9 @@ from chatengine.engine.models.parallel_layers import (
     kv_heads_per_rank,
 )
 from chatengine.engine.parallel import group as group_module
-from chatengine.engine.parallel import one_shot
+from chatengine.engine.parallel import one_shot, vocab_sampling
 from chatengine.engine.parallel.group import TPGroup, connect_store, host_store
+from chatengine.engine.parallel.vocab_sampling import Finish
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = [list(range(1, 40)), list(range(50, 70)), list(range(3, 100)), [7] * 33]
@@ -70,9 +71,32 @@ def _check_layers(group: TPGroup) -> None:
     embedding = VocabParallelEmbedding(11, 12, group)
     embedding.load(emb)
     torch.testing.assert_close(embedding(ids), emb[ids])
-    lm_head = ParallelLMHead(12, 11, group)
+    lm_head = ParallelLMHead(12, 11, group)  # each rank its 6 columns; rank 1's last one is padding
     lm_head.load(head)
-    torch.testing.assert_close(lm_head(x), F.linear(x, head))
+    whole, mine = F.linear(x, head), lm_head(x)
+    assert mine.shape == (5, 6)
+    torch.testing.assert_close(mine[:, : 6 - rank], whole[:, rank * 6 : 11 if rank else 6])
+    torch.testing.assert_close(group.all_gather_last(mine)[:, :11], whole)
+    _check_draw_from_slices(group)
+
+
+def _check_draw_from_slices(group: TPGroup) -> None:
+    """Greedy tokens drawn from the ranks' slices of a vocabulary of 11 are the whole rows' argmax:
+    the padding column is never drawn, and a tie goes to the lowest column."""
+    rows = torch.tensor(
+        [
+            [0.0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],  # the best in rank 1's slice
+            [9.0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1],  # a tie across the ranks: column 0
+            [-5.0, -4, -3, -2, -1, -9, -9, -9, -9, -9, -9],  # all negative: rank 1's padding (0) must lose
+            [1.0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],  # all equal: column 0
+            [0.0, 0, 0, 0, 0, 0, 0, 3, 0, 3, 0],  # a tie inside rank 1's slice: its first
+        ]
+    )
+    mine = torch.zeros(5, 6)  # the last rank's slice padded past the vocabulary with zeros
+    mine[:, : 6 - group.rank] = rows[:, group.rank * 6 : 11 if group.rank else 6]
+    finish = Finish(rows=None, slices=True, greedy=True)
+    drawn = vocab_sampling.draw(mine, torch.zeros(5), finish, group, vocab_size=11)
+    assert drawn.tolist() == rows.argmax(-1).tolist() == [10, 0, 4, 0, 7]
 
 
 def _layers_on_rank(rank: int, address: str, out: dict) -> None:
@@ -302,7 +326,7 @@ def _answers_at_tp1_and_tp2(model: str, prompts, params, **opts) -> list:
         llm = LLM(model, tensor_parallel_size=tp, deterministic=True, seed=5, **opts)
         try:
             outs = llm.generate(prompts, params)
-            got.append([(o.prompt_logprobs, o.outputs[0].token_ids, list(o.outputs[0].logprobs)) for o in outs])
+            got.append([(o.prompt_logprobs, o.outputs[0].token_ids, list(o.outputs[0].logprobs or [])) for o in outs])
         finally:
             llm.shutdown()
     return got
@@ -469,6 +493,25 @@ def test_cuda_deterministic_tp2_gives_tp1_logprobs_bit_for_bit(dtype):
     prompts = [list(range(1, 40)), list(range(3, 300)), [7] * 33]
     tp1, tp2 = _answers_at_tp1_and_tp2("dummy:llama-3.2-1b", prompts, params, **opts)
     assert tp1 == tp2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cuda_tp2_draws_tp1_sampled_tokens_from_the_vocabulary_slices():
+    """Deterministic mode (TP=2's logits are TP=1's bit for bit): temperature draws, unseeded and
+    seeded, which each rank takes from its slice of the vocabulary, are TP=1's tokens; so are those
+    of steps that gather whole rows (a top-p row beside them)."""
+    opts = dict(device="cuda", dtype="bfloat16", num_kv_blocks=64, register_personas=False)
+    prompts = [list(range(1, 40)), list(range(3, 300)), [7] * 33]
+    plain = [
+        SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    ]
+    gathered = [*plain[:2], SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=24, ignore_eos=True)]
+    for params in (plain, gathered):
+        tp1, tp2 = _answers_at_tp1_and_tp2("dummy:llama-3.2-1b", prompts, params, **opts)
+        assert tp1 == tp2
+        assert len({tuple(tokens) for _, tokens, _ in tp1}) == 3
 
 
 _DIES_MID_STEP = """

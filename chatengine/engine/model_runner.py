@@ -48,8 +48,10 @@ from chatengine.engine.logprobs import HostLogprobs, row_logprobs
 from chatengine.engine.models.fp8 import check_fp8_device
 from chatengine.engine.models.llama import AttentionMetadata, LlamaModel
 from chatengine.engine.models.parallel_layers import kv_heads_per_rank, split
+from chatengine.engine.parallel import vocab_sampling
 from chatengine.engine.parallel.group import TPGroup
 from chatengine.engine.parallel.plan import Op, PlanSender
+from chatengine.engine.parallel.vocab_sampling import Finish
 from chatengine.engine.sampler import Sampler, position_key
 from chatengine.engine.sequence import Sequence
 from chatengine.kernels import attention_warmup, cache_ops, logprob_ops, paged_attention
@@ -388,7 +390,7 @@ class ModelRunner:
         for n, k in zip(lens, pages):
             seqs.append(Sequence([0] * n, SamplingParams(), block_size=self.block_size))
             seqs[-1].block_table, first = list(range(first, first + k)), first + k
-        self._forward(seqs, lens)
+        self._forward(seqs, lens, whole=True)
         # room for decode-sized logits (a graph's output plus the sampler's temporaries) and for the
         # mixed graphs' outputs, which stay allocated beside each other
         rows = 4 * self.max_graph_bs + sum(b for b, _ in self.mixed_graph_shapes())
@@ -659,10 +661,11 @@ class ModelRunner:
 
     # ---- forward and sampling --------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, seqs, num_new_tokens):
+    def _forward(self, seqs, num_new_tokens, whole: bool = False):
         """Queue the forward; returns (logits of the sampling rows, samples, device views of the step,
         prompt rows: (seq, first position predicted, its logits rows) per sequence that wants prompt
-        logprobs)."""
+        logprobs, the step's Finish). With tensor parallelism the logits are whole rows unless
+        `finish.slices` (each rank's slice: vocab_sampling.py); `whole`: always whole rows."""
         B = len(seqs)
         wanted = [
             s.index == 0 and s.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens - 1
@@ -686,23 +689,52 @@ class ModelRunner:
         else:
             mode, key = EAGER, B
             lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens)
+        finish = self._finish(mode, seqs, samples, prompt_plan is not None, whole)
         d = self._upload(lay, num_pending)
         if self.plan is not None:  # the other ranks run the same forward on their slices
-            self.plan.send(Op.FORWARD, mode, key, max_q, max_k, *lay.key)
+            self.plan.send(Op.FORWARD, mode, key, max_q, max_k, *lay.key, finish)
             self.group.broadcast(self._dev[: lay.end])  # with this step's sampled placeholders filled
-        logits = self._run(mode, key, d, max_q, max_k)
+        logits = self._finish_logits(self._run(mode, key, d, max_q, max_k), finish)
         prompt = []
         if prompt_plan is not None:
             _, sample_at, spans = prompt_plan
             prompt = [(seq, first, logits[start : start + count]) for seq, first, start, count in spans]
             logits = logits[on_device(sample_at, torch.long, logits.device)]
-        elif mode in (DECODE_GRAPH, MIXED_GRAPH):
-            logits = logits[:B]
-            if not samples.all():  # a chunk that does not end its prompt
-                logits = logits[on_device(np.flatnonzero(samples), torch.long, self.device)]  # no host sync
-        elif mode == PREFILL_GRAPH and not samples.all():
-            logits = logits[:0]
-        return logits, samples.tolist(), d, prompt
+        return logits, samples.tolist(), d, prompt, finish
+
+    def _finish(self, mode: int, seqs: list[Sequence], samples: np.ndarray, prompt: bool, whole: bool) -> Finish:
+        """Which logits rows the step reads and how every rank gets them (vocab_sampling.Finish); the
+        fused sampler's seed and keys are drawn here, before any rank runs the step."""
+        if prompt:  # the eager prompt-rows layout: every row, whole
+            return Finish(rows=None)
+        picked = [seq for seq, s in zip(seqs, samples) if s]
+        if not picked:
+            return Finish(rows=())
+        rows: int | tuple[int, ...] | None = None  # eager and prefill graphs: one row per sampling sequence
+        if mode in (DECODE_GRAPH, MIXED_GRAPH):  # one row per lane, padded ones too
+            rows = len(seqs) if len(picked) == len(seqs) else tuple(np.flatnonzero(samples).tolist())
+        if whole:  # a caller that reads the logits, not the sampler
+            return Finish(rows=rows)
+        params = [seq.params for seq in picked]
+        greedy = all(p.temperature == 0 for p in params)
+        seed, keys = 0, tuple[int, ...]()
+        if self.fused_sampling and any(p.top_k == 0 and p.top_p >= 1 and p.temperature > 0 for p in params):
+            seed = self._sample_seeds.getrandbits(31)
+            # a seeded row's key: its position is the index of the token sampled now
+            keyed = [position_key(s.seed_key, len(s.token_ids)) if s.seed_key else 0 for s in picked]
+            keys = tuple(keyed) if any(keyed) else ()
+        slices = self.group.is_parallel and vocab_sampling.in_slices(params, self.fused_sampling)
+        return Finish(rows=rows, slices=slices, greedy=greedy, seed=seed, keys=keys)
+
+    def _finish_logits(self, logits: torch.Tensor, finish: Finish) -> torch.Tensor:
+        """A forward's logits (this rank's slice with tensor parallelism) -> the rows the step reads,
+        gathered whole unless each rank draws from its slice (every rank runs this)."""
+        if finish.nothing:
+            return logits[:0]
+        logits = vocab_sampling.select(logits, finish.rows)
+        if self.group.is_parallel and not finish.slices:
+            logits = self.group.all_gather_last(logits)[..., : self.model_config.vocab_size]
+        return logits
 
     def _run(self, mode: int, key: int, d: dict[str, torch.Tensor], max_q: int, max_k: int) -> torch.Tensor:
         """The forward over a staged step (graph replay or eager): the logits of its logits_indices rows
@@ -735,23 +767,31 @@ class ModelRunner:
         return self.model(d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
 
     @torch.inference_mode()
-    def follow_forward(self, mode: int, key: int, max_q: int, max_k: int, T: int, B: int, S: int, W: int) -> None:
-        """A rank other than 0: run the forward rank 0 just staged (its staging buffer, broadcast)."""
+    def follow_forward(
+        self, mode: int, key: int, max_q: int, max_k: int, T: int, B: int, S: int, W: int, finish: Finish
+    ) -> None:
+        """A rank other than 0: run the forward rank 0 just staged (its staging buffer, broadcast),
+        then its part in the step's sampling (`finish`)."""
         lay = self._staging(T, B, S, W)
         self.group.broadcast(self._dev[: lay.end])
-        self._run(mode, key, lay.views, max_q, max_k)
+        logits = self._finish_logits(self._run(mode, key, lay.views, max_q, max_k), finish)
+        if finish.slices:
+            temps = lay.views["temperatures"].view(torch.float32)[: logits.shape[0]]
+            vocab_sampling.draw(logits, temps, finish, self.group, self.model_config.vocab_size)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor, finish: Finish) -> torch.Tensor:
         """Sampled ids (len(seqs),) int64 on the device, without a host sync. logits: processed.
         On CUDA the rows without top-k / top-p take the fused sampler (seeded ones too), the others
         the torch sampler; each row's draw depends only on its own request, never on its neighbours."""
         params = [s.params for s in seqs]
+        temps = temps.view(torch.float32)[: len(seqs)]  # staged with the step's inputs
+        if finish.slices:  # each rank drew from its slice of the vocabulary
+            return vocab_sampling.draw(logits, temps, finish, self.group, self.model_config.vocab_size)
         if not self.fused_sampling:
             return self.sampler(logits.float(), params, [s.generator for s in seqs])
-        temps = temps.view(torch.float32)[: len(seqs)]  # staged with the step's inputs
         fused = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1]
         if len(fused) == len(seqs):
-            return self._sample_fused(logits, seqs, temps)
+            return self._sample_fused(logits, temps, finish.greedy, finish.seed, finish.keys)
         if not fused:
             return self.sampler(logits.float(), params, [s.generator for s in seqs])
         rest = [i for i, p in enumerate(params) if not (p.top_k == 0 and p.top_p >= 1)]
@@ -759,16 +799,18 @@ class ModelRunner:
         idx = on_device(rest, torch.long, logits.device)
         out[idx] = self.sampler(logits[idx].float(), [params[i] for i in rest], [seqs[i].generator for i in rest])
         idx = on_device(fused, torch.long, logits.device)
-        out[idx] = self._sample_fused(logits[idx], [seqs[i] for i in fused], temps[idx])
+        greedy = all(params[i].temperature == 0 for i in fused)
+        keys = tuple(finish.keys[i] for i in fused) if finish.keys else ()
+        out[idx] = self._sample_fused(logits[idx], temps[idx], greedy, finish.seed, keys)
         return out
 
-    def _sample_fused(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
-        if all(s.params.temperature == 0 for s in seqs):
+    def _sample_fused(
+        self, logits: torch.Tensor, temps: torch.Tensor, greedy: bool, seed: int, keys: tuple
+    ) -> torch.Tensor:
+        if greedy:
             return sampling_ops.greedy_triton(logits)
-        # a seeded row's key: its position is the index of the token sampled now
-        keys = [position_key(s.seed_key, len(s.token_ids)) if s.seed_key else 0 for s in seqs]
-        key_t = on_device(keys, torch.int64, logits.device) if any(keys) else None
-        return sampling_ops.sample_triton(logits, temps, self._sample_seeds.getrandbits(31), keys=key_t)
+        key_t = on_device(list(keys), torch.int64, logits.device) if any(keys) else None
+        return sampling_ops.sample_triton(logits, temps, seed, keys=key_t)
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Logits after the requests' processing (a copy in fp32 when any row is processed)."""
@@ -822,7 +864,7 @@ class ModelRunner:
                     self.plan.track(self._record())  # what it queued, even if it failed part-way
 
     def _launch(self, seqs: list[Sequence], num_new_tokens: list[int], between) -> LaunchedStep:
-        logits, samples, d, prompt = self._forward(seqs, num_new_tokens)
+        logits, samples, d, prompt, finish = self._forward(seqs, num_new_tokens)
         if between is not None:
             between()
         step = LaunchedStep(samples)
@@ -831,7 +873,7 @@ class ModelRunner:
         sampling = [seq for seq, s in zip(seqs, samples) if s]
         if sampling:
             logits = self._process(logits, sampling)
-            tokens = self._sample(logits, sampling, d["temperatures"])
+            tokens = self._sample(logits, sampling, d["temperatures"], finish)
             self._last_tokens = tokens  # the next step's placeholders read these
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(sampling)}
             step.logprob_rows, step.logprobs = self._logprobs(logits, sampling, tokens, d["temperatures"])

@@ -26,16 +26,33 @@ _jit = triton.jit(do_not_specialize=["seed"]) if triton is not None else jit
 
 
 @_jit
-def _sample_kernel(Logits, Temps, Keys, Out, stride_l, vocab_size, seed, SEEDED: tl.constexpr, BLOCK_V: tl.constexpr):
+def _sample_kernel(
+    Logits,
+    Temps,
+    Keys,
+    Out,
+    Vals,
+    stride_l,
+    vocab_size,
+    col0,
+    row_width,
+    seed,
+    SEEDED: tl.constexpr,
+    WRITE_VALS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # a row's columns are col0 + [0, vocab_size) of a vocabulary row_width wide (col0 = 0 and
+    # row_width = vocab_size, unless the row is one rank's slice): the Philox counters and the ids
+    # written are the whole vocabulary's, so slices sampled apart pick what the whole row would
     row = tl.program_id(0)
     temp = tl.load(Temps + row)
     inv_temp = 1.0 / tl.where(temp > 0, temp, 1.0)
     key = seed.to(tl.int64)
-    first = row * vocab_size  # the row's first Philox counter
+    first = row * row_width + col0  # the column's Philox counter, less the local column
     if SEEDED:  # Keys[row] != 0: the row's own stream, counters from 0
         own = tl.load(Keys + row)
         key = tl.where(own != 0, own, key)
-        first = tl.where(own != 0, 0, first)
+        first = tl.where(own != 0, col0, first)
     offs = tl.arange(0, BLOCK_V)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK_V], tl.int32)
@@ -54,7 +71,9 @@ def _sample_kernel(Logits, Temps, Keys, Out, stride_l, vocab_size, seed, SEEDED:
         best = tl.where(better, x, best)
     top = tl.max(best, 0)
     idx = tl.min(tl.where(best == top, best_idx, 2147483647), 0)
-    tl.store(Out + row, idx.to(tl.int64))
+    tl.store(Out + row, idx.to(tl.int64) + col0)
+    if WRITE_VALS:
+        tl.store(Vals + row, top)
 
 
 def sample_triton(
@@ -69,27 +88,47 @@ def sample_triton(
     logits (N, V) of any float dtype, rows contiguous; temperatures (N,) fp32 on the same device;
     seed an int in [0, 2**31) (the same seed and logits give the same ids); keys (N,) int64 or None:
     a row with a nonzero key draws from that key's stream alone (whatever the seed and its row)."""
+    return _sample(logits, temperatures, seed, keys, out=out)[0]
+
+
+def sample_slice_triton(
+    logits: torch.Tensor, temperatures: torch.Tensor, seed: int, keys: torch.Tensor | None, col0: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_triton` over one slice of each row: logits (N, n) are columns [col0, col0 + n) of a
+    vocabulary of `vocab_size`. Returns (the best perturbed value (N,) fp32, its column in the whole
+    vocabulary (N,) int64): the row's draw is the slice with the largest value (ties: the lowest
+    column), the same token `sample_triton` draws from the whole row with the same seed and keys."""
+    ids, vals = _sample(logits, temperatures, seed, keys, col0=col0, row_width=vocab_size, vals=True)
+    return vals, ids
+
+
+def _sample(logits, temperatures, seed, keys, out=None, col0=0, row_width=None, vals=False):
     check_device(logits)
     N, V = logits.shape
     assert logits.stride(1) == 1 and temperatures.shape == (N,) and temperatures.dtype == torch.float32
     assert keys is None or (keys.shape == (N,) and keys.dtype == torch.int64)
     if out is None:
         out = torch.empty(N, dtype=torch.int64, device=logits.device)
+    best = torch.empty(N if vals else 0, dtype=torch.float32, device=logits.device)
     if N == 0:
-        return out
+        return out, best
     _sample_kernel[(N,)](
         logits,
         temperatures,
         temperatures if keys is None else keys,  # not read unless SEEDED
         out,
+        best if vals else out,  # not written unless WRITE_VALS
         logits.stride(0),
         V,
+        col0,
+        row_width or V,
         seed,
         SEEDED=keys is not None,
+        WRITE_VALS=vals,
         BLOCK_V=2048,
         num_warps=8,
     )
-    return out
+    return out, best
 
 
 @jit
@@ -106,33 +145,50 @@ def _chunk_argmax_kernel(Logits, Vals, Idx, stride_l, vocab_size, num_chunks, CH
 
 
 @jit
-def _rows_argmax_kernel(Vals, Idx, Out, num_chunks, BLOCK_C: tl.constexpr):
-    """Per row: the first column of the best chunk max (chunks are in column order)."""
+def _rows_argmax_kernel(Vals, Idx, Out, Best, num_chunks, col0, BLOCK_C: tl.constexpr, WRITE_BEST: tl.constexpr):
+    """Per row: the first column of the best chunk max (chunks are in column order), plus col0."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     ok = offs < num_chunks
     vals = tl.load(Vals + row * num_chunks + offs, mask=ok, other=float("-inf"))
     idx = tl.load(Idx + row * num_chunks + offs, mask=ok, other=2147483647)
     top = tl.max(vals, 0)
-    tl.store(Out + row, tl.min(tl.where(ok & (vals == top), idx, 2147483647), 0).to(tl.int64))
+    tl.store(Out + row, tl.min(tl.where(ok & (vals == top), idx, 2147483647), 0).to(tl.int64) + col0)
+    if WRITE_BEST:
+        tl.store(Best + row, top)
 
 
 def greedy_triton(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """argmax over the vocabulary (N,) int64, ties to the first index as `torch.argmax` (NaN aside:
     never chosen here). Two launches that spread a row over many programs: one 128k row (batch 1)
     is ~32 programs, not the one block torch gives a row. Reference: chatengine.engine.sampler.greedy."""
+    return _greedy(logits, chunk)[0]
+
+
+def greedy_slice_triton(logits: torch.Tensor, col0: int, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_triton` over columns [col0, col0 + n) of each row: (the slice's max (N,) fp32, its
+    first column in the whole vocabulary (N,) int64)."""
+    ids, vals = _greedy(logits, chunk, col0, best=True)
+    return vals, ids
+
+
+def _greedy(logits, chunk, col0=0, best=False):
     check_device(logits)
     N, V = logits.shape
     assert logits.stride(1) == 1
     out = torch.empty(N, dtype=torch.int64, device=logits.device)
+    top = torch.empty(N if best else 0, dtype=torch.float32, device=logits.device)
     if N == 0:
-        return out
+        return out, top
     C = triton.cdiv(V, chunk)
     vals = torch.empty(N, C, dtype=torch.float32, device=logits.device)
     idx = torch.empty(N, C, dtype=torch.int32, device=logits.device)
     _chunk_argmax_kernel[(N, C)](logits, vals, idx, logits.stride(0), V, C, CHUNK=chunk, num_warps=4)
-    _rows_argmax_kernel[(N,)](vals, idx, out, C, BLOCK_C=max(16, triton.next_power_of_2(C)), num_warps=1)
-    return out
+    block_c = max(16, triton.next_power_of_2(C))
+    _rows_argmax_kernel[(N,)](
+        vals, idx, out, top if best else vals, C, col0, BLOCK_C=block_c, WRITE_BEST=best, num_warps=1
+    )
+    return out, top
 
 
 def sample_ref(

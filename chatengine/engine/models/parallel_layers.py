@@ -8,7 +8,7 @@ its slice of a full Hugging Face weight (every rank reads the full tensor, keeps
 - RowParallelLinear: the input features split; the partial sums all-reduced (o_proj, down_proj).
 - VocabParallelEmbedding: the vocabulary's rows split; ids outside a rank's rows give zeros, and
   the all-reduce puts each row back together.
-- ParallelLMHead: logits of a rank's vocabulary rows, all-gathered to the full vocabulary.
+- ParallelLMHead: logits of a rank's vocabulary rows (gathered by the runner where a step needs whole rows).
 
 On one rank each is exactly the nn.Linear / nn.Embedding it replaces (same shapes, same kernels,
 no collectives), so single-GPU numerics and speed do not change.
@@ -224,7 +224,9 @@ class VocabParallelEmbedding(_VocabRows, nn.Embedding):
 
 
 class ParallelLMHead(_QuantizableWeight, _VocabRows, nn.Linear):
-    """Logits of this rank's vocabulary rows, all-gathered: (n, vocab_size) on every rank."""
+    """Logits of this rank's vocabulary rows: (n, rows), the columns [rank * rows, rank * rows + rows)
+    of the vocabulary (padded past it on the last rank). The runner gathers whole rows only where a
+    step needs them (parallel/vocab_sampling.py); one rank: (n, vocab_size)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, group: TPGroup):
         self.vocab_size, self.group = vocab_size, group
@@ -233,7 +235,4 @@ class ParallelLMHead(_QuantizableWeight, _VocabRows, nn.Linear):
         self.first, self.width = group.rank * self.rows, self.rows * group.size
 
     def forward(self, x):
-        logits = self.matmul(x, None)
-        if not self.group.is_parallel:
-            return logits
-        return self.group.all_gather_last(logits)[..., : self.vocab_size]
+        return self.matmul(x, None)

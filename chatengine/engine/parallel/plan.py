@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 
 class Op(IntEnum):
     STOP = 0
-    FORWARD = 1  # (mode, key, max_seqlen_q, max_seqlen_k, T, B, S, W); the staging buffer follows
+    FORWARD = 1  # (mode, key, max_seqlen_q, max_seqlen_k, T, B, S, W, Finish); the staging buffer follows
     COPY_BLOCKS = 2  # (src ids, dst ids)
     SAVE_BLOCKS = 3  # (block ids, host slots): device pages -> this rank's host pool
     RESTORE_BLOCKS = 4  # (block ids, host slots): this rank's host pool -> device pages
