@@ -111,26 +111,51 @@ def part_logits(args, res) -> None:
     print(f"[logits] TP=1 torch vs triton attention: {out['torch_vs_triton_tp1']:.2e}", flush=True)
 
 
-def watch_collect(runner) -> list[float]:
-    """Seconds each of the runner's collects blocks on its step's tokens (appended as it runs)."""
+BUCKETS = ("prefill", "decode 1-32", "decode 33-64", "decode 65-128", "decode 129-256", "decode 257+")
+
+
+def bucket(seqs: int, tokens: int) -> str:
+    """A step's kind: any prompt chunk in it, else a decode step by its batch size."""
+    if tokens > seqs:
+        return "prefill"
+    top = next((b for b in (32, 64, 128, 256) if seqs <= b), None)
+    return next(k for k in BUCKETS if k.endswith(f"-{top}")) if top else "decode 257+"
+
+
+def watch_steps(runner) -> tuple[list[float], dict[str, list[float]]]:
+    """Seconds each of the runner's collects blocks on its step's tokens (appended as it runs), and
+    the seconds between consecutive collects by the collected step's kind (`bucket`): with the GPU
+    busy throughout, a step's share of the run, to see which steps lose most at TP=N."""
     waits: list[float] = []
-    collect = runner.collect
+    shares: dict[str, list[float]] = {k: [] for k in BUCKETS}
+    kinds: dict[int, str] = {}
+    launch, collect = runner.launch, runner.collect
+    last = [time.perf_counter()]
+
+    def launched(seqs, num_new_tokens, between=None):
+        step = launch(seqs, num_new_tokens, between)
+        kinds[id(step)] = bucket(len(seqs), sum(num_new_tokens))
+        return step
 
     def timed(step):
         t = time.perf_counter()
         if step.done is not None:
             step.done.synchronize()
         waits.append(time.perf_counter() - t)
-        return collect(step)
+        out = collect(step)
+        now = time.perf_counter()
+        shares[kinds.pop(id(step), "prefill")].append(now - last[0])
+        last[0] = now
+        return out
 
-    runner.collect = timed
-    return waits
+    runner.launch, runner.collect = launched, timed
+    return waits, shares
 
 
 def run_workload(llm: LLM, prompts, outs) -> dict:
     llm.generate([list(range(1, 200))] * 8, SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True))
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outs]
-    waits = watch_collect(llm.engine.runner)
+    waits, shares = watch_steps(llm.engine.runner)
     steps0 = llm.stats()["num_steps"]
     t = time.perf_counter()
     results = llm.generate(prompts, params)
@@ -151,6 +176,8 @@ def run_workload(llm: LLM, prompts, outs) -> dict:
         "steps": steps,
         "step_ms": 1000 * dt / max(steps, 1),
         "wait_ms": 1000 * sum(waits) / max(steps, 1),
+        # by the step's kind: (steps, seconds between its collect and the one before)
+        "by_kind": {k: (len(v), sum(v)) for k, v in shares.items() if v},
     }
 
 
@@ -291,6 +318,19 @@ def markdown(res) -> str:
         if "ratio_nccl" in t:
             lines += [f"| ratio, NCCL sums only | {t['ratio_nccl']:.2f}x | | | | |"]
         lines += [""]
+        one, many = t["tp1"].get("by_kind", {}), t.get(f"tp{res['tp']}", {}).get("by_kind", {})
+        if one and many:
+            lines += [
+                f"Where the time goes (seconds between collects, by the step collected): TP=1 vs TP={res['tp']}",
+                "",
+                f"| steps | count | TP=1 s | TP={res['tp']} s | speed-up |",
+                "|---|---|---|---|---|",
+            ]
+            for kind in BUCKETS:
+                if kind in one and kind in many:
+                    (n1, s1), (_, sn) = one[kind], many[kind]
+                    lines.append(f"| {kind} | {n1} | {s1:.2f} | {sn:.2f} | {s1 / max(sn, 1e-9):.2f}x |")
+            lines += [""]
     for key, p in res.get("profile", {}).items():
         lines += [
             f"Eager decode steps at TP={key[2:]}, batch {p['batch']} (torch.profiler, rank 0): "
