@@ -29,9 +29,10 @@ from chatengine.engine.parallel.group import TPGroup, connect_store, host_store,
 
 # "one-shot": the engine's default path (parallel/one_shot.py; NCCL past its size limit), summing a
 # tensor copied in by the kernel (the embedding's sum); "one-shot-inplace": a tensor already in the
-# peer-addressable buffer (a row-parallel layer's); the rest are NCCL alone (CHATENGINE_ALL_REDUCE=nccl)
+# peer-addressable buffer (a row-parallel layer's); "two-shot-inplace": the same with torch's two-shot
+# kernel (CHATENGINE_TWO_SHOT_FROM=0); the rest are NCCL alone (CHATENGINE_ALL_REDUCE=nccl)
 # with NCCL_PROTO unset ("default") or set
-PROTOCOLS = ["one-shot", "one-shot-inplace", "default", "LL", "LL128", "Simple"]
+PROTOCOLS = ["one-shot", "one-shot-inplace", "two-shot-inplace", "default", "LL", "LL128", "Simple"]
 
 
 def timed_calls(group: TPGroup, x: torch.Tensor, calls: int, repeats: int) -> float:
@@ -71,7 +72,7 @@ def rank_main(rank: int, size: int, address: str, args, results, protocol: str) 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     for rows in args.rows:
         x = torch.zeros(rows, args.hidden, dtype=dtype, device=group.device)  # sums stay finite
-        if protocol == "one-shot-inplace":  # where a row-parallel layer writes (NCCL past the limit)
+        if protocol.endswith("-inplace"):  # where a row-parallel layer writes (NCCL past the limit)
             buffer = group.sum_buffer(tuple(x.shape), dtype)
             x = x if buffer is None else buffer.zero_()
         seconds = timed_calls(group, x, args.calls, args.repeats)
@@ -82,8 +83,12 @@ def rank_main(rank: int, size: int, address: str, args, results, protocol: str) 
 
 def run_variant(protocol: str, args) -> list[tuple[int, float]]:
     no_nvlink_multicast()
-    os.environ["CHATENGINE_ALL_REDUCE"] = "one-shot" if protocol.startswith("one-shot") else "nccl"
-    if protocol in ("one-shot", "one-shot-inplace", "default"):
+    os.environ["CHATENGINE_ALL_REDUCE"] = "one-shot" if protocol.endswith(("one-shot", "-inplace")) else "nccl"
+    if protocol == "two-shot-inplace":
+        os.environ["CHATENGINE_TWO_SHOT_FROM"] = "0"
+    else:
+        os.environ.pop("CHATENGINE_TWO_SHOT_FROM", None)
+    if protocol in ("one-shot", "one-shot-inplace", "two-shot-inplace", "default"):
         os.environ.pop("NCCL_PROTO", None)
     else:
         os.environ["NCCL_PROTO"] = protocol

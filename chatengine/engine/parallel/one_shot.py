@@ -29,6 +29,7 @@ for each engine. Every decision is collective: the least of the ranks' answers.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import torch
@@ -64,6 +65,10 @@ class OneShotAllReduce:
             warnings.simplefilter("ignore")  # deprecated (a no-op) in newer torch, needed in older
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
+        # in-place sums of at least this many bytes take torch's two-shot kernel instead (each rank
+        # sums its share of the elements and writes it to every rank); None: never (being measured)
+        two_shot = os.environ.get("CHATENGINE_TWO_SHOT_FROM")
+        self.two_shot_from = int(two_shot) if two_shot else None
 
     def rendezvous(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -90,6 +95,9 @@ class OneShotAllReduce:
         buffer (`buffer_for`): summed where it is; else copied in by the same kernel. The kernel's
         closing barrier keeps the buffer unwritten until every rank has read it."""
         if x.data_ptr() == self.buffer.data_ptr():
+            if self.two_shot_from is not None and x.numel() * x.element_size() >= self.two_shot_from:
+                torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", self.group_name)
+                return x
             return torch.ops.symm_mem.one_shot_all_reduce(x, "sum", self.group_name)
         nbytes = x.numel() * x.element_size()
         symm = self.buffer[:nbytes].view(x.dtype)
