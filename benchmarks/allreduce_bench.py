@@ -29,8 +29,9 @@ from chatengine.engine.parallel.group import TPGroup, connect_store, host_store,
 
 # "one-shot": the engine's default path (parallel/one_shot.py; NCCL past its size limit), summing a
 # tensor copied in by the kernel (the embedding's sum); "one-shot-inplace": a tensor already in the
-# peer-addressable buffer (a row-parallel layer's); "two-shot-inplace": the same with torch's two-shot
-# kernel (CHATENGINE_TWO_SHOT_FROM=0); the rest are NCCL alone (CHATENGINE_ALL_REDUCE=nccl)
+# peer-addressable buffer (a row-parallel layer's) summed by the one-shot kernel
+# (CHATENGINE_IN_PLACE_SUM=one-shot), "two-shot-inplace" by the two-shot one (the default at two
+# ranks); the rest are NCCL alone (CHATENGINE_ALL_REDUCE=nccl)
 # with NCCL_PROTO unset ("default") or set
 PROTOCOLS = ["one-shot", "one-shot-inplace", "two-shot-inplace", "default", "LL", "LL128", "Simple"]
 
@@ -84,10 +85,7 @@ def rank_main(rank: int, size: int, address: str, args, results, protocol: str) 
 def run_variant(protocol: str, args) -> list[tuple[int, float]]:
     no_nvlink_multicast()
     os.environ["CHATENGINE_ALL_REDUCE"] = "one-shot" if protocol.endswith(("one-shot", "-inplace")) else "nccl"
-    if protocol == "two-shot-inplace":
-        os.environ["CHATENGINE_TWO_SHOT_FROM"] = "0"
-    else:
-        os.environ.pop("CHATENGINE_TWO_SHOT_FROM", None)
+    os.environ["CHATENGINE_IN_PLACE_SUM"] = "two-shot" if protocol == "two-shot-inplace" else "one-shot"
     if protocol in ("one-shot", "one-shot-inplace", "two-shot-inplace", "default"):
         os.environ.pop("NCCL_PROTO", None)
     else:

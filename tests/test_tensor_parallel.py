@@ -224,6 +224,16 @@ def test_the_one_shot_sum_takes_what_fits_and_nccl_the_rest(monkeypatch):
     assert g.all_reduce(big) is big and rings == [17]
 
 
+def test_in_place_sums_take_two_shot_at_two_ranks_unless_told(monkeypatch):
+    monkeypatch.delenv("CHATENGINE_IN_PLACE_SUM", raising=False)
+    assert [one_shot.in_place_kernel(n) for n in (2, 4, 8)] == ["two-shot", "one-shot", "one-shot"]
+    monkeypatch.setenv("CHATENGINE_IN_PLACE_SUM", "one-shot")
+    assert one_shot.in_place_kernel(2) == "one-shot"
+    monkeypatch.setenv("CHATENGINE_IN_PLACE_SUM", "three-shot")
+    with pytest.raises(ValueError, match="one-shot or two-shot"):
+        one_shot.in_place_kernel(2)
+
+
 def test_a_row_parallel_layer_writes_its_partial_sums_where_the_one_shot_sum_reads_them():
     """With a sum buffer on offer the matmul's output goes there and is what gets all-reduced (no
     copy); the result is the plain layer's."""
