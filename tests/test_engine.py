@@ -428,22 +428,3 @@ def test_abort_and_finish_with_a_step_in_flight(llm_async):
     assert [len(o.outputs[0].token_ids) for o in b] == [1, 2, 3] and b[-1].finished
     engine.step()  # collects the last (wasted) step
     assert engine._in_flight is None
-
-
-def test_a_first_token_is_out_after_the_step_that_samples_it(llm_async):
-    """Async scheduling hands a step's tokens out after the next step's launch, but not a request's
-    first token: the step that samples it is received at once (TTFT one step shorter), and the
-    steps after it overlap again."""
-    engine = llm_async.engine
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    engine.add(engine.make_request("Hello there.", params, request_id="first"))
-    outs = engine.step()  # the whole prompt: its first token
-    assert [len(o.outputs[0].token_ids) for o in outs if o.request_id == "first"] == [1]
-    assert engine._in_flight is None
-    outs = engine.step()  # a plain decode step: in flight, its token out with the next step
-    assert engine._in_flight is not None and not [o for o in outs if o.request_id == "first"]
-    while engine.has_unfinished_requests():
-        outs += engine.step()
-    assert len([o for o in outs if o.request_id == "first"][-1].outputs[0].token_ids) == 4
-    engine.step()
-    assert engine._in_flight is None

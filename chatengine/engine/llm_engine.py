@@ -305,9 +305,9 @@ class LLMEngine:
         for previous_out, previous_launched, sampled in received:
             outputs += self._advance(previous_out, previous_launched, sampled)
         if launched is not None:
-            if self.async_scheduling and not self._samples_a_first_token(*launched):
+            if self.async_scheduling:
                 self._in_flight = launched
-            else:  # a first token goes out now, not after the next step (a new request's TTFT)
+            else:
                 before = len(received)
                 self._receive(launched[0], launched[1], received, outputs)
                 if len(received) > before:  # (a failed forward's outputs are in already)
@@ -315,16 +315,6 @@ class LLMEngine:
         if self.config.debug_checks:
             self.check_invariants()
         return outputs
-
-    @staticmethod
-    def _samples_a_first_token(out, launched) -> bool:
-        """Whether the launched step samples some request's first token. Async scheduling would hand
-        it out only after the next step's launch (one more step of latency, a long prefill's at worst);
-        such a step is received at once instead, giving up that one step's overlap."""
-        return any(
-            s and seq.index == 0 and seq.num_pending == 1 and seq.num_output_tokens == 0
-            for seq, s in zip(out.seqs, launched.samples)
-        )
 
     def _collect_between(self, out, received: list, outputs: list[RequestOutput]):
         """Penalties, grammars and min_tokens read every token so far on the host: the tokens of the
