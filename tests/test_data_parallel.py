@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -281,6 +282,32 @@ def test_settings_are_checked_before_any_process_starts():
     args = build_parser().parse_args(["--data-parallel-size", "2", "--engine-process"])
     assert (args.data_parallel_size, args.engine_process) == (2, True)
     assert {"data_parallel_size", "engine_process"} <= set(ENGINE_FLAGS)
+
+
+def test_a_send_to_a_replica_that_does_not_read_never_blocks_and_keeps_order():
+    """The event loop sends a chat turn's prompt ids to a replica whose engine reads its pipe only now
+    and then: 2 MB queued while nothing reads (a pipe holds ~64 KB) returns at once, in order; a
+    value that does not pickle fails in the caller; after kill the sender stops."""
+    import multiprocessing as mp
+
+    from chatengine.engine.replicas.handle import ReplicaHandle
+
+    ours, theirs = mp.Pipe(duplex=True)
+    handle = ReplicaHandle.__new__(ReplicaHandle)
+    handle.index, handle.conn, handle.alive = 0, ours, True
+    handle.process = type("Gone", (), {"is_alive": lambda self: False})()
+    handle._start_sender()
+    t = time.monotonic()
+    for i in range(100):
+        assert handle.send(("add", f"r{i}", None, list(range(5000)), None, None))
+    assert time.monotonic() - t < 2.0
+    with pytest.raises(TypeError):  # a lock does not pickle
+        handle.send(("add", "bad", threading.Lock()))
+    got = [theirs.recv()[1] for _ in range(100)]
+    assert got == [f"r{i}" for i in range(100)]
+    handle.kill()
+    handle.alive = False
+    assert not handle.send(("abort", "r0"))
 
 
 def test_a_mailbox_makes_the_newest_output_once_per_read():

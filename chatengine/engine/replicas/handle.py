@@ -1,13 +1,21 @@
 """ReplicaHandle: a replica's process as the API process sees it: started, sent to, listened to
-(on a thread of its own), stopped. What arrives goes to the callbacks the owner gives."""
+(on a thread of its own), stopped. What arrives goes to the callbacks the owner gives.
+
+Messages go out through a sender thread: a pipe holds ~64 KB, a chat turn's prompt ids ~10 KB, and
+a replica whose engine keeps its GIL busy reads them only now and then, so a send from the event
+loop could block every stream of the API process until the replica reads. A message is pickled
+by the caller (a value that does not pickle fails there) and queued; the thread writes it.
+"""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import queue
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 
 from chatengine.engine.replicas import replica
 from chatengine.engine.replicas.replica import ReplicaSpec
@@ -34,7 +42,11 @@ class ReplicaHandle:
         self.facts: dict = {}
         self.stats: dict = {}
         self.alive = True
-        self._send_lock = threading.Lock()  # callers on many threads
+        self._start_sender()
+
+    def _start_sender(self) -> None:
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # pickled messages; None: stop
+        threading.Thread(target=self._send_all, name=f"chatengine-replica{self.index}-in", daemon=True).start()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict:
         """Block until the replica's engine is up; its facts (num_blocks, model_id, stats)."""
@@ -89,15 +101,20 @@ class ReplicaHandle:
         on_exit(self.index, reason)
 
     def send(self, message: tuple) -> bool:
-        """False if the replica is gone (its listener reports why)."""
+        """Queue a message for the replica, pickled here; never blocks on the pipe. False if the
+        replica is gone (its listener reports why, and fails what it was running)."""
         if not self.alive:
             return False
-        try:
-            with self._send_lock:
-                self.conn.send(message)
-            return True
-        except OSError:
-            return False
+        self._outbox.put(bytes(ForkingPickler.dumps(message)))
+        return True
+
+    def _send_all(self) -> None:
+        """The sender thread: the queued messages in order, until stopped or the pipe breaks."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the replica is gone: the listener says so
+                return
 
     def stop(self, timeout: float = 60.0) -> None:
         """Ask the replica to stop (it aborts what runs and flushes its KV store); wait for it."""
@@ -106,6 +123,7 @@ class ReplicaHandle:
         self.kill()
 
     def kill(self) -> None:
+        self._outbox.put(None)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5.0)
