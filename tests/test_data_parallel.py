@@ -287,7 +287,8 @@ def test_settings_are_checked_before_any_process_starts():
 def test_a_send_to_a_replica_that_does_not_read_never_blocks_and_keeps_order():
     """The event loop sends a chat turn's prompt ids to a replica whose engine reads its pipe only now
     and then: 2 MB queued while nothing reads (a pipe holds ~64 KB) returns at once, in order; a
-    value that does not pickle fails in the caller; after kill the sender stops."""
+    value that does not pickle fails in the caller; after kill the sender stops; a broken pipe
+    marks the replica gone."""
     import multiprocessing as mp
 
     from chatengine.engine.replicas.handle import ReplicaHandle
@@ -297,17 +298,29 @@ def test_a_send_to_a_replica_that_does_not_read_never_blocks_and_keeps_order():
     handle.index, handle.conn, handle.alive = 0, ours, True
     handle.process = type("Gone", (), {"is_alive": lambda self: False})()
     handle._start_sender()
-    t = time.monotonic()
-    for i in range(100):
-        assert handle.send(("add", f"r{i}", None, list(range(5000)), None, None))
-    assert time.monotonic() - t < 2.0
+    queued = threading.Event()
+
+    def fill() -> None:  # on a thread: a send that blocked would hang it, not the test
+        if all(handle.send(("add", f"r{i}", None, list(range(5000)), None, None)) for i in range(100)):
+            queued.set()
+
+    threading.Thread(target=fill, daemon=True).start()
+    assert queued.wait(5.0)
     with pytest.raises(TypeError):  # a lock does not pickle
         handle.send(("add", "bad", threading.Lock()))
     got = [theirs.recv()[1] for _ in range(100)]
     assert got == [f"r{i}" for i in range(100)]
     handle.kill()
-    handle.alive = False
-    assert not handle.send(("abort", "r0"))
+    handle._sender.join(5.0)
+    assert not handle._sender.is_alive()
+    # a pipe that breaks: the sender marks the replica gone, and later sends say so
+    ours2, theirs2 = mp.Pipe(duplex=True)
+    handle.conn, handle.alive = ours2, True
+    handle._start_sender()
+    theirs2.close()
+    handle.send(("abort", "r0"))
+    handle._sender.join(5.0)
+    assert not handle.alive and not handle.send(("abort", "r1"))
 
 
 def test_a_mailbox_makes_the_newest_output_once_per_read():

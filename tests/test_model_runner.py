@@ -77,3 +77,34 @@ def test_copy_blocks_copies_whole_pages():
     r.run([seq(list(range(1, 9)), table=[0, 1])], [8])
     r.copy_blocks([(1, 6)])
     assert torch.equal(r.gather_blocks([6]), r.gather_blocks([1]))
+
+
+def test_every_sampling_step_draws_the_samplers_seed_and_keys_prompt_logprobs_or_not():
+    """The fused sampler's step seed and a seeded row's key are drawn when the step is planned, the
+    same for a step that also reads prompt logprobs (whose rows are then read whole on every rank)
+    and for one that does not; with two ranks only the plain step is drawn from vocabulary slices."""
+    import random
+    import types
+
+    import numpy as np
+
+    from chatengine.engine import model_runner
+    from chatengine.engine.parallel.group import TPGroup
+    from chatengine.engine.sampler import position_key, seed_key
+
+    seq = Sequence(list(range(20)), SamplingParams(temperature=0.7, seed=3), block_size=16)
+    seq.seed_key = seed_key(3, 0)
+    for size in (1, 2):
+        got = {}
+        for prompt in (False, True):
+            fake = types.SimpleNamespace(
+                fused_sampling=True, _sample_seeds=random.Random(0), group=TPGroup(0, size, torch.device("cpu"))
+            )
+            got[prompt] = model_runner.ModelRunner._finish(
+                fake, model_runner.DECODE_GRAPH, [seq], np.array([True]), prompt, whole=False
+            )
+        plain, with_prompt = got[False], got[True]
+        assert with_prompt.seed == plain.seed == random.Random(0).getrandbits(31) != 0
+        assert with_prompt.keys == plain.keys == (position_key(seq.seed_key, 20),)
+        assert (plain.rows, with_prompt.rows) == (1, None) and not with_prompt.slices
+        assert plain.slices == (size == 2)

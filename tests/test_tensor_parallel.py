@@ -506,10 +506,13 @@ def test_cuda_deterministic_tp2_gives_tp1_logprobs_bit_for_bit(dtype):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_cuda_tp2_draws_tp1_sampled_tokens_from_the_vocabulary_slices():
+def test_cuda_tp2_draws_tp1_sampled_tokens_from_the_vocabulary_slices(monkeypatch):
     """Deterministic mode (TP=2's logits are TP=1's bit for bit): temperature draws, unseeded and
     seeded, which each rank takes from its slice of the vocabulary, are TP=1's tokens; so are those
     of steps that gather whole rows (a top-p row beside them)."""
+    draws = []  # rank 0's draws from slices (this process)
+    real_draw = vocab_sampling.draw
+    monkeypatch.setattr(vocab_sampling, "draw", lambda *a, **k: draws.append(1) or real_draw(*a, **k))
     opts = dict(device="cuda", dtype="bfloat16", num_kv_blocks=64, register_personas=False)
     prompts = [list(range(1, 40)), list(range(3, 300)), [7] * 33]
     plain = [
@@ -518,10 +521,12 @@ def test_cuda_tp2_draws_tp1_sampled_tokens_from_the_vocabulary_slices():
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
     ]
     gathered = [*plain[:2], SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=24, ignore_eos=True)]
-    for params in (plain, gathered):
+    for params, sliced in ((plain, True), (gathered, False)):
+        draws.clear()
         tp1, tp2 = _answers_at_tp1_and_tp2("dummy:llama-3.2-1b", prompts, params, **opts)
         assert tp1 == tp2
         assert len({tuple(tokens) for _, tokens, _ in tp1}) == 3
+        assert (len(draws) >= 20) == sliced  # TP=2's steps of plain rows drew from the slices
 
 
 _DIES_MID_STEP = """

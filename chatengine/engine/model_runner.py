@@ -664,8 +664,9 @@ class ModelRunner:
     def _forward(self, seqs, num_new_tokens, whole: bool = False):
         """Queue the forward; returns (logits of the sampling rows, samples, device views of the step,
         prompt rows: (seq, first position predicted, its logits rows) per sequence that wants prompt
-        logprobs, the step's Finish). With tensor parallelism the logits are whole rows unless
-        `finish.slices` (each rank's slice: vocab_sampling.py); `whole`: always whole rows."""
+        logprobs, the step's Finish, the tokens drawn or None). With tensor parallelism the logits are
+        whole rows unless `finish.slices` (each rank's slice, the tokens drawn from them here:
+        vocab_sampling.py); `whole`: always whole rows."""
         B = len(seqs)
         wanted = [
             s.index == 0 and s.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens - 1
@@ -695,23 +696,23 @@ class ModelRunner:
             self.plan.send(Op.FORWARD, mode, key, max_q, max_k, *lay.key, finish)
             self.group.broadcast(self._dev[: lay.end])  # with this step's sampled placeholders filled
         logits = self._finish_logits(self._run(mode, key, d, max_q, max_k), finish)
+        drawn = self._draw(logits, d, finish)
         prompt = []
         if prompt_plan is not None:
             _, sample_at, spans = prompt_plan
             prompt = [(seq, first, logits[start : start + count]) for seq, first, start, count in spans]
             logits = logits[on_device(sample_at, torch.long, logits.device)]
-        return logits, samples.tolist(), d, prompt, finish
+        return logits, samples.tolist(), d, prompt, finish, drawn
 
     def _finish(self, mode: int, seqs: list[Sequence], samples: np.ndarray, prompt: bool, whole: bool) -> Finish:
         """Which logits rows the step reads and how every rank gets them (vocab_sampling.Finish); the
-        fused sampler's seed and keys are drawn here, before any rank runs the step."""
-        if prompt:  # the eager prompt-rows layout: every row, whole
-            return Finish(rows=None)
+        fused sampler's seed and keys are drawn here, before any rank runs the step. `prompt`: the
+        eager prompt-rows layout (prompt logprobs), whose every row is read whole."""
         picked = [seq for seq, s in zip(seqs, samples) if s]
-        if not picked:
+        if not picked and not prompt:
             return Finish(rows=())
-        rows: int | tuple[int, ...] | None = None  # eager and prefill graphs: one row per sampling sequence
-        if mode in (DECODE_GRAPH, MIXED_GRAPH):  # one row per lane, padded ones too
+        rows: int | tuple[int, ...] | None = None  # eager and prefill graphs: their rows are the ones read
+        if not prompt and mode in (DECODE_GRAPH, MIXED_GRAPH):  # one row per lane, padded ones too
             rows = len(seqs) if len(picked) == len(seqs) else tuple(np.flatnonzero(samples).tolist())
         if whole:  # a caller that reads the logits, not the sampler
             return Finish(rows=rows)
@@ -723,8 +724,17 @@ class ModelRunner:
             # a seeded row's key: its position is the index of the token sampled now
             keyed = [position_key(s.seed_key, len(s.token_ids)) if s.seed_key else 0 for s in picked]
             keys = tuple(keyed) if any(keyed) else ()
-        slices = self.group.is_parallel and vocab_sampling.in_slices(params, self.fused_sampling)
+        slices = not prompt and self.group.is_parallel and vocab_sampling.in_slices(params, self.fused_sampling)
         return Finish(rows=rows, slices=slices, greedy=greedy, seed=seed, keys=keys)
+
+    def _draw(self, logits: torch.Tensor, d: dict[str, torch.Tensor], finish: Finish) -> torch.Tensor | None:
+        """A step sampled slice by slice: this rank's part of the draw, right after its forward (rank 0
+        and the others alike, so no later failure of rank 0 leaves the others' exchange unmatched);
+        the tokens (N,), or None for any other step."""
+        if not finish.slices:
+            return None
+        temps = d["temperatures"].view(torch.float32)[: logits.shape[0]]  # staged with the step's inputs
+        return vocab_sampling.draw(logits, temps, finish, self.group, self.model_config.vocab_size)
 
     def _finish_logits(self, logits: torch.Tensor, finish: Finish) -> torch.Tensor:
         """A forward's logits (this rank's slice with tensor parallelism) -> the rows the step reads,
@@ -774,10 +784,7 @@ class ModelRunner:
         then its part in the step's sampling (`finish`)."""
         lay = self._staging(T, B, S, W)
         self.group.broadcast(self._dev[: lay.end])
-        logits = self._finish_logits(self._run(mode, key, lay.views, max_q, max_k), finish)
-        if finish.slices:
-            temps = lay.views["temperatures"].view(torch.float32)[: logits.shape[0]]
-            vocab_sampling.draw(logits, temps, finish, self.group, self.model_config.vocab_size)
+        self._draw(self._finish_logits(self._run(mode, key, lay.views, max_q, max_k), finish), lay.views, finish)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor, finish: Finish) -> torch.Tensor:
         """Sampled ids (len(seqs),) int64 on the device, without a host sync. logits: processed.
@@ -785,8 +792,6 @@ class ModelRunner:
         the torch sampler; each row's draw depends only on its own request, never on its neighbours."""
         params = [s.params for s in seqs]
         temps = temps.view(torch.float32)[: len(seqs)]  # staged with the step's inputs
-        if finish.slices:  # each rank drew from its slice of the vocabulary
-            return vocab_sampling.draw(logits, temps, finish, self.group, self.model_config.vocab_size)
         if not self.fused_sampling:
             return self.sampler(logits.float(), params, [s.generator for s in seqs])
         fused = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1]
@@ -864,7 +869,7 @@ class ModelRunner:
                     self.plan.track(self._record())  # what it queued, even if it failed part-way
 
     def _launch(self, seqs: list[Sequence], num_new_tokens: list[int], between) -> LaunchedStep:
-        logits, samples, d, prompt, finish = self._forward(seqs, num_new_tokens)
+        logits, samples, d, prompt, finish, drawn = self._forward(seqs, num_new_tokens)
         if between is not None:
             between()
         step = LaunchedStep(samples)
@@ -872,8 +877,11 @@ class ModelRunner:
             step.prompt_rows, step.prompt_logprobs = self._prompt_logprobs(prompt)
         sampling = [seq for seq, s in zip(seqs, samples) if s]
         if sampling:
-            logits = self._process(logits, sampling)
-            tokens = self._sample(logits, sampling, d["temperatures"], finish)
+            if drawn is not None:  # from each rank's slice of the vocabulary (no row is processed)
+                tokens = drawn
+            else:
+                logits = self._process(logits, sampling)
+                tokens = self._sample(logits, sampling, d["temperatures"], finish)
             self._last_tokens = tokens  # the next step's placeholders read these
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(sampling)}
             step.logprob_rows, step.logprobs = self._logprobs(logits, sampling, tokens, d["temperatures"])

@@ -147,7 +147,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_QuantizableWeight, nn.Linear):
-    """y = all_reduce(x[..., this rank's inputs] W_r^T): each rank a partial sum. No bias."""
+    """y = all_reduce(x[..., this rank's inputs] W_r^T): each rank a partial sum. No bias.
+
+    On the symmetric-memory path y may be the sum buffer itself (the two-shot sum is in place): it
+    holds until the next row-parallel layer writes there, so whatever reads y (the next norm, which
+    makes new tensors) runs before that on the same stream."""
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup):
         super().__init__(in_features, out_features, bias=False)

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from chatengine.engine.parallel.one_shot import OneShotAllReduce, try_one_shot
+from chatengine.engine.parallel.one_shot import OneShotAllReduce, in_place_kernel, try_one_shot
 
 # How long one collective may wait for the other ranks (a stuck rank fails the others instead of
 # hanging them). Idle ranks wait on their plan pipe, not in a collective, so idling never times out;
@@ -84,6 +84,7 @@ class TPGroup:
         )
         group = cls(rank, size, device)
         if all_reduce_mode() == "one-shot":
+            in_place_kernel(size)  # a bad CHATENGINE_IN_PLACE_SUM is an error here, not NCCL alone
             group.one_shot = try_one_shot(device, size)
         return group
 

@@ -5,9 +5,12 @@ A tensor-parallel decode step sums a (batch, hidden) activation twice a layer: 6
 0.1-2 MB for an 8B model. NCCL's ring costs ~17-38 us each at those sizes on two H200s (mostly its
 protocol's latency, not bandwidth). Here every rank's row-parallel layer writes its partial sums
 into a buffer the other ranks can address (torch's symmetric memory: peer-mapped device memory, no
-NVLink multicast), and one kernel (torch's one-shot) meets the others at a device-side barrier and
-adds all ranks' parts: one launch, one hop; ~10 us at 0.5 MB and ~19 us at 2 MB there, TP=2 1.57x
-TP=1 against 1.51x. Sums of tensors made elsewhere (the embedding's) are copied in by the kernel.
+NVLink multicast), and one kernel meets the others at a device-side barrier and adds all ranks'
+parts: torch's one-shot kernel (each rank reads every peer's copy; ~10 us at 0.5 MB and ~19 us at
+2 MB there, TP=2 1.57x TP=1 against NCCL's 1.51x) or, at two ranks, its two-shot kernel in place
+(each rank adds its half of the elements and writes it to both buffers: ~8 / 13 us, TP=2 1.59-1.63x;
+`in_place_kernel`). Sums of tensors made elsewhere (the embedding's) are copied in by the one-shot
+kernel.
 
 How it fails: the kernel's barrier waits on the device with no timeout, so a rank that dies in the
 middle of a step leaves the others' GPUs waiting for good (NCCL's kernels are cancelled when the
@@ -69,7 +72,8 @@ class OneShotAllReduce:
     def __init__(self, device: torch.device, size: int, max_bytes: int | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
-        for op in ("one_shot_all_reduce_copy", "two_shot_all_reduce_"):
+        self.two_shot = in_place_kernel(size) == "two-shot"
+        for op in ("one_shot_all_reduce_copy", "two_shot_all_reduce_" if self.two_shot else "one_shot_all_reduce"):
             if not hasattr(torch.ops.symm_mem, op):
                 raise RuntimeError(f"torch {torch.__version__} has no symm_mem.{op}")
         self.max_bytes = max_bytes_for(size) if max_bytes is None else max_bytes
@@ -78,7 +82,6 @@ class OneShotAllReduce:
             warnings.simplefilter("ignore")  # deprecated (a no-op) in newer torch, needed in older
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
-        self.two_shot = in_place_kernel(size) == "two-shot"
 
     def rendezvous(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem

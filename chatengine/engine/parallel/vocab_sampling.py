@@ -5,8 +5,8 @@ whole rows to sample them on rank 0 moves 256 x 128k bf16 (64 MB) a decode step.
 fused sampler's draws split over columns: the argmax of a row is the best of its slices' argmaxes,
 and so is the Gumbel-max draw, whose noise is a function of (seed or key, column) alone. So each
 rank draws its slice's candidate per row -- (best value, its column in the whole vocabulary) -- and
-the ranks exchange those pairs (8 bytes a row); the token is the best value's column, ties to the
-lowest column, as over the whole row: the token one rank draws with the same seed.
+the ranks exchange those pairs (8 bytes a row from each rank); the token is the best value's column,
+ties to the lowest column, as over the whole row: the token one rank draws with the same seed.
 
 Rows that need the whole row -- top-k / top-p, logprobs, penalties, grammars, logit bias, the torch
 sampler of a CPU step that samples -- and prompt logprobs gather it instead. Every rank must take
@@ -65,6 +65,9 @@ def draw(logits: torch.Tensor, temps: torch.Tensor, finish: Finish, group: TPGro
     (the last slice padded past it); temps (N,) fp32. Returns the drawn tokens (N,) int64."""
     col0 = group.rank * logits.shape[1]
     mine = logits[:, : max(0, min(logits.shape[1], vocab_size - col0))]  # not the padding columns
+    if mine.shape[1] == 0:  # a toy vocabulary whose last rank holds padding alone: no candidate
+        vals = torch.full((logits.shape[0],), float("-inf"), device=logits.device)
+        return pick(group, vals, torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device))
     if mine.is_cuda:
         if finish.greedy:
             vals, ids = sampling_ops.greedy_slice_triton(mine, col0)

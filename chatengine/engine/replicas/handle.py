@@ -46,7 +46,8 @@ class ReplicaHandle:
 
     def _start_sender(self) -> None:
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # pickled messages; None: stop
-        threading.Thread(target=self._send_all, name=f"chatengine-replica{self.index}-in", daemon=True).start()
+        self._sender = threading.Thread(target=self._send_all, name=f"chatengine-replica{self.index}-in", daemon=True)
+        self._sender.start()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict:
         """Block until the replica's engine is up; its facts (num_blocks, model_id, stats)."""
@@ -113,7 +114,8 @@ class ReplicaHandle:
         while (data := self._outbox.get()) is not None:
             try:
                 self.conn.send_bytes(data)
-            except OSError:  # the replica is gone: the listener says so
+            except OSError:  # the replica is gone: nothing more is queued; the listener says why
+                self.alive = False
                 return
 
     def stop(self, timeout: float = 60.0) -> None:
