@@ -78,28 +78,3 @@ def test_finished_never_drives_load_negative():
     assert r.load == [0]
     with pytest.raises(ValueError):
         Router(0)
-
-
-def test_the_routers_hash_chains_from_its_memo_are_the_plain_ones():
-    """Turns that extend a conversation reuse its remembered chain, yet every list of router keys is
-    the one hashing from scratch gives: per user (another user's chain over the same tokens differs)
-    and past the public prefix."""
-    import threading
-    import types
-
-    from chatengine.engine.kv.hashing import ChainMemo, hash_blocks, user_salt
-    from chatengine.engine.replicas.data_parallel import ROUTER_ROOT, DataParallelLLM
-
-    fake = types.SimpleNamespace(
-        _router_secret=b"s" * 32,
-        front=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16)),
-        _chains=ChainMemo(size=4),
-        _chains_lock=threading.Lock(),
-    )
-    turn1 = [5] * 64 + list(range(100, 180))
-    turn2 = turn1 + list(range(300, 350)) + list(range(400, 440))  # its answer, then a new message
-    for ids, user, first in [(turn1, "a", 4), (turn2, "a", 4), (turn2, "b", 4), (turn2, "a", 0), (turn1, None, 4)]:
-        want = hash_blocks(ROUTER_ROOT, ids, 16, first, user_salt(fake._router_secret, user))[first:]
-        assert DataParallelLLM._hashes(fake, ids, user, first) == want
-    a = DataParallelLLM._hashes(fake, turn2, "a", 4)
-    assert a != DataParallelLLM._hashes(fake, turn2, "b", 4) and len(a) == len(turn2) // 16 - 4

@@ -26,7 +26,7 @@ import torch
 from chatengine.config import EngineConfig
 from chatengine.engine.facade import EngineFacade
 from chatengine.engine.front import EngineFront
-from chatengine.engine.kv.hashing import ChainMemo, load_or_create_secret, salt_extra, salt_start_block, user_salt
+from chatengine.engine.kv.hashing import hash_blocks, load_or_create_secret, salt_start_block, user_salt
 from chatengine.engine.loader import load_model
 from chatengine.engine.model_runner import context_len, resolve_device_dtype
 from chatengine.engine.output_queue import Mailbox, follow, make_request
@@ -72,11 +72,6 @@ class DataParallelLLM(EngineFacade):
         self._router_secret = secrets.token_bytes(32)
         self.router = Router(data_parallel_size)
         self._lock = threading.Lock()  # the router and the running table: event loops and listeners
-        # the router's recent hash chains: a turn's prompt extends the last turn's prompt and answer,
-        # hashed when that answer finished, so only its new blocks are hashed (a 2k-token
-        # conversation: ~0.35 ms a chain on a slow core, twice a turn; the API process relayed 11%
-        # more tokens a second against stand-in replicas)
-        self._chains, self._chains_lock = ChainMemo(size=64), threading.Lock()
         self._running: dict[str, _Running] = {}
         self._stopped = False
         self.replicas = [ReplicaHandle(spec) for spec in specs]  # they load in parallel
@@ -157,11 +152,7 @@ class DataParallelLLM(EngineFacade):
     def _hashes(self, token_ids: list[int], user: str | None, first: int) -> list[bytes]:
         """The router's keys of a sequence's private full blocks (public persona blocks left out)."""
         salt = user_salt(self._router_secret, user)
-        bs, extra = self.front.config.block_size, salt_extra(salt) if salt else b""
-        hashes: list[bytes] = []
-        with self._chains_lock:  # (event loops and listener threads)
-            self._chains.extend(hashes, ROUTER_ROOT, token_ids, bs, len(token_ids) // bs, first, extra)
-        return hashes[first:]  # (a copy: the memo keeps the whole chain)
+        return hash_blocks(ROUTER_ROOT, token_ids, self.front.config.block_size, first, salt)[first:]
 
     # ---- what comes back (listener threads) -----------------------------------------------------
     def _on_out(self, replica: int, deltas: list[Delta], refused: list[tuple[str, str]]) -> None:
