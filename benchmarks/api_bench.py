@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import serve_bench  # noqa: E402
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import save_json  # noqa: E402
 from benchmarks.serve_bench import HttpTarget, Record  # noqa: E402
 
 WORDS = [" the", " of", " and", " to", " a", " in", " that", " is", " was", "é", "\n", ' "quoted"', " x\\y", " 12"]
@@ -172,21 +172,7 @@ def main(argv=None) -> dict | None:
         return None
     rounds = asyncio.run(run(args))
     median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    report = {
-        "meta": {
-            "commit": commit(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "cpu": f"{os.cpu_count()} cores",
-            "command": "python benchmarks/api_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            **{k: v for k, v in vars(args).items() if k not in ("serve", "out")},
-        },
-        "rounds": rounds,
-        "median": median,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"api_bench-{time.strftime('%Y-%m-%dT%H%M')}-{report['meta']['commit']}.json"
-    path.write_text(json.dumps(report, indent=1))
+    report, path = save_json("api_bench", args, argv, {"rounds": rounds, "median": median}, skip=("serve", "out"))
     print(json.dumps(median))
     print(f"saved {path}", file=sys.stderr)
     return report

@@ -1,7 +1,10 @@
 """What every benchmark records about its run."""
 
+import json
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 
@@ -36,3 +39,21 @@ def freeze_heap() -> None:
 
     gc.collect()
     gc.freeze()
+
+
+def save_json(name: str, args, argv, body: dict, skip: tuple[str, ...] = ("out",)) -> tuple[dict, Path]:
+    """Write {"meta": the run's commit, date, cores, command and options (args but `skip`), **body}
+    to <args.out>/<name>-<date>-<commit>.json; returns (the report, its path)."""
+    meta = {
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cpu": f"{os.cpu_count()} cores",
+        "command": f"python benchmarks/{name}.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **{k: v for k, v in vars(args).items() if k not in skip},
+    }
+    report = {"meta": meta, **body}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{time.strftime('%Y-%m-%dT%H%M')}-{meta['commit']}.json"
+    path.write_text(json.dumps(report, indent=1))
+    return report, path

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.api_bench import stand_in_replica  # noqa: E402
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import save_json  # noqa: E402
 from chatengine import SamplingParams  # noqa: E402
 
 OPENING, ANSWER, RESTART = 1000, 160, 1700
@@ -92,20 +91,7 @@ def main(argv=None) -> dict:
         result = asyncio.run(relay(llm, args.users, args.seconds))
     finally:
         llm.shutdown()
-    report = {
-        "meta": {
-            "commit": commit(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "cpu": f"{os.cpu_count()} cores",
-            "command": "python benchmarks/front_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            **{k: v for k, v in vars(args).items() if k != "out"},
-        },
-        **result,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"front_bench-{time.strftime('%Y-%m-%dT%H%M')}-{report['meta']['commit']}.json"
-    path.write_text(json.dumps(report, indent=1))
+    report, path = save_json("front_bench", args, argv, result)
     print(
         f"{result['output_tok_s']:,.0f} tok/s relayed, {result['turns_s']:.0f} turns/s, API process at "
         f"{result['api_cores']:.2f} cores; saved {path}",
