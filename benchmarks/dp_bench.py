@@ -14,10 +14,13 @@ reply has finished: a closed loop of --users streams.
 
 --model needs a tokenizer and a chat template (a Hugging Face directory: on a GPU machine
 `python benchmarks/random_hf_model.py --tokenizer <dir> --shape llama-3.2-1b --out /tmp/m1b` gives
-random weights of a real shape). One replica is AsyncLLM on GPU 0; N replicas are DataParallelLLM
-on GPUs 0..N-1. Reports output tokens/s, the ratio N : 1 (the goal on two GPUs: >= 1.8x), the prefix
-hit rate (cached / prompt tokens) of each, TTFT p50/p99 and how the router sent the turns. Saves
-JSON + markdown under --out.
+random weights of a real shape). One engine is AsyncLLM on GPU 0 (--one async: the engine thread
+and the clients share a process), or DataParallelLLM with one replica (--one replica: the engine in a
+process of its own behind the API process, as each of the N is), or both; N replicas are
+DataParallelLLM on GPUs 0..N-1. Reports output tokens/s, the ratio N : 1 against the faster one-engine
+row (the goal on two GPUs: >= 1.8x), the prefix hit rate (cached / prompt tokens) of each, TTFT
+p50/p99, how the router sent the turns, and the CPU of the benchmark's process (all its threads, and
+its event loop's thread alone: near 1.0 the loop is the limit). Saves JSON + markdown under --out.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -53,14 +57,15 @@ def workload(tok, args) -> tuple[list[str], list[Conversation]]:
     return personas, conversations
 
 
-def make_engine(replicas: int, args):
+def make_engine(kind: str, args):
+    """kind: "async" (AsyncLLM) or a replica count ("1", "2", ...) for DataParallelLLM."""
     from chatengine import AsyncLLM, DataParallelLLM
 
     options = {"device": args.device, **json.loads(args.engine_options)}
     options = {k: v for k, v in options.items() if v is not None}
-    if replicas == 1:
+    if kind == "async":
         return AsyncLLM(args.model, **options)
-    return DataParallelLLM(args.model, data_parallel_size=replicas, **options)
+    return DataParallelLLM(args.model, data_parallel_size=int(kind), **options)
 
 
 async def run(engine, personas: list[str], conversations: list[Conversation], args) -> dict:
@@ -97,9 +102,10 @@ async def run(engine, personas: list[str], conversations: list[Conversation], ar
             prompt_tokens += len(ids)
             cached += out.num_cached_tokens
 
-    t0 = time.perf_counter()
+    t0, cpu0, loop0 = time.perf_counter(), _process_cpu(), time.thread_time()
     await asyncio.gather(*(user(i, c) for i, c in enumerate(conversations)))
     wall = time.perf_counter() - t0
+    cpu, loop_cpu = (_process_cpu() - cpu0) / wall, (time.thread_time() - loop0) / wall
     q = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [ttft[0]] * 99
     stats = engine.stats()
     return {
@@ -110,12 +116,27 @@ async def run(engine, personas: list[str], conversations: list[Conversation], ar
         "ttft_p50_ms": q[49],
         "ttft_p99_ms": q[98],
         "router": stats.get("router"),
+        "process_cores": cpu,
+        "loop_cores": loop_cpu,
     }
+
+
+def _process_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 async def _drain(engine, ids, params, user) -> None:
     async for _ in engine.generate(ids, params, user=user):
         pass
+
+
+LABELS = {"1": "1 replica (DataParallelLLM)", "async": "1 engine (AsyncLLM)"}
+
+
+def baseline(rows: dict) -> float:
+    """The one-engine figure the ratios are taken against: the faster of the one-engine rows."""
+    return max(rows[k]["output_tok_s"] for k in ("async", "1") if k in rows)
 
 
 def markdown(report: dict) -> str:
@@ -125,15 +146,16 @@ def markdown(report: dict) -> str:
         "",
         f"`{meta['command']}`",
         "",
-        "| replicas | output tok/s | ratio | prefix hit rate | TTFT p50 | TTFT p99 | routed |",
-        "|---|---|---|---|---|---|---|",
+        "| engine | output tok/s | ratio | prefix hit rate | TTFT p50 | TTFT p99 | process / loop cores | routed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    base = rows["1"]["output_tok_s"]
+    base = baseline(rows)
     for n, r in rows.items():
         routed = ", ".join(f"{k} {v}" for k, v in (r["router"] or {}).items() if k != "load") or "-"
+        cores = f"{r['process_cores']:.2f} / {r['loop_cores']:.2f}" if "loop_cores" in r else "-"
         lines.append(
-            f"| {n} | {r['output_tok_s']:.0f} | {r['output_tok_s'] / base:.2f}x | {r['prefix_hit_rate']:.3f} | "
-            f"{r['ttft_p50_ms']:.1f} ms | {r['ttft_p99_ms']:.1f} ms | {routed} |"
+            f"| {LABELS.get(n, n + ' replicas')} | {r['output_tok_s']:.0f} | {r['output_tok_s'] / base:.2f}x | "
+            f"{r['prefix_hit_rate']:.3f} | {r['ttft_p50_ms']:.1f} ms | {r['ttft_p99_ms']:.1f} ms | {cores} | {routed} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -143,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", required=True, help="a Hugging Face model directory with a tokenizer")
     ap.add_argument("--device", default=None)
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument(
+        "--one",
+        choices=["async", "replica", "both"],
+        default="async",
+        help="the one-engine row: AsyncLLM, DataParallelLLM with one replica, or both (ratios against the faster)",
+    )
     ap.add_argument("--users", type=int, default=128)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--personas", type=int, default=4)
@@ -162,14 +190,19 @@ def main(argv=None) -> dict:
     tok = AutoTokenizer.from_pretrained(args.model)
     personas, conversations = workload(tok, args)
     results = {}
-    for replicas in (1, args.replicas):
-        engine = make_engine(replicas, args)
+    kinds = {"async": ["async"], "replica": ["1"], "both": ["async", "1"]}[args.one] + [str(args.replicas)]
+    for kind in kinds:
+        engine = make_engine(kind, args)
         try:
-            results[str(replicas)] = asyncio.run(run(engine, personas, conversations, args))
+            results[kind] = asyncio.run(run(engine, personas, conversations, args))
         finally:
             engine.shutdown()
-        r = results[str(replicas)]
-        print(f"{replicas} replica(s): {r['output_tok_s']:.0f} tok/s, hit {r['prefix_hit_rate']:.3f}", flush=True)
+        r = results[kind]
+        print(
+            f"{LABELS.get(kind, kind + ' replicas')}: {r['output_tok_s']:.0f} tok/s, hit {r['prefix_hit_rate']:.3f}, "
+            f"cores {r['process_cores']:.2f} (loop {r['loop_cores']:.2f})",
+            flush=True,
+        )
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else "CPU"
     meta = {
         "device": f"{device} x{args.replicas}" if device != "CPU" else device,
