@@ -318,6 +318,28 @@ def test_outputs_are_built_only_for_streamed_requests(tiny):
     assert final.outputs[0].finish_reason == "length"
 
 
+def test_stream_interval_sends_the_first_token_then_every_nth_step_and_the_end():
+    """stream_interval=3: a streamed request's outputs after 1, 4, 7 tokens and at its end (8); the
+    tokens are those of interval 1."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    lengths = {}
+    for interval in (1, 3):
+        engine = LLM("dummy:tiny", device="cpu", stream_interval=interval, enable_prefix_caching=False).engine
+        engine.add(engine.make_request([1, 2, 3, 4, 5], sp, request_id="r"))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        lengths[interval] = [len(o.outputs[0].token_ids) for o in outs]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        lengths[f"ids{interval}"] = outs[-1].outputs[0].token_ids
+        engine.close()
+    assert lengths[1] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert lengths[3] == [1, 4, 7, 8]
+    assert lengths["ids1"] == lengths["ids3"]
+    with pytest.raises(ValueError, match="stream_interval"):
+        LLM("dummy:tiny", device="cpu", stream_interval=0)
+
+
 def test_a_request_finishes_when_all_its_samples_have(tiny):
     engine = tiny.engine
     sp = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True)

@@ -55,6 +55,7 @@ ENGINE_FLAGS = (
     "gpu_memory_utilization",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "stream_interval",
     "max_model_len",
     "tensor_parallel_size",
     "data_parallel_size",
@@ -435,6 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-num-seqs", type=int, default=None, help="most sequences in one engine step (engine default 256)"
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="a streamed reply's chunk every N engine steps, its first token at once (engine default 1): "
+        "fewer, longer chunks cost the API process less per token under many streams",
     )
     p.add_argument(
         "--max-num-batched-tokens",

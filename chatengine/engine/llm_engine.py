@@ -380,9 +380,18 @@ class LLMEngine:
             if req.finished:
                 del self.requests[req.request_id]
                 outputs.append(self._output(req))
-            elif req.stream:  # an output copies every token list: only for those who stream
+            elif req.stream and self._stream_now(req):  # an output copies every token list
                 outputs.append(self._output(req))
         return outputs
+
+    def _stream_now(self, req: Request) -> bool:
+        """A streaming request's output this step? Its first at once, then every stream_interval-th."""
+        held = req.held_steps
+        if held is not None and held + 1 < self.config.stream_interval:
+            req.held_steps = held + 1
+            return False
+        req.held_steps = 0
+        return True
 
     def _record_logprobs(self, seqs: list[Sequence], sampled: list, logprobs: dict, prompt: dict) -> None:
         for seq, _, _ in sampled:

@@ -23,6 +23,7 @@ class Request:
         self.first_token_time: float | None = None
         self.num_finished = 0  # sequences finished so far (counted by LLMEngine._finish)
         self.stream = True  # False: step() returns its output only once it has finished
+        self.held_steps: int | None = None  # streaming: steps since its last output (None: none yet)
         self.grammar = None  # the compiled structured-output grammar its sequences follow
         # with params.prompt_logprobs: per prompt token so far (none predicts the first)
         self.prompt_logprobs: list[dict[int, float] | None] | None = (

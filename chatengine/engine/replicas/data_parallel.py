@@ -26,7 +26,7 @@ import torch
 from chatengine.config import EngineConfig
 from chatengine.engine.facade import EngineFacade
 from chatengine.engine.front import EngineFront
-from chatengine.engine.kv.hashing import hash_blocks, load_or_create_secret, salt_start_block, user_salt
+from chatengine.engine.kv.hashing import extend_chain, load_or_create_secret, salt_extra, salt_start_block, user_salt
 from chatengine.engine.loader import load_model
 from chatengine.engine.model_runner import context_len, resolve_device_dtype
 from chatengine.engine.output_queue import Mailbox, follow, make_request
@@ -40,6 +40,14 @@ ROUTER_ROOT = b"chatengine/router"  # the router's own hash chains: never compar
 
 
 @dataclass
+class _Chain:
+    """A request's chain of the router's block hashes, and the salt field of its private blocks."""
+
+    hashes: list[bytes]
+    extra: bytes
+
+
+@dataclass
 class _Running:
     """A request in flight: where it went, who waits for it, what has come back."""
 
@@ -47,8 +55,8 @@ class _Running:
     loop: asyncio.AbstractEventLoop
     queue: Mailbox  # an _Outputs, or an exception put in its place
     assembler: OutputAssembler
-    user: str | None
     first_private_block: int
+    chain: _Chain | None  # the router's hash chain of the prompt (None: one replica, no routing)
 
 
 class DataParallelLLM(EngineFacade):
@@ -106,19 +114,19 @@ class DataParallelLLM(EngineFacade):
         first = salt_start_block(self.front.public_prefix_len(ids), self.front.config.block_size)
         # one replica (serve --engine-process) has no choice to make: its requests are not hashed
         # (twice a request, ~0.2 ms each for a 2k-token conversation)
-        hashes = self._hashes(ids, user, first) if self.size > 1 else []
+        chain = self._chain(ids, user, first) if self.size > 1 else None
         queue = _Outputs()
         with self._lock:
             if req.request_id in self._running:
                 raise ValueError(f"request id {req.request_id!r} is already running")
-            route = self.router.route(hashes)
+            route = self.router.route(chain.hashes[first:] if chain is not None else [])
             running = _Running(
                 route.replica,
                 asyncio.get_running_loop(),
                 queue,
                 OutputAssembler(req.request_id, req.prompt, ids),
-                user,
                 first,
+                chain,
             )
             self._running[req.request_id] = running
         message = ("add", req.request_id, req.prompt, ids, req.params, user)
@@ -149,10 +157,15 @@ class DataParallelLLM(EngineFacade):
         if running is not None:
             self.replicas[running.replica].send(("abort", request_id))
 
-    def _hashes(self, token_ids: list[int], user: str | None, first: int) -> list[bytes]:
-        """The router's keys of a sequence's private full blocks (public persona blocks left out)."""
+    def _chain(self, token_ids: list[int], user: str | None, first: int) -> _Chain:
+        """The router's hash chain of a sequence's full blocks; its keys are those from block `first`
+        on (the public persona blocks before it count for no replica)."""
         salt = user_salt(self._router_secret, user)
-        return hash_blocks(ROUTER_ROOT, token_ids, self.front.config.block_size, first, salt)[first:]
+        extra = salt_extra(salt) if salt else b""
+        chain = _Chain([], extra)
+        bs = self.front.config.block_size
+        extend_chain(chain.hashes, ROUTER_ROOT, token_ids, bs, len(token_ids) // bs, first, extra)
+        return chain
 
     # ---- what comes back (listener threads) -----------------------------------------------------
     def _on_out(self, replica: int, deltas: list[Delta], refused: list[tuple[str, str]]) -> None:
@@ -185,10 +198,13 @@ class DataParallelLLM(EngineFacade):
             running = self._running.pop(request_id, None)
         if running is None:
             return None
-        held = []  # hashed outside the lock, which the event loops' new requests need
-        if done is not None and self.size > 1:
-            ids = done.prompt_token_ids + done.token_ids(0)
-            held = self._hashes(ids, running.user, running.first_private_block)
+        held: list[bytes] = []  # hashed outside the lock, which the event loops' new requests need
+        chain = running.chain
+        if done is not None and chain is not None:  # the answer's blocks: the prompt's chain extended
+            ids, bs = done.prompt_token_ids + done.token_ids(0), self.front.config.block_size
+            known = len(chain.hashes)
+            extend_chain(chain.hashes, ROUTER_ROOT, ids, bs, len(ids) // bs, running.first_private_block, chain.extra)
+            held = chain.hashes[max(known, running.first_private_block) :]
         with self._lock:
             self.router.finished(running.replica, held)
         return running
