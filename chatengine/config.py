@@ -24,8 +24,9 @@ class EngineConfig:
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     # a streaming request's output every this many of its steps (its first token and its end at
-    # once): fewer, longer chunks cost whoever relays them less per token (replicas' API process)
-    stream_interval: int = 1
+    # once): fewer, longer chunks cost whoever relays them less per token. None: 1 in one engine, 2 in
+    # each of several data-parallel replicas (their one API process relays every replica's tokens)
+    stream_interval: int | None = None
     max_model_len: int | None = None  # None: the model's context, capped at 8192
     max_n: int = 16  # limit on SamplingParams.n
     max_tokens_limit: int | None = None  # limit on SamplingParams.max_tokens (None: max_model_len)
@@ -58,7 +59,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two in [1, 256] (16 is usual), got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not isinstance(self.stream_interval, int) or not 1 <= self.stream_interval <= 64:
+        if self.stream_interval is not None and (
+            not isinstance(self.stream_interval, int) or not 1 <= self.stream_interval <= 64
+        ):
             raise ValueError(f"stream_interval must be an integer in [1, 64] (steps), got {self.stream_interval!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

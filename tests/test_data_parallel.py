@@ -16,7 +16,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from chatengine import LLM, DataParallelLLM, SamplingParams, StructuredOutputs
-from chatengine.engine.replicas.data_parallel import _Outputs, _Running
+from chatengine.config import EngineConfig
+from chatengine.engine.replicas.data_parallel import _Outputs, _placement, _Running
 from chatengine.engine.replicas.deltas import OutputAssembler
 
 SETTINGS = dict(num_kv_blocks=96, max_num_batched_tokens=128, register_personas=False)
@@ -249,7 +250,7 @@ def test_a_dead_replica_fails_only_its_own_requests(dp):
     # others from being failed
     closed = asyncio.new_event_loop()
     closed.close()
-    dp._running["ghost"] = _Running(1, closed, asyncio.Queue(), OutputAssembler("ghost", None, [1]), "g", 0)
+    dp._running["ghost"] = _Running(1, closed, asyncio.Queue(), OutputAssembler("ghost", None, [1]), 0, None)
 
     async def run():
         slow = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -384,3 +385,14 @@ async def _drain(stream) -> None:
 async def _all(engine, prompts):
     outs = await asyncio.gather(*[last(engine, p, user=f"t{i}") for i, p in enumerate(prompts)])
     return [o.outputs[0].token_ids for o in outs]
+
+
+def test_several_replicas_stream_two_tokens_a_chunk_unless_told():
+    """Their one API process relays every replica's tokens: two a chunk by default, one for a single
+    replica, and what the caller set wins."""
+    cpu = __import__("torch").device("cpu")
+    intervals = lambda config, size: [s.config.stream_interval for s in _placement(config, cpu, size)]  # noqa: E731
+    assert intervals(EngineConfig(), 2) == [2, 2]
+    assert intervals(EngineConfig(), 1) == [1]
+    assert intervals(EngineConfig(stream_interval=1), 3) == [1, 1, 1]
+    assert intervals(EngineConfig(stream_interval=4), 1) == [4]

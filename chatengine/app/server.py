@@ -441,8 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream-interval",
         type=int,
         default=None,
-        help="a streamed reply's chunk every N engine steps, its first token at once (engine default 1): "
-        "fewer, longer chunks cost the API process less per token under many streams",
+        help="a streamed reply's chunk every N engine steps, its first token at once (default 1, 2 with "
+        "--data-parallel-size > 1): fewer, longer chunks cost the API process less per token",
     )
     p.add_argument(
         "--max-num-batched-tokens",

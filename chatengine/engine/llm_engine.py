@@ -387,7 +387,7 @@ class LLMEngine:
     def _stream_now(self, req: Request) -> bool:
         """A streaming request's output this step? Its first at once, then every stream_interval-th."""
         held = req.held_steps
-        if held is not None and held + 1 < self.config.stream_interval:
+        if held is not None and held + 1 < (self.config.stream_interval or 1):
             req.held_steps = held + 1
             return False
         req.held_steps = 0
