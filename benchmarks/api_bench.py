@@ -39,7 +39,8 @@ WORDS = [" the", " of", " and", " to", " a", " in", " that", " is", " was", "é"
 
 def stand_in_replica(spec, conn) -> None:
     """A replica's process without an engine (replica.py's pipe protocol): one token a running
-    request every FAKE_STEP_S seconds, the step's deltas in one ("out", deltas, []) message."""
+    request every FAKE_STEP_S seconds, the step's deltas in one ("out", deltas, []) message; a
+    request's delta every stream_interval steps (its first token and its end at once), as an engine's."""
     from chatengine.engine.replicas.deltas import DeltaEncoder
     from chatengine.outputs import CompletionOutput, RequestOutput
 
@@ -65,7 +66,7 @@ def stand_in_replica(spec, conn) -> None:
                     return
 
     threading.Thread(target=read, daemon=True).start()
-    encoder, k = DeltaEncoder(), 0
+    encoder, k, interval = DeltaEncoder(), 0, spec.config.stream_interval or 1
     while not stop.is_set():
         t0 = time.monotonic()
         deltas = []
@@ -82,7 +83,8 @@ def stand_in_replica(spec, conn) -> None:
                 if done:
                     c.finish_reason = "abort" if aborted else "length"
                     del running[rid]
-                deltas.append(encoder.encode(RequestOutput(rid, None, ids, [c], 0, done, None, arrival, arrival)))
+                if done or len(c.token_ids) % interval == 1 % interval:
+                    deltas.append(encoder.encode(RequestOutput(rid, None, ids, [c], 0, done, None, arrival, arrival)))
         if deltas:
             conn.send(("out", deltas, []))
         time.sleep(max(0.0, step_s - (time.monotonic() - t0)))
