@@ -8,7 +8,8 @@
 #       the nano-vllm workload in bf16 at TP=1 and TP=2 (goal >= 1.6x)                  (2 GPUs)
 # big   benchmarks/tp_bench.py --part big: a 70B Llama shape served at TP=4              (4 GPUs)
 # dp    benchmarks/dp_bench.py: the chat workload (128 users x 4 turns on 4 public personas) on one
-#       engine and on 2 replicas (goal >= 1.8x, the prefix hit rate kept); needs TOK (a random
+#       engine (AsyncLLM and one replica) and on 2 replicas, then at 512 users (one replica full) one
+#       replica against 2 (goal >= 1.8x, the prefix hit rate kept); needs TOK (a random
 #       llama-3.2-1b around that tokenizer is made with benchmarks/random_hf_model.py)   (2 GPUs)
 # ar    benchmarks/allreduce_bench.py: a decode step's 65 all-reduces alone, per NCCL protocol    (2 GPUs)
 #       and benchmarks/tp_bench.py --part profile: eager decode steps at TP=1 and TP=2 under torch.profiler
@@ -39,7 +40,8 @@ for part in "${parts[@]}"; do
     dp)
       if [ -z "${TOK:-}" ]; then echo "dp needs TOK=<tokenizer dir>"; continue; fi
       [ -d /tmp/m1b ] || step python benchmarks/random_hf_model.py --tokenizer "$TOK" --shape llama-3.2-1b --out /tmp/m1b
-      step python benchmarks/dp_bench.py --model /tmp/m1b --replicas 2 ;;
+      step python benchmarks/dp_bench.py --model /tmp/m1b --replicas 2 --one both
+      step python benchmarks/dp_bench.py --model /tmp/m1b --replicas 2 --one replica --users 512 ;;
     http)
       step python benchmarks/serve_bench.py --targets async http --cache on --rates 20 --requests 200 \
         --concurrency 256 --engine-process ;;
