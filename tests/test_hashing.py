@@ -270,3 +270,22 @@ def test_chain_memo_gives_the_fresh_chain_and_reuses_only_alike_blocks():
     assert [x is y for x, y in zip(ha, hb)] == [True] * 5 + [False] * 2
     memo.extend(hc, root, b, bs, len(b) // bs, 3, salt_extra(b"u2"))  # another user: the 3 public blocks
     assert [x is y for x, y in zip(hb, hc)] == [True] * 3 + [False] * 4
+
+
+def test_chain_memo_starts_from_the_longest_shared_prefix_of_any_entry():
+    """The newest entry shares 3 blocks, an older one 8, and one in between agrees on the block after
+    the first entry's 3 but not before it: the chain reuses the older entry's 8 blocks."""
+    from chatengine.engine.kv.hashing import ChainMemo
+
+    memo, bs, root = ChainMemo(size=8), 4, b"r" * 16
+    new = list(range(100, 140))  # 10 blocks
+    older = new[:32] + [1] * 8  # 8 blocks alike
+    middle = new[:4] + [2] * 8 + new[12:16] + [3] * 20  # block 0 and block 3 alike, 1-2 not
+    newest = new[:12] + [4] * 28  # 3 blocks alike
+    chains = {}
+    for name, toks in (("older", older), ("middle", middle), ("newest", newest)):
+        chains[name] = []
+        memo.extend(chains[name], root, toks, bs, len(toks) // bs)
+    got: list[bytes] = []
+    memo.extend(got, root, new, bs, len(new) // bs)
+    assert [x is y for x, y in zip(got, chains["older"])] == [True] * 8 + [False] * 2

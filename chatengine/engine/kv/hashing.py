@@ -141,7 +141,14 @@ class ChainMemo:
                 limit = min(len(hs), num_blocks)
                 if (ef, ex) != (extra_from, extra):
                     limit = min(limit, ef, extra_from)  # the unsalted blocks only
-                if limit > best_n and toks[:block_size] == first:
+                # it can beat the best so far only if it shares the block after the best's (a chat's
+                # recent prompts share a persona: without this each was searched block by block)
+                at = best_n * block_size
+                if (
+                    limit > best_n
+                    and toks[:block_size] == first
+                    and (not best_n or toks[at : at + block_size] == token_ids[at : at + block_size])
+                ):
                     n = _shared_blocks(toks, token_ids, block_size, limit)
                     if n > best_n:
                         best, best_n = hs, n
@@ -155,13 +162,14 @@ class ChainMemo:
 
 def _shared_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
     """The most whole blocks (<= limit) that a and b begin with alike (they share the first): all
-    of them, or a binary search (~8 slice comparisons for a 2k-token prompt)."""
+    of them, or a binary search (~8 slice comparisons for a 2k-token prompt, each of the blocks
+    not yet known alike)."""
     if a[: limit * block_size] == b[: limit * block_size]:
         return limit
     lo, hi = 1, limit - 1  # a and b agree on lo blocks; they differ within the first hi + 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[: mid * block_size] == b[: mid * block_size]:
+        if a[lo * block_size : mid * block_size] == b[lo * block_size : mid * block_size]:
             lo = mid
         else:
             hi = mid - 1
