@@ -190,7 +190,8 @@ def main(argv=None) -> dict:
     tok = AutoTokenizer.from_pretrained(args.model)
     personas, conversations = workload(tok, args)
     results = {}
-    kinds = {"async": ["async"], "replica": ["1"], "both": ["async", "1"]}[args.one] + [str(args.replicas)]
+    kinds = {"async": ["async"], "replica": ["1"], "both": ["async", "1"]}[args.one]
+    kinds += [str(args.replicas)] if args.replicas > 1 else []
     for kind in kinds:
         engine = make_engine(kind, args)
         try:

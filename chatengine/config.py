@@ -25,7 +25,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     # a streaming request's output every this many of its steps (its first token and its end at
     # once): fewer, longer chunks cost whoever relays them less per token. None: 1 in one engine, 2 in
-    # each of several data-parallel replicas (their one API process relays every replica's tokens)
+    # each of several data-parallel replicas (their one API process relays every replica's tokens).
+    # Streams only (AsyncLLM, replicas, the API); a preempted request's held tokens wait for its return
     stream_interval: int | None = None
     max_model_len: int | None = None  # None: the model's context, capped at 8192
     max_n: int = 16  # limit on SamplingParams.n
@@ -59,9 +60,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two in [1, 256] (16 is usual), got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.stream_interval is not None and (
-            not isinstance(self.stream_interval, int) or not 1 <= self.stream_interval <= 64
-        ):
+        interval = self.stream_interval
+        if interval is not None and (type(interval) is not int or not 1 <= interval <= 64):
             raise ValueError(f"stream_interval must be an integer in [1, 64] (steps), got {self.stream_interval!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -336,8 +336,9 @@ def test_stream_interval_sends_the_first_token_then_every_nth_step_and_the_end()
     assert lengths[1] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert lengths[3] == [1, 4, 7, 8]
     assert lengths["ids1"] == lengths["ids3"]
-    with pytest.raises(ValueError, match="stream_interval"):
-        LLM("dummy:tiny", device="cpu", stream_interval=0)
+    for bad in (0, 65, True, 1.5):
+        with pytest.raises(ValueError, match="stream_interval"):
+            LLM("dummy:tiny", device="cpu", stream_interval=bad)
 
 
 def test_a_request_finishes_when_all_its_samples_have(tiny):

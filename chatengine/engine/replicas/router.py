@@ -70,7 +70,8 @@ class Router:
         return route
 
     def finished(self, replica: int, block_hashes: list[bytes]) -> None:
-        """A request sent to `replica` is done; it now holds `block_hashes` (prompt and answer)."""
+        """A request sent to `replica` is done; it now holds `block_hashes` too (its answer's blocks:
+        the prompt's were remembered when it was routed)."""
         self.load[replica] = max(0, self.load[replica] - 1)
         if self.alive[replica]:
             self.remember(replica, block_hashes)
