@@ -77,6 +77,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--users", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=2.0, help="the stand-in replicas' step")
     ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument(
+        "--stream-interval", type=int, default=None, help="the replicas' chunk: a delta every N steps (default: theirs)"
+    )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     os.environ["CHATENGINE_API_BENCH_STEP_S"] = str(args.step_ms / 1000)  # the stand-ins read it
@@ -85,7 +88,12 @@ def main(argv=None) -> dict:
 
     handle.replica = types.SimpleNamespace(main=stand_in_replica)  # what ReplicaHandle spawns
     llm = DataParallelLLM(
-        args.model, data_parallel_size=args.replicas, device="cpu", register_personas=False, max_model_len=2048
+        args.model,
+        data_parallel_size=args.replicas,
+        device="cpu",
+        register_personas=False,
+        max_model_len=2048,
+        stream_interval=args.stream_interval,
     )
     try:
         result = asyncio.run(relay(llm, args.users, args.seconds))
