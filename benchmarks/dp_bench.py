@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -102,10 +101,10 @@ async def run(engine, personas: list[str], conversations: list[Conversation], ar
             prompt_tokens += len(ids)
             cached += out.num_cached_tokens
 
-    t0, cpu0, loop0 = time.perf_counter(), _process_cpu(), time.thread_time()
+    t0, cpu0, loop0 = time.perf_counter(), time.process_time(), time.thread_time()
     await asyncio.gather(*(user(i, c) for i, c in enumerate(conversations)))
     wall = time.perf_counter() - t0
-    cpu, loop_cpu = (_process_cpu() - cpu0) / wall, (time.thread_time() - loop0) / wall
+    cpu, loop_cpu = (time.process_time() - cpu0) / wall, (time.thread_time() - loop0) / wall
     q = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [ttft[0]] * 99
     stats = engine.stats()
     return {
@@ -119,11 +118,6 @@ async def run(engine, personas: list[str], conversations: list[Conversation], ar
         "process_cores": cpu,
         "loop_cores": loop_cpu,
     }
-
-
-def _process_cpu() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 async def _drain(engine, ids, params, user) -> None:
