@@ -40,14 +40,17 @@ WORDS = [" the", " of", " and", " to", " a", " in", " that", " is", " was", "é"
 def stand_in_replica(spec, conn) -> None:
     """A replica's process without an engine (replica.py's pipe protocol): one token a running
     request every FAKE_STEP_S seconds, the step's deltas in one ("out", deltas, []) message; a
-    request's delta every stream_interval steps (its first token and its end at once), as an engine's."""
+    request's delta every stream_interval steps (its first token and its end at once), as an engine's,
+    or as a replica's engine chunks them when it is None (replica.relay_interval)."""
     from chatengine.engine.replicas.deltas import DeltaEncoder
+    from chatengine.engine.replicas.replica import relay_interval
     from chatengine.outputs import CompletionOutput, RequestOutput
 
     step_s = float(os.environ["CHATENGINE_API_BENCH_STEP_S"])
     conn.send(("ready", {"num_blocks": 1 << 20, "model_id": "stand-in", "stats": {}}))
     lock, stop = threading.Lock(), threading.Event()
-    running: dict[str, list] = {}  # request id -> [max_tokens, aborted, arrival, prompt ids, CompletionOutput]
+    # request id -> [max_tokens, aborted, arrival, prompt ids, CompletionOutput, steps held]
+    running: dict[str, list] = {}
 
     def read() -> None:
         while True:
@@ -58,7 +61,7 @@ def stand_in_replica(spec, conn) -> None:
             with lock:
                 if m[0] == "add":
                     c = CompletionOutput(0, "", [], logprobs=[] if m[4].logprobs is not None else None)
-                    running[m[1]] = [m[4].max_tokens, False, time.monotonic(), m[3], c]
+                    running[m[1]] = [m[4].max_tokens, False, time.monotonic(), m[3], c, None]
                 elif m[0] == "abort" and m[1] in running:
                     running[m[1]][1] = True
                 elif m[0] == "stop":
@@ -66,12 +69,14 @@ def stand_in_replica(spec, conn) -> None:
                     return
 
     threading.Thread(target=read, daemon=True).start()
-    encoder, k, interval = DeltaEncoder(), 0, spec.config.stream_interval or 1
+    encoder, k, relay = DeltaEncoder(), 0, relay_interval(getattr(spec, "replicas", 1))
     while not stop.is_set():
         t0 = time.monotonic()
         deltas = []
         with lock:
-            for rid, (max_tokens, aborted, arrival, ids, c) in list(running.items()):
+            interval = spec.config.stream_interval or relay(len(running))
+            for rid, entry in list(running.items()):
+                max_tokens, aborted, arrival, ids, c, held = entry
                 if not aborted:
                     k += 1
                     c.token_ids.append(k % 256)
@@ -83,7 +88,8 @@ def stand_in_replica(spec, conn) -> None:
                 if done:
                     c.finish_reason = "abort" if aborted else "length"
                     del running[rid]
-                if done or len(c.token_ids) % interval == 1 % interval:
+                entry[5] = 0 if done or held is None or held + 1 >= interval else held + 1
+                if entry[5] == 0:
                     deltas.append(encoder.encode(RequestOutput(rid, None, ids, [c], 0, done, None, arrival, arrival)))
         if deltas:
             conn.send(("out", deltas, []))

@@ -114,6 +114,7 @@ def test_the_router_learns_an_answers_blocks_under_its_users_salt(dp):
     on the replica that made it, keyed as a fresh chain salted for that user hashes them; another
     user's keys for the same tokens are none of them."""
     from chatengine.engine.kv.hashing import salt_start_block
+    from chatengine.engine.replicas.chains import RouterChains
 
     prompt = chat_ids(dp, "Describe the harbour at dawn in many words.")
     out = asyncio.run(last(dp, prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), user="carol"))
@@ -121,9 +122,10 @@ def test_the_router_learns_an_answers_blocks_under_its_users_salt(dp):
     first = salt_start_block(dp.front.public_prefix_len(ids), bs)
     assert len(ids) // bs - len(prompt) // bs >= 3  # the answer fills blocks of its own
     owners = dp.router._owner
-    mine = dp._chain(ids, "carol", first).hashes[first:]
+    fresh = RouterChains(dp.chains.secret, bs)  # no memory of carol's turns: every block hashed anew
+    mine = fresh.of_prompt(ids, "carol", first).hashes[first:]
     assert len({owners.get(h) for h in mine}) == 1 and owners.get(mine[-1]) is not None
-    assert not any(h in owners for h in dp._chain(ids, "dave", first).hashes[first:])
+    assert not any(h in owners for h in fresh.of_prompt(ids, "dave", first).hashes[first:])
 
 
 def test_another_user_never_hits_a_private_conversation(dp):
@@ -267,7 +269,7 @@ def test_a_dead_replica_fails_only_its_own_requests(dp):
     # others from being failed
     closed = asyncio.new_event_loop()
     closed.close()
-    dp._running["ghost"] = _Running(1, closed, asyncio.Queue(), OutputAssembler("ghost", None, [1]), 0, None)
+    dp._running["ghost"] = _Running(1, closed, asyncio.Queue(), OutputAssembler("ghost", None, [1]), None)
 
     async def run():
         slow = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -406,12 +408,15 @@ async def _all(engine, prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_several_replicas_stream_two_tokens_a_chunk_unless_told():
-    """Their one API process relays every replica's tokens: two a chunk by default, one for a single
-    replica, and what the caller set wins."""
+def test_replicas_chunk_their_streams_as_more_run_unless_told():
+    """Their one API process relays every replica's tokens: a token a chunk while all replicas
+    together run up to 128 streams, then longer chunks (up to 4 steps); what the caller set wins."""
+    from chatengine.engine.replicas.replica import relay_interval
+
     cpu = __import__("torch").device("cpu")
-    intervals = lambda config, size: [s.config.stream_interval for s in _placement(config, cpu, size)]  # noqa: E731
-    assert intervals(EngineConfig(), 2) == [2, 2]
-    assert intervals(EngineConfig(), 1) == [1]
-    assert intervals(EngineConfig(stream_interval=1), 3) == [1, 1, 1]
-    assert intervals(EngineConfig(stream_interval=4), 1) == [4]
+    specs = lambda config, size: _placement(config, cpu, size)  # noqa: E731
+    assert [(s.config.stream_interval, s.replicas) for s in specs(EngineConfig(), 2)] == [(None, 2), (None, 2)]
+    assert [s.config.stream_interval for s in specs(EngineConfig(stream_interval=3), 3)] == [3, 3, 3]
+    two, one = relay_interval(2), relay_interval(1)
+    assert [two(n) for n in (0, 1, 64, 65, 128, 129, 192, 193, 256, 1000)] == [1, 1, 1, 2, 2, 3, 3, 4, 4, 4]
+    assert [one(n) for n in (1, 128, 129, 256, 512)] == [1, 1, 2, 2, 4]

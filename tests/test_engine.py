@@ -341,6 +341,25 @@ def test_stream_interval_sends_the_first_token_then_every_nth_step_and_the_end()
             LLM("dummy:tiny", device="cpu", stream_interval=bad)
 
 
+def test_a_relay_sets_the_chunks_of_streams_unless_stream_interval_does():
+    """relay_interval (a replica's) maps the running sequences to the steps between outputs; the
+    engine's figures say the interval in force; a configured stream_interval wins."""
+    sp = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    for configured, expected in ((None, [1, 3, 5, 7]), (1, [1, 2, 3, 4, 5, 6, 7])):
+        engine = LLM("dummy:tiny", device="cpu", stream_interval=configured, enable_prefix_caching=False).engine
+        assert engine.stream_interval() == (configured or 1)  # no relay: a token a chunk
+        seen = []
+        engine.relay_interval = lambda n: seen.append(n) or 2
+        engine.add(engine.make_request([1, 2, 3, 4, 5], sp, request_id="r"))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert [len(o.outputs[0].token_ids) for o in outs] == expected
+        assert engine.stats()["stream_interval"] == (configured or 2)
+        assert (1 in seen) == (configured is None)  # asked with the one running sequence
+        engine.close()
+
+
 def test_a_request_finishes_when_all_its_samples_have(tiny):
     engine = tiny.engine
     sp = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True)

@@ -12,6 +12,7 @@ them stops (EOS, a stop string) is found one step later, at the cost of one wast
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 from chatengine.config import EngineConfig
 from chatengine.engine.front import EngineFront
@@ -72,6 +73,9 @@ class LLMEngine:
         root = model_fingerprint(self.model_id, self.weights_digest, numerics, KV_LAYOUT, config.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, root)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        # whoever relays this engine's streams (a replica's API process) may ask for longer chunks
+        # as more run: running sequences -> steps between a stream's outputs (stream_interval None)
+        self.relay_interval: Callable[[int], int] | None = None
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         )
@@ -376,18 +380,29 @@ class LLMEngine:
                 self._check_stop(req, seq, token_id)
             touched[req.request_id] = req
         outputs = []
+        interval = self.stream_interval()
         for req in touched.values():
             if req.finished:
                 del self.requests[req.request_id]
                 outputs.append(self._output(req))
-            elif req.stream and self._stream_now(req):  # an output copies every token list
+            elif req.stream and self._stream_now(req, interval):  # an output copies every token list
                 outputs.append(self._output(req))
         return outputs
 
-    def _stream_now(self, req: Request) -> bool:
-        """A streaming request's output this step? Its first at once, then every stream_interval-th."""
+    def stream_interval(self) -> int:
+        """Steps between a stream's outputs now: the configured number, else what the streams' relay
+        asks for at this many running sequences (relay_interval), else 1."""
+        if self.config.stream_interval is not None:
+            return self.config.stream_interval
+        if self.relay_interval is None:
+            return 1
+        return self.relay_interval(len(self.scheduler.running))
+
+    @staticmethod
+    def _stream_now(req: Request, interval: int) -> bool:
+        """A streaming request's output this step? Its first at once, then every interval-th."""
         held = req.held_steps
-        if held is not None and held + 1 < (self.config.stream_interval or 1):
+        if held is not None and held + 1 < interval:
             req.held_steps = held + 1
             return False
         req.held_steps = 0
@@ -513,6 +528,7 @@ class LLMEngine:
             **self.block_manager.stats(),
             **tiers,
             "num_running": len(self.scheduler.running),
+            "stream_interval": self.stream_interval(),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_forks": self.num_forks,

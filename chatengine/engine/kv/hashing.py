@@ -159,6 +159,10 @@ class ChainMemo:
             self.entries.append((token_ids, hashes, extra_from, extra))
         extend_chain(hashes, root, token_ids, block_size, num_blocks, extra_from, extra)
 
+    def remember(self, token_ids: list[int], hashes: list[bytes], extra_from: int = 0, extra: bytes = b"") -> None:
+        """Keep a chain made elsewhere (hashes of token_ids' first blocks, neither list changed after)."""
+        self.entries.append((token_ids, hashes, extra_from, extra))
+
 
 def _shared_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
     """The most whole blocks (<= limit) that a and b begin with alike (they share the first): all

@@ -26,25 +26,17 @@ import torch
 from chatengine.config import EngineConfig
 from chatengine.engine.facade import EngineFacade
 from chatengine.engine.front import EngineFront
-from chatengine.engine.kv.hashing import extend_chain, load_or_create_secret, salt_extra, salt_start_block, user_salt
+from chatengine.engine.kv.hashing import load_or_create_secret, salt_start_block
 from chatengine.engine.loader import load_model
 from chatengine.engine.model_runner import context_len, resolve_device_dtype
 from chatengine.engine.output_queue import Mailbox, follow, make_request
+from chatengine.engine.replicas.chains import Chain, RouterChains
 from chatengine.engine.replicas.deltas import Delta, OutputAssembler
 from chatengine.engine.replicas.handle import ReplicaHandle
 from chatengine.engine.replicas.replica import WARM, ReplicaSpec
 from chatengine.engine.replicas.router import Router
 
 MAX_REPLICAS = 64
-ROUTER_ROOT = b"chatengine/router"  # the router's own hash chains: never compared with a replica's
-
-
-@dataclass
-class _Chain:
-    """A request's chain of the router's block hashes, and the salt field of its private blocks."""
-
-    hashes: list[bytes]
-    extra: bytes
 
 
 @dataclass
@@ -55,8 +47,7 @@ class _Running:
     loop: asyncio.AbstractEventLoop
     queue: Mailbox  # an _Outputs, or an exception put in its place
     assembler: OutputAssembler
-    first_private_block: int
-    chain: _Chain | None  # the router's hash chain of the prompt (None: one replica, no routing)
+    chain: Chain | None  # the router's hash chain of the prompt (None: one replica, no routing)
 
 
 class DataParallelLLM(EngineFacade):
@@ -77,7 +68,7 @@ class DataParallelLLM(EngineFacade):
         del loaded
         if config.data_dir:  # made once here, before the replicas race to make it: they salt alike
             load_or_create_secret(config.data_dir)
-        self._router_secret = secrets.token_bytes(32)
+        self.chains = RouterChains(secrets.token_bytes(32), config.block_size)
         self.router = Router(data_parallel_size)
         self._lock = threading.Lock()  # the router and the running table: event loops and listeners
         self._running: dict[str, _Running] = {}
@@ -114,7 +105,7 @@ class DataParallelLLM(EngineFacade):
         first = salt_start_block(self.front.public_prefix_len(ids), self.front.config.block_size)
         # one replica (serve --engine-process) has no choice to make: its requests are not hashed
         # (~0.2 ms for a 2k-token conversation, and its answer's blocks at the end)
-        chain = self._chain(ids, user, first) if self.size > 1 else None
+        chain = self.chains.of_prompt(ids, user, first) if self.size > 1 else None
         queue = _Outputs()
         with self._lock:
             if req.request_id in self._running:
@@ -125,7 +116,6 @@ class DataParallelLLM(EngineFacade):
                 asyncio.get_running_loop(),
                 queue,
                 OutputAssembler(req.request_id, req.prompt, ids),
-                first,
                 chain,
             )
             self._running[req.request_id] = running
@@ -156,16 +146,6 @@ class DataParallelLLM(EngineFacade):
         running = self._running.get(request_id)
         if running is not None:
             self.replicas[running.replica].send(("abort", request_id))
-
-    def _chain(self, token_ids: list[int], user: str | None, first: int) -> _Chain:
-        """The router's hash chain of a sequence's full blocks; its keys are those from block `first`
-        on (the public persona blocks before it count for no replica)."""
-        salt = user_salt(self._router_secret, user)
-        extra = salt_extra(salt) if salt else b""
-        chain = _Chain([], extra)
-        bs = self.front.config.block_size
-        extend_chain(chain.hashes, ROUTER_ROOT, token_ids, bs, len(token_ids) // bs, first, extra)
-        return chain
 
     # ---- what comes back (listener threads) -----------------------------------------------------
     def _on_out(self, replica: int, deltas: list[Delta], refused: list[tuple[str, str]]) -> None:
@@ -199,12 +179,8 @@ class DataParallelLLM(EngineFacade):
         if running is None:
             return None
         held: list[bytes] = []  # hashed outside the lock, which the event loops' new requests need
-        chain = running.chain
-        if done is not None and chain is not None:  # the answer's blocks: the prompt's chain extended
-            ids, bs = done.prompt_token_ids + done.token_ids(0), self.front.config.block_size
-            known = len(chain.hashes)
-            extend_chain(chain.hashes, ROUTER_ROOT, ids, bs, len(ids) // bs, running.first_private_block, chain.extra)
-            held = chain.hashes[max(known, running.first_private_block) :]
+        if done is not None and running.chain is not None:  # the answer's blocks
+            held = self.chains.of_answer(running.chain, done.prompt_token_ids + done.token_ids(0))
         with self._lock:
             self.router.finished(running.replica, held)
         return running
@@ -251,9 +227,11 @@ class DataParallelLLM(EngineFacade):
             self._broadcast(("unpersona", name))
 
     def forget_user(self, user: str) -> None:
+        self.chains.forget(user)  # the router's copies of the user's token ids go too
         self._broadcast(("forget", user))
 
     def forget_prompts(self, user: str, prompts: list[list[int]]) -> None:
+        self.chains.forget(user)
         self._broadcast(("forget_prompts", user, [list(p) for p in prompts]))
 
     def _broadcast(self, message: tuple) -> None:
@@ -285,22 +263,21 @@ def _placement(config: EngineConfig, device: torch.device, size: int) -> list[Re
                 f"data_parallel_size={size} x tensor_parallel_size={tp} needs {size * tp} GPUs; this machine "
                 f"shows {len(gpus)}"
             )
-    # two tokens a chunk from each of several replicas: the API process relays all their tokens, and
-    # at one a step it was the limit (dp_bench, 2 x H200, 512 users: 1.62x one replica, 1.88x at two)
-    interval = config.stream_interval or (2 if size > 1 else 1)
     for i in range(size):
-        replica_config = dataclasses.replace(config, device=device.type, stream_interval=interval)
+        replica_config = dataclasses.replace(config, device=device.type)
         if config.kv_store_dir and size > 1:
             replica_config = dataclasses.replace(
                 replica_config, kv_store_dir=os.path.join(config.kv_store_dir, f"replica{i}")
             )
         if device.type == "cuda":
             gpus_of_replica = tuple(gpus[i * tp : (i + 1) * tp])
-            specs.append(ReplicaSpec(i, replica_config, cuda_devices=gpus_of_replica, log_level=log_level))
+            specs.append(
+                ReplicaSpec(i, replica_config, cuda_devices=gpus_of_replica, log_level=log_level, replicas=size)
+            )
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             threads = max(1, cores // size) if size > 1 else None  # one replica: torch's own default
-            specs.append(ReplicaSpec(i, replica_config, num_threads=threads, log_level=log_level))
+            specs.append(ReplicaSpec(i, replica_config, num_threads=threads, log_level=log_level, replicas=size))
     return specs
 
 
@@ -314,7 +291,7 @@ def _sum_stats(each: list[dict]) -> dict:
         if (
             isinstance(value, (int, float))
             and not isinstance(value, bool)
-            and key not in ("block_size", "max_model_len")
+            and key not in ("block_size", "max_model_len", "stream_interval")
         ):
             total[key] = sum(s.get(key, 0) for s in each)
     queried = total.get("prefix_cache_queried_tokens", 0)

@@ -1,0 +1,53 @@
+"""RouterChains: the router's per-user hash chains, started from each user's recent ones."""
+
+from chatengine.engine.kv.hashing import extend_chain, salt_extra, user_salt
+from chatengine.engine.replicas.chains import ROOT, RouterChains
+
+SECRET, BS = b"s" * 32, 4
+
+
+def fresh(ids, user, first):
+    extra = salt_extra(user_salt(SECRET, user)) if user is not None else b""
+    hashes: list[bytes] = []
+    extend_chain(hashes, ROOT, ids, BS, len(ids) // BS, first, extra)
+    return hashes
+
+
+def test_a_prompts_chain_is_the_one_hashed_from_scratch_salted_per_user():
+    chains = RouterChains(SECRET, BS)
+    ids = list(range(1, 23))  # 5 full blocks and a partial one
+    a = chains.of_prompt(ids, "alice", 2)
+    assert a.hashes == fresh(ids, "alice", 2) and len(a.hashes) == 5
+    b = chains.of_prompt(ids, "bob", 2)
+    assert b.hashes[:2] == a.hashes[:2]  # the public blocks (a persona's) alike
+    assert not set(b.hashes[2:]) & set(a.hashes[2:])
+    assert chains.of_prompt(ids, None, 0).hashes == fresh(ids, None, 0)
+
+
+def test_the_next_turn_starts_from_the_answered_chain():
+    chains = RouterChains(SECRET, BS)
+    prompt = list(range(1, 11))  # 2 full blocks, 2 tokens over
+    chain = chains.of_prompt(prompt, "alice", 0)
+    answered = prompt + [50, 51, 52, 53, 54, 55]  # the answer completes blocks 2 and 3
+    held = chains.of_answer(chain, answered)
+    whole = fresh(answered, "alice", 0)
+    assert held == whole[2:4] and len(chain.hashes) == 2  # the prompt's own chain is left as it was
+    turn = answered + [60, 61, 62, 63, 64]
+    nxt = chains.of_prompt(turn, "alice", 0)
+    assert nxt.hashes == fresh(turn, "alice", 0)
+    # taken from the answered chain, not hashed again: the very same objects
+    memo = chains._memos["alice"][1]
+    remembered = next(hs for toks, hs, _, _ in memo.entries if toks == answered)
+    assert all(x is y for x, y in zip(nxt.hashes[:4], remembered))
+    # another user's turn with the same tokens reuses none of alice's private hashes
+    assert chains.of_prompt(turn, "bob", 0).hashes == fresh(turn, "bob", 0)
+
+
+def test_users_beyond_the_bound_are_dropped_oldest_first_and_forget_drops_one():
+    chains = RouterChains(SECRET, BS, users=2)
+    for user in ("a", "b", "a", "c"):  # a seen again: b is the least recent
+        chains.of_prompt(list(range(1, 9)), user, 0)
+    assert list(chains._memos) == ["a", "c"]
+    chains.forget("a")
+    assert list(chains._memos) == ["c"]
+    chains.forget("nobody")  # nothing to drop: no error
