@@ -149,28 +149,36 @@ class DataParallelLLM(EngineFacade):
 
     # ---- what comes back (listener threads) -----------------------------------------------------
     def _on_out(self, replica: int, deltas: list[Delta], refused: list[tuple[str, str]]) -> None:
-        """A step's deltas: each applied to its request's assembler here, and the assembler handed
-        to the caller's mailbox, which makes the RequestOutput when the caller reads it (a caller
-        behind by several steps gets the newest, and the ones it skipped are never made)."""
+        """A step's deltas, handed to each caller's event loop in one batch: there each is applied to
+        its request's assembler (touched on that loop only: no lock between a delta and a read) and
+        the assembler put in the caller's mailbox, which makes the RequestOutput when the caller
+        reads it (a caller behind by several steps gets the newest; the ones skipped are never made)."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for delta in deltas:
             running = self._running.get(delta[0])
-            if running is None:
-                continue
-            if running.assembler.add(delta):
-                self._finish(delta[0], running.assembler)
-            batches.setdefault(running.loop, []).append((running.queue, running.assembler))
+            if running is not None:
+                batches.setdefault(running.loop, []).append((running, delta))
         for request_id, message in refused:
             running = self._finish(request_id)
             if running is not None:
-                batches.setdefault(running.loop, []).append((running.queue, ValueError(message)))
+                batches.setdefault(running.loop, []).append((running, ValueError(message)))
         for loop, batch in batches.items():
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
+                loop.call_soon_threadsafe(self._deliver, batch)
             except RuntimeError:  # the caller's loop has closed: nobody is listening any more
-                for queue, out in batch:
-                    if isinstance(out, OutputAssembler) and not out.finished:
-                        self.replicas[replica].send(("abort", out.request_id))
+                for _, item in batch:
+                    if isinstance(item, tuple):  # a delta: what it finished is done, the rest aborted
+                        _ = self._finish(item[0]) if item[1] else self.replicas[replica].send(("abort", item[0]))
+
+    def _deliver(self, batch: list) -> None:
+        """On a caller's event loop: (request, delta or exception) in a step's order."""
+        for running, item in batch:
+            if isinstance(item, BaseException):
+                running.queue.put_nowait(item)
+                continue
+            if running.assembler.add(item):
+                self._finish(item[0], running.assembler)
+            running.queue.put_nowait(running.assembler)
 
     def _finish(self, request_id: str, done: OutputAssembler | None = None) -> _Running | None:
         """The request is done: its replica now holds its prompt and answer (the router learns so)."""
@@ -316,9 +324,3 @@ class _Outputs(Mailbox):
             if count > self._read:  # else an earlier hand-over's output held it all already
                 self._read = count
                 return out
-
-
-def _put_all(batch: list) -> None:
-    """Runs on a caller's event loop."""
-    for queue, out in batch:
-        queue.put_nowait(out)

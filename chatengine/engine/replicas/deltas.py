@@ -11,8 +11,6 @@ builds a RequestOutput only when its reader asks for one: a reader slower than t
 newest output only, so the ones it skips are never made.
 """
 
-import threading
-
 from chatengine.outputs import CompletionOutput, ListView, RequestOutput
 
 # (index, new token ids, characters of the text kept, text added, finish_reason, stop_reason,
@@ -61,9 +59,9 @@ class DeltaEncoder:
 
 
 class OutputAssembler:
-    """The API process's end, one per request: deltas in (`add`, on the pipe's listener thread),
-    cumulative RequestOutputs out (`output`, on the reader's event loop), each a snapshot that does
-    not change as later deltas arrive."""
+    """The API process's end, one per request: deltas in (`add`), cumulative RequestOutputs out
+    (`output`), each a snapshot that does not change as later deltas arrive. Used on one thread
+    (its caller's event loop): it holds no lock."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
@@ -72,33 +70,31 @@ class OutputAssembler:
         self._head: tuple = (0, False, None, 0.0, None)  # num_cached_tokens, finished, error, times
         self.finished = False
         self.count = 0  # deltas added
-        self._lock = threading.Lock()
 
     def add(self, delta: Delta) -> bool:
         """Apply a delta (appends only: O(what it adds)); True if the request has finished."""
         request_id, finished, error, cached, arrival, first, completions, prompt_logprobs = delta
-        with self._lock:
-            for index, ids, keep, text, finish, stop, logprobs, cumulative in completions:
-                c = self._completions.get(index)
-                if c is None:
-                    c = self._completions[index] = _Completion()
-                c.token_ids += ids
-                if keep == len(c.text):
-                    c.text += text
-                else:  # a stop string's held-back text let go, or cut
-                    c.text = c.text[:keep] + text
-                c.finish_reason, c.stop_reason, c.cumulative_logprob = finish, stop, cumulative
-                if logprobs is not None:
-                    if c.logprobs is None:
-                        c.logprobs = []
-                    c.logprobs += logprobs
-            if prompt_logprobs is not None:
-                if self._prompt_logprobs is None:
-                    self._prompt_logprobs = []
-                self._prompt_logprobs += prompt_logprobs
-            self._head = (cached, finished, error, arrival, first)
-            self.finished = finished
-            self.count += 1
+        for index, ids, keep, text, finish, stop, logprobs, cumulative in completions:
+            c = self._completions.get(index)
+            if c is None:
+                c = self._completions[index] = _Completion()
+            c.token_ids += ids
+            if keep == len(c.text):
+                c.text += text
+            else:  # a stop string's held-back text let go, or cut
+                c.text = c.text[:keep] + text
+            c.finish_reason, c.stop_reason, c.cumulative_logprob = finish, stop, cumulative
+            if logprobs is not None:
+                if c.logprobs is None:
+                    c.logprobs = []
+                c.logprobs += logprobs
+        if prompt_logprobs is not None:
+            if self._prompt_logprobs is None:
+                self._prompt_logprobs = []
+            self._prompt_logprobs += prompt_logprobs
+        self._head = (cached, finished, error, arrival, first)
+        self.finished = finished
+        self.count += 1
         return finished
 
     def output(self) -> RequestOutput:
@@ -107,22 +103,21 @@ class OutputAssembler:
 
     def output_and_count(self) -> tuple[RequestOutput, int]:
         """The output, and how many deltas it holds."""
-        with self._lock:
-            cached, finished, error, arrival, first = self._head
-            prompt_logprobs = self._prompt_logprobs
-            out = RequestOutput(
-                self.request_id,
-                self.prompt,
-                self.prompt_token_ids,
-                [c.snapshot(index) for index, c in sorted(self._completions.items())],
-                cached,
-                finished,
-                error,
-                arrival,
-                first,
-                _Prefix(prompt_logprobs, len(prompt_logprobs)) if prompt_logprobs is not None else None,
-            )
-            return out, self.count
+        cached, finished, error, arrival, first = self._head
+        prompt_logprobs = self._prompt_logprobs
+        out = RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [c.snapshot(index) for index, c in sorted(self._completions.items())],
+            cached,
+            finished,
+            error,
+            arrival,
+            first,
+            _Prefix(prompt_logprobs, len(prompt_logprobs)) if prompt_logprobs is not None else None,
+        )
+        return out, self.count
 
     def apply(self, delta: Delta) -> RequestOutput:
         """add, then output."""
@@ -130,9 +125,8 @@ class OutputAssembler:
         return self.output()
 
     def token_ids(self, index: int = 0) -> list[int]:
-        with self._lock:
-            c = self._completions.get(index)
-            return list(c.token_ids) if c is not None else []
+        c = self._completions.get(index)
+        return list(c.token_ids) if c is not None else []
 
 
 class _Completion:
