@@ -64,7 +64,10 @@ def make_engine(kind: str, args):
     options = {k: v for k, v in options.items() if v is not None}
     if kind == "async":
         return AsyncLLM(args.model, **options)
-    return DataParallelLLM(args.model, data_parallel_size=int(kind), **options)
+    engine = DataParallelLLM(args.model, data_parallel_size=int(kind), **options)
+    if args.no_capacity_rule:  # the router's rebalancing without its replicas' capacity (a comparison)
+        engine.router.capacity = None
+    return engine
 
 
 async def run(engine, personas: list[str], conversations: list[Conversation], args) -> dict:
@@ -102,8 +105,11 @@ async def run(engine, personas: list[str], conversations: list[Conversation], ar
             cached += out.num_cached_tokens
 
     t0, cpu0, loop0 = time.perf_counter(), time.process_time(), time.thread_time()
+    timeline: list = []
+    watcher = asyncio.create_task(watch(engine, t0, timeline))
     await asyncio.gather(*(user(i, c) for i, c in enumerate(conversations)))
     wall = time.perf_counter() - t0
+    watcher.cancel()
     cpu, loop_cpu = (time.process_time() - cpu0) / wall, (time.thread_time() - loop0) / wall
     q = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [ttft[0]] * 99
     stats = engine.stats()
@@ -117,7 +123,30 @@ async def run(engine, personas: list[str], conversations: list[Conversation], ar
         "router": stats.get("router"),
         "process_cores": cpu,
         "loop_cores": loop_cpu,
+        "timeline": timeline,
     }
+
+
+def occupancy(timeline: list) -> str:
+    """Each engine's mean running and waiting sequences over the run's samples."""
+    if not timeline:
+        return "no samples"
+    each = list(zip(*(engines for _, engines in timeline)))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    parts = [f"{mean([r for r, _ in e]):.0f} / {mean([w for _, w in e]):.0f}" for e in each]
+    return "running / waiting " + ", ".join(parts)
+
+
+async def watch(engine, t0: float, timeline: list, every: float = 0.25) -> None:
+    """Every `every` s: (seconds, [(running, waiting) of each engine]) from the engines' own figures
+    (a replica publishes them every 0.2 s): whether a replica queued while another had room."""
+    while True:
+        stats = engine.stats()
+        each = stats.get("replicas") or [stats]
+        timeline.append(
+            (round(time.perf_counter() - t0, 2), [(s.get("num_running", 0), s.get("num_waiting", 0)) for s in each])
+        )
+        await asyncio.sleep(every)
 
 
 async def _drain(engine, ids, params, user) -> None:
@@ -172,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-options", default="{}", help="JSON of engine settings for every replica")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="short messages and replies (a smoke run)")
+    ap.add_argument(
+        "--no-capacity-rule",
+        action="store_true",
+        help="the router ignores its replicas' capacity (max_num_seqs) when it rebalances: a comparison",
+    )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     return ap
 
@@ -195,7 +229,7 @@ def main(argv=None) -> dict:
         r = results[kind]
         print(
             f"{LABELS.get(kind, kind + ' replicas')}: {r['output_tok_s']:.0f} tok/s, hit {r['prefix_hit_rate']:.3f}, "
-            f"cores {r['process_cores']:.2f} (loop {r['loop_cores']:.2f})",
+            f"cores {r['process_cores']:.2f} (loop {r['loop_cores']:.2f}); {occupancy(r['timeline'])}",
             flush=True,
         )
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else "CPU"

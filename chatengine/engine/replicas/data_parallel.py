@@ -69,7 +69,7 @@ class DataParallelLLM(EngineFacade):
         if config.data_dir:  # made once here, before the replicas race to make it: they salt alike
             load_or_create_secret(config.data_dir)
         self.chains = RouterChains(secrets.token_bytes(32), config.block_size)
-        self.router = Router(data_parallel_size)
+        self.router = Router(data_parallel_size, capacity=config.max_num_seqs)
         self._lock = threading.Lock()  # the router and the running table: event loops and listeners
         self._running: dict[str, _Running] = {}
         self._stopped = False

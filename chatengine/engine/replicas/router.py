@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 # (recomputing a prefix costs less than waiting behind a long queue).
 BALANCE_ABS = 8
 BALANCE_REL = 1.5
+# It runs ahead too when a request would queue behind more than BALANCE_ABS others beyond the
+# replica's capacity (the sequences it runs at once) while the least loaded one has a free slot: a
+# short wait for a slot costs the other replica's idle slots little, a long one more than the
+# recomputed history (a prefill of a few thousand tokens, about one of its steps).
 # A match counts when it covers more than this share of the request's private blocks: a next turn
 # matches nearly all of them, a new conversation of the same user at most its opening block or two.
 CACHE_THRESHOLD = 0.5
@@ -40,6 +44,7 @@ class Router:
     balance_rel: float = BALANCE_REL
     cache_threshold: float = CACHE_THRESHOLD
     max_tracked_blocks: int = MAX_TRACKED_BLOCKS
+    capacity: int | None = None  # requests a replica runs at once (max_num_seqs); None: unbounded
     load: list[int] = field(init=False)  # requests in flight per replica
     alive: list[bool] = field(init=False)
     counts: dict[str, int] = field(init=False)  # routes by reason
@@ -107,4 +112,7 @@ class Router:
 
     def _far_ahead(self, replica: int, least: int) -> bool:
         mine, lowest = self.load[replica], self.load[least]
-        return mine - lowest > self.balance_abs and mine > self.balance_rel * lowest
+        if mine - lowest > self.balance_abs and mine > self.balance_rel * lowest:
+            return True
+        cap = self.capacity
+        return cap is not None and mine - cap >= self.balance_abs and lowest < cap
