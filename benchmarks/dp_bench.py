@@ -9,7 +9,8 @@ The workload (fixed by --seed): --users users, each a conversation of --turns tu
 warmed on every replica); a turn is a user message of 32-256 tokens (8-24 with --quick) and a
 reply of 64-256 tokens (4-12), ignore_eos, temperature 0.6; a turn resends the whole history as the
 app does: the token ids of the last prompt, of the reply generated, and of the next user turn
-(chatengine.app.chat.TurnTemplate). Every user starts at once and sends the next turn when the last
+(chatengine.app.chat.TurnTemplate; the messages are tokenized before the clock starts, as clients'
+own work). Every user starts at once and sends the next turn when the last
 reply has finished: a closed loop of --users streams.
 
 --model needs a tokenizer and a chat template (a Hugging Face directory: on a GPU machine
@@ -83,15 +84,21 @@ async def run(engine, personas: list[str], conversations: list[Conversation], ar
 
     turns = TurnTemplate(engine)
 
+    # the client's tokenizing, done before the clock starts: the users' messages are fixed, and 512
+    # conversations opened at once kept the event loop from the engines for seconds (most of a run)
+    opening = [
+        engine.apply_chat_template([{"role": "system", "content": c.system}, {"role": "user", "content": c.users[0]}])
+        for c in conversations
+    ]
+    later = [[turns.user_ids(text) for text in c.users[1:]] for c in conversations]
+
     async def user(index: int, conv: Conversation) -> None:
         nonlocal tokens, prompt_tokens, cached
-        ids = engine.apply_chat_template(
-            [{"role": "system", "content": conv.system}, {"role": "user", "content": conv.users[0]}]
-        )
+        ids = opening[index]
         reply: list[int] = []
         for k in range(args.turns):
             if k:
-                ids = ids + turns.assistant_ids(reply) + turns.user_ids(conv.users[k])
+                ids = ids + turns.assistant_ids(reply) + later[index][k - 1]
             params = SamplingParams(max_tokens=conv.reply_lens[k], temperature=0.6, ignore_eos=True)
             t0, first, out = time.perf_counter(), None, None
             async for out in engine.generate(ids, params, user=f"user{index}"):
