@@ -25,8 +25,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     # a streaming request's output every this many of its steps (its first token and its end at
     # once): fewer, longer chunks cost whoever relays them less per token. None: 1 in one engine; in
-    # data-parallel replicas 1 while they run up to 128 streams together, then growing with them up
-    # to 4 (their one API process relays every replica's tokens: replica.relay_interval).
+    # data-parallel replicas (serve --engine-process's one too) 1 while they run up to 128 streams
+    # together, then growing with them up to 4 (their one API process relays every replica's
+    # tokens: replica.relay_interval).
     # Streams only (AsyncLLM, replicas, the API); a preempted request's held tokens wait for its return
     stream_interval: int | None = None
     max_model_len: int | None = None  # None: the model's context, capped at 8192

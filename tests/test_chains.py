@@ -51,3 +51,33 @@ def test_users_beyond_the_bound_are_dropped_oldest_first_and_forget_drops_one():
     chains.forget("a")
     assert list(chains._memos) == ["c"]
     chains.forget("nobody")  # nothing to drop: no error
+
+
+def test_a_forgotten_user_stays_forgotten_when_a_running_turn_finishes():
+    chains = RouterChains(SECRET, BS)
+    prompt = list(range(1, 11))
+    chain = chains.of_prompt(prompt, "alice", 0)
+    chains.forget("alice")
+    held = chains.of_answer(chain, prompt + [50, 51, 52, 53, 54, 55])
+    assert held == fresh(prompt + [50, 51, 52, 53, 54, 55], "alice", 0)[2:4]  # the router still learns
+    assert "alice" not in chains._memos and chains._held == 0
+
+
+def test_the_answered_chain_replaces_its_prompts_and_tokens_are_bounded():
+    chains = RouterChains(SECRET, BS, tokens=40)
+    prompt = list(range(1, 11))
+    chain = chains.of_prompt(prompt, "alice", 0)
+    chains.of_answer(chain, prompt + [50, 51, 52, 53, 54, 55])
+    memo = chains._memos["alice"][1]
+    assert [len(toks) for toks, _, _, _ in memo.entries] == [16] and chains._held == 16
+    chains.of_prompt(list(range(100, 130)), "bob", 0)  # 30 more: over 40, alice (the oldest) goes
+    assert list(chains._memos) == ["bob"] and chains._held == 30
+
+
+def test_a_caller_changing_its_prompt_list_changes_nothing_remembered():
+    chains = RouterChains(SECRET, BS)
+    prompt = list(range(1, 11))
+    chains.of_prompt(prompt, "alice", 0)
+    prompt[4:8] = [20, 21, 22, 23]  # the caller's list, changed in place after the request
+    again = [1, 2, 3, 4, 20, 21, 22, 23, 9, 10]  # would match the changed list's two blocks
+    assert chains.of_prompt(again, "alice", 0).hashes == fresh(again, "alice", 0)

@@ -263,6 +263,31 @@ def test_the_api_streams_logprobs_and_echo_as_it_answers_them_whole(dp, tmp_path
     assert events[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 6
 
 
+def test_a_delta_that_cannot_be_applied_fails_its_request_only(dp):
+    """_deliver on the caller's loop: a bad delta fails its own request (no hang), the batch's next
+    delta is still delivered, and a stale delta never finishes a later request of the same id."""
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        bad, good = (_Running(0, loop, _Outputs(), OutputAssembler(rid, None, [1]), None) for rid in ("bad", "good"))
+        dp._running.update(bad=bad, good=good)
+        dp.router.load[0] += 2
+        done = ("good", True, None, 0, 0.0, 0.0, [(0, [7], 0, "x", "length", None, None, None)], None)
+        dp._deliver([(bad, ("bad", True, None)), (good, done)])
+        failed = await bad.queue.get()  # follow() raises what it finds there
+        assert isinstance(failed, RuntimeError) and "could not be put together" in str(failed)
+        out = await good.queue.get()
+        assert out.finished and out.outputs[0].token_ids == [7]
+        later = _Running(0, loop, _Outputs(), OutputAssembler("good", None, [1]), None)
+        dp._running["good"] = later  # the id used again: the old request's end must not finish it
+        dp.router.load[0] += 1
+        assert dp._finish("good", expected=good) is None and dp._running["good"] is later
+        assert dp._finish("good", expected=later) is later
+
+    asyncio.run(run())
+    assert "bad" not in dp._running and "good" not in dp._running and dp.router.load == [0, 0]
+
+
 def test_a_dead_replica_fails_only_its_own_requests(dp):
     victim = dp.replicas[1]
     # a request on the victim whose caller's event loop has closed: failing it must not stop the

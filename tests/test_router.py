@@ -55,14 +55,14 @@ def test_a_replica_far_ahead_loses_its_affinity():
 def test_a_full_replica_with_a_queue_loses_its_affinity_to_one_with_a_free_slot():
     r = Router(2, balance_abs=8, capacity=100)
     r.remember(0, chain("a", 3))
-    r.load = [107, 99]  # 7 would wait ahead of it: a short wait, the cache wins
+    r.load = [108, 99]  # 8 would wait ahead of it: a short wait, the cache wins
     assert r.route(chain("a", 4)).reason == "affinity"
-    r.load = [108, 99]  # 8 would wait while replica 1 has a free slot
+    r.load = [109, 99]  # 9 would wait while replica 1 has a free slot
     assert (r.route(chain("a", 4)).replica, r.counts["rebalanced"]) == (1, 1)
     r.load = [120, 100]  # no free slot elsewhere: within the relative threshold, it stays
     assert r.route(chain("a", 4)).reason == "affinity"
     r.capacity = None  # unbounded: only the far-ahead rule
-    r.load = [108, 99]
+    r.load = [109, 99]
     assert r.route(chain("a", 4)).reason == "affinity"
 
 

@@ -159,9 +159,25 @@ class ChainMemo:
             self.entries.append((token_ids, hashes, extra_from, extra))
         extend_chain(hashes, root, token_ids, block_size, num_blocks, extra_from, extra)
 
-    def remember(self, token_ids: list[int], hashes: list[bytes], extra_from: int = 0, extra: bytes = b"") -> None:
-        """Keep a chain made elsewhere (hashes of token_ids' first blocks, neither list changed after)."""
+    def remember(
+        self,
+        token_ids: list[int],
+        hashes: list[bytes],
+        extra_from: int = 0,
+        extra: bytes = b"",
+        replacing: list[int] | None = None,
+    ) -> None:
+        """Keep a chain made elsewhere (hashes of token_ids' first blocks, neither list changed after),
+        in place of the entry of the token list `replacing` (the same list object) if there is one."""
+        if replacing is not None:
+            kept = [e for e in self.entries if e[0] is not replacing]
+            if len(kept) < len(self.entries):
+                self.entries = deque(kept, maxlen=self.entries.maxlen)
         self.entries.append((token_ids, hashes, extra_from, extra))
+
+    def num_tokens(self) -> int:
+        """Token ids the entries hold (what the memo keeps alive)."""
+        return sum(len(e[0]) for e in self.entries)
 
 
 def _shared_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:

@@ -36,6 +36,7 @@ from chatengine.engine.replicas.handle import ReplicaHandle
 from chatengine.engine.replicas.replica import WARM, ReplicaSpec
 from chatengine.engine.replicas.router import Router
 
+log = logging.getLogger("chatengine.replicas")
 MAX_REPLICAS = 64
 
 
@@ -166,26 +167,38 @@ class DataParallelLLM(EngineFacade):
             try:
                 loop.call_soon_threadsafe(self._deliver, batch)
             except RuntimeError:  # the caller's loop has closed: nobody is listening any more
-                for _, item in batch:
-                    if isinstance(item, tuple):  # a delta: what it finished is done, the rest aborted
-                        _ = self._finish(item[0]) if item[1] else self.replicas[replica].send(("abort", item[0]))
+                for running, item in batch:
+                    if not isinstance(item, tuple):
+                        continue
+                    if item[1]:  # finished: counted done
+                        self._finish(item[0], expected=running)
+                    else:
+                        self.replicas[replica].send(("abort", item[0]))
 
     def _deliver(self, batch: list) -> None:
         """On a caller's event loop: (request, delta or exception) in a step's order."""
         for running, item in batch:
-            if isinstance(item, BaseException):
-                running.queue.put_nowait(item)
-                continue
-            if running.assembler.add(item):
-                self._finish(item[0], running.assembler)
-            running.queue.put_nowait(running.assembler)
+            if not isinstance(item, BaseException):
+                try:
+                    if running.assembler.add(item):
+                        self._finish(item[0], running.assembler, expected=running)
+                    item = running.assembler
+                except Exception as e:  # a bug here fails this request, never the batch's others
+                    log.exception("request %s: its output could not be put together", item[0])
+                    self._finish(item[0], expected=running)
+                    item = RuntimeError(f"its output could not be put together: {e}")
+            running.queue.put_nowait(item)
 
-    def _finish(self, request_id: str, done: OutputAssembler | None = None) -> _Running | None:
-        """The request is done: its replica now holds its prompt and answer (the router learns so)."""
+    def _finish(
+        self, request_id: str, done: OutputAssembler | None = None, expected: _Running | None = None
+    ) -> _Running | None:
+        """The request is done: its replica now holds its prompt and answer (the router learns so).
+        With `expected`, only that request (not a later one given the same id meanwhile)."""
         with self._lock:
-            running = self._running.pop(request_id, None)
-        if running is None:
-            return None
+            running = self._running.get(request_id)
+            if running is None or (expected is not None and running is not expected):
+                return None
+            del self._running[request_id]
         held: list[bytes] = []  # hashed outside the lock, which the event loops' new requests need
         if done is not None and running.chain is not None:  # the answer's blocks
             held = self.chains.of_answer(running.chain, done.prompt_token_ids + done.token_ids(0))
@@ -304,6 +317,7 @@ def _sum_stats(each: list[dict]) -> dict:
             total[key] = sum(s.get(key, 0) for s in each)
     queried = total.get("prefix_cache_queried_tokens", 0)
     total["prefix_cache_hit_rate"] = total.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
+    total["stream_interval"] = max(s.get("stream_interval", 1) for s in each)  # the longest chunks in force
     return total
 
 

@@ -39,9 +39,8 @@ from chatengine.sampling_params import SamplingParams
 WARM = "\x00warm:"  # request ids of persona warm-ups: never sent to the API process
 STATS_EVERY_S = 0.2
 # streams the one API process relays a token at a time, over all its replicas; beyond, each stream's
-# chunks grow with the running streams, up to MAX_CHUNK_STEPS steps: its Python work per delta
-# (~25 us) was the limit of two replicas (dp_bench, 2 x H200, 512 users: 1.62x one replica at one
-# token a chunk, 1.88x at two)
+# chunks grow with the running streams, up to MAX_CHUNK_STEPS steps: its Python work per delta is
+# ~25 us (front_bench, 512 users on 2 shared cores: ~40k tok/s relayed at 2 tokens a chunk, ~60k at 4)
 RELAYED_STREAMS = 128
 MAX_CHUNK_STEPS = 4
 

@@ -115,4 +115,4 @@ class Router:
         if mine - lowest > self.balance_abs and mine > self.balance_rel * lowest:
             return True
         cap = self.capacity
-        return cap is not None and mine - cap >= self.balance_abs and lowest < cap
+        return cap is not None and mine - cap > self.balance_abs and lowest < cap
