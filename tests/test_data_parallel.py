@@ -433,6 +433,17 @@ async def _all(engine, prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def test_a_replicas_engine_chunks_for_its_relay():
+    from chatengine.engine.replicas.replica import ReplicaSpec, start_engine
+
+    engine = start_engine(ReplicaSpec(0, EngineConfig(model="dummy:tiny", device="cpu"), replicas=2))
+    try:
+        assert engine.relay_interval is not None
+        assert [engine.relay_interval(n) for n in (64, 65, 300)] == [1, 2, 4]
+    finally:
+        engine.close()
+
+
 def test_replicas_chunk_their_streams_as_more_run_unless_told():
     """Their one API process relays every replica's tokens: a token a chunk while all replicas
     together run up to 128 streams, then longer chunks (up to 4 steps); what the caller set wins."""

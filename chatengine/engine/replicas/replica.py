@@ -73,14 +73,7 @@ def main(spec: ReplicaSpec, conn: Connection) -> None:
         level=spec.log_level, format=f"%(asctime)s %(levelname)s replica{spec.index} %(name)s: %(message)s"
     )
     try:
-        if spec.cuda_devices is not None:  # before anything touches CUDA
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.cuda_devices))
-        import torch
-
-        if spec.num_threads is not None:
-            torch.set_num_threads(spec.num_threads)
-        engine = LLMEngine(spec.config)
-        engine.relay_interval = relay_interval(spec.replicas)
+        engine = start_engine(spec)
     except BaseException:
         _send_error(conn)
         os._exit(1)
@@ -103,6 +96,20 @@ def main(spec: ReplicaSpec, conn: Connection) -> None:
     except BaseException:
         _send_error(conn)
         os._exit(1)
+
+
+def start_engine(spec: ReplicaSpec) -> LLMEngine:
+    """The replica's engine on its GPUs (or its share of the cores), its streams chunked for the
+    API process that relays them."""
+    if spec.cuda_devices is not None:  # before anything touches CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.cuda_devices))
+    import torch
+
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    engine = LLMEngine(spec.config)
+    engine.relay_interval = relay_interval(spec.replicas)
+    return engine
 
 
 def _send_error(conn: Connection) -> None:
