@@ -441,8 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream-interval",
         type=int,
         default=None,
-        help="a streamed reply's chunk every N engine steps, its first token at once (default 1, 2 with "
-        "--data-parallel-size > 1): fewer, longer chunks cost the API process less per token",
+        help="a streamed reply's chunk every N engine steps, its first token at once (default: 1 in one "
+        "engine; replicas (--data-parallel-size, --engine-process) 1 up to 128 running streams, then up to 4 "
+        "as more run): fewer, longer chunks cost the API process less per token",
     )
     p.add_argument(
         "--max-num-batched-tokens",
