@@ -207,13 +207,14 @@ class DataParallelLLM(EngineFacade):
         return running
 
     def _on_exit(self, replica: int, reason: str) -> None:
-        """A replica has gone: the router stops sending to it; the requests it still had fail (after
-        a clean stop there are none left: it aborted them, and their outputs came first)."""
+        """A replica has gone: the router stops sending to it; the requests it still had fail. After
+        a clean stop it aborted them and their final outputs came first: queued on their callers'
+        loops ahead of this error, which a finished output's mailbox then ignores."""
         with self._lock:
             self.router.mark_dead(replica)
-            lost = [rid for rid, r in self._running.items() if r.replica == replica]
-        for request_id in lost:
-            running = self._finish(request_id)
+            lost = [(rid, r) for rid, r in self._running.items() if r.replica == replica]
+        for request_id, expected in lost:
+            running = self._finish(request_id, expected=expected)
             if running is None:
                 continue
             error = RuntimeError(reason or f"replica {replica} stopped")
