@@ -28,7 +28,7 @@ class EngineConfig:
     # data-parallel replicas (serve --engine-process's one too) 1 while they run up to 128 streams
     # together, then growing with them up to 4 (their one API process relays every replica's
     # tokens: replica.relay_interval).
-    # Streams only (AsyncLLM, replicas, the API); a preempted request's held tokens wait for its return
+    # Streams only (AsyncLLM, replicas, the API); a preempted stream sends what it held back at once
     stream_interval: int | None = None
     max_model_len: int | None = None  # None: the model's context, capped at 8192
     max_n: int = 16  # limit on SamplingParams.n

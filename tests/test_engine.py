@@ -360,6 +360,35 @@ def test_a_relay_sets_the_chunks_of_streams_unless_stream_interval_does():
         engine.close()
 
 
+def test_a_preempted_stream_sends_what_it_held_back_at_once():
+    """With long chunks (stream_interval 64), a stream preempted for blocks gets an output in the
+    step that preempts it, holding every token it has: it does not wait for its return to show them."""
+    from chatengine.engine.sequence import SequenceStatus
+
+    engine = LLM(
+        "dummy:tiny", device="cpu", stream_interval=64, num_kv_blocks=6, enable_prefix_caching=False,
+        async_scheduling=False,
+    ).engine  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(2):  # 20-token prompts: 2 blocks each now, 4 each at the end: 8 > 6
+        engine.add(engine.make_request(list(range(1 + i, 21 + i)), sp, request_id=f"r{i}"))
+    last: dict[str, int] = {}
+    checked = 0
+    while engine.has_unfinished_requests():
+        before = engine.scheduler.num_preemptions
+        outs = engine.step()
+        for o in outs:
+            last[o.request_id] = len(o.outputs[0].token_ids)
+        if engine.scheduler.num_preemptions > before:
+            for rid, req in engine.requests.items():
+                seq = req.seqs[0]
+                if seq.status == SequenceStatus.WAITING and seq.num_tokens > seq.num_prompt_tokens:
+                    assert last[rid] == seq.num_tokens - seq.num_prompt_tokens  # nothing held back
+                    checked += 1
+    engine.close()
+    assert checked >= 1
+
+
 def test_a_request_finishes_when_all_its_samples_have(tiny):
     engine = tiny.engine
     sp = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True)

@@ -281,7 +281,7 @@ class LLMEngine:
         or this one. Returns the outputs of the requests that the processed step advanced."""
         out = self.scheduler.schedule()
         launched = None
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._flush_held(out.preempted) if out.preempted else []
         received: list = []  # (out, launched, sampled) of the step in flight, once its tokens are in
         if not out.seqs and self._in_flight is None and self.tiers is not None:
             self.tiers.wait_for_loads(0.05)  # only prefixes on their way from disk: no busy loop
@@ -397,6 +397,17 @@ class LLMEngine:
         if self.relay_interval is None:
             return 1
         return self.relay_interval(len(self.scheduler.running))
+
+    def _flush_held(self, preempted: list[Sequence]) -> list[RequestOutput]:
+        """Streams of preempted sequences: the tokens they held back for a longer chunk go out now,
+        not when they return (a wait for free blocks may take seconds)."""
+        flushed = []
+        for seq in preempted:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.stream and req.held_steps:
+                req.held_steps = 0
+                flushed.append(self._output(req))
+        return flushed
 
     @staticmethod
     def _stream_now(req: Request, interval: int) -> bool:

@@ -30,6 +30,7 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens to compute per sequence
     num_preempted: int = 0
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to wait, this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -82,6 +83,7 @@ class Scheduler:
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
                 out.num_preempted += 1
+                out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
