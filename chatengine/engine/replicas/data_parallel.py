@@ -184,7 +184,7 @@ class DataParallelLLM(EngineFacade):
                         self._finish(item[0], running.assembler, expected=running)
                     item = running.assembler
                 except Exception as e:  # a bug here fails this request, never the batch's others
-                    log.exception("request %s: its output could not be put together", item[0])
+                    log.exception("request %r: its output could not be put together", item[0])
                     self._finish(item[0], expected=running)
                     item = RuntimeError(f"its output could not be put together: {e}")
             running.queue.put_nowait(item)
