@@ -12,7 +12,8 @@ Parts (all by default; `--part` picks some):
   kernel      the decode attention kernel alone (Llama-3.2-1B layer: 32 q / 8 kv heads, head_dim
               64, page 16): bytes/s vs measured bandwidth, paged vs contiguous SDPA on the same data,
               and kernels that only read the same bytes (paged and flat: benchmarks/read_floor.py)
-  profile     torch.profiler breakdown of one eager decode step (batch 256, 1k context; --profile-batches)
+  profile     torch.profiler breakdown of the first prefill step and of eager decode steps (batch 256, 1k
+              context; --profile-batches), of the default engine and each --variant
 The decode kernel's launch-parameter and split sweeps are benchmarks/sweep_bench.py.
 Saves JSON + a markdown table (device, commit, versions) under --out and prints the table last.
 
@@ -659,53 +660,62 @@ def paged_read_ms(r) -> float:
 
 
 def part_profile(args, res):
-    for B in args.profile_batches:
-        profile_eager_decode(args, res, "" if B == 256 else f" B={B}", B)
+    for variant in [None, *args.variant]:  # the default engine, then each --variant's
+        for B in args.profile_batches:
+            suffix = ("" if B == 256 else f" B={B}") + (f" {variant}" if variant else "")
+            profile_eager_decode(args, res, suffix, B, json.loads(variant) if variant else {})
 
 
-def profile_eager_decode(args, res, suffix, B=256):
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_eager_decode(args, res, suffix, B=256, options=None):
+    """Kernel time of eager steps: the first prefill step (as many 1024-token prompts as its token
+    budget takes), then decode steps of B sequences at 1024 tokens of context."""
     shape = args.models[0]
-    llm = engine(shape, args, enforce_eager=True)
+    llm = engine(shape, args, enforce_eager=True, **(options or {}))
     eng = llm.engine
     ctx = 1024
     rng = random.Random(0)
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     ids = [eng.add_request([rng.randint(0, 10000) for _ in range(ctx)], greedy) for _ in range(B)]
+    prefill = kernel_times(eng, 1)
     while any(not eng.requests[r].seqs[0].num_output_tokens for r in ids):
         eng.step()
     for _ in range(3):
         eng.step()
+    decode = kernel_times(eng, 3)
+    res.setdefault("profile", {})[shape + suffix] = {"batch": B, "context": ctx, **decode, "prefill_step": prefill}
+    for name, r in (("prefill step", prefill), (f"decode B={B}", decode)):
+        log(
+            f"[profile] {shape}{suffix} eager {name}: {r['kernel_us_per_step']:.0f} us of kernels per step, "
+            f"{r['num_kernel_launches_per_step']:.0f} launches"
+        )
+        for row in r["top"][:15]:
+            log(f"    {row['us_per_step']:8.1f} us  x{row['calls_per_step']:5.0f}  {row['kernel'][:100]}")
+    for r in ids:
+        eng.abort(r)
+    del llm, eng
+    free_memory()
+
+
+def kernel_times(eng, steps: int) -> dict:
+    """The device time of each kernel over `steps` engine steps, per step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(steps):
             eng.step()
         torch.cuda.synchronize()
     kernels = {}
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t and e.device_type.name == "CUDA":
-            kernels[e.key] = {"us_per_step": t / 3, "calls_per_step": e.count / 3}
+            kernels[e.key] = {"us_per_step": t / steps, "calls_per_step": e.count / steps}
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_step"])
-    total = sum(v["us_per_step"] for v in kernels.values())
-    res.setdefault("profile", {})[shape + suffix] = {
-        "batch": B,
-        "context": ctx,
-        "kernel_us_per_step": total,
+    return {
+        "kernel_us_per_step": sum(v["us_per_step"] for v in kernels.values()),
         "top": [{"kernel": k[:120], **v} for k, v in top[:25]],
         "num_kernel_launches_per_step": sum(v["calls_per_step"] for v in kernels.values()),
     }
-    log(
-        f"[profile] {shape}{suffix} eager decode B={B}: {total:.0f} us of kernels per step, "
-        f"{res['profile'][shape + suffix]['num_kernel_launches_per_step']:.0f} launches"
-    )
-    for k, v in top[:15]:
-        log(f"    {v['us_per_step']:8.1f} us  x{v['calls_per_step']:5.0f}  {k[:100]}")
-    for r in ids:
-        eng.abort(r)
-    del llm, eng
-    free_memory()
 
 
 # ---------------------------------------------------------------------------- report
@@ -829,7 +839,7 @@ def main(argv=None):
         "--variant",
         action="append",
         default=[],
-        help="extra engine settings as JSON, e.g. '{\"cpu_offload_gib\": 0}' (throughput part)",
+        help="extra engine settings as JSON, e.g. '{\"deterministic\": true}' (throughput and profile parts)",
     )
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--profile-batches", type=int, nargs="+", default=[256], help="batch sizes of --part profile")

@@ -18,6 +18,10 @@ random-weight directory of a real shape (benchmarks/random_hf_model.py); --logpr
 (dummy:llama-3.2-1b, a 128k vocabulary) runs plain and logprobs too. Saves JSON + markdown under --out.
 
     python benchmarks/sampling_bench.py [--model DIR] [--requests 256 --clients 64 --rounds 3] [--dry-run]
+        [--kinds plain logprobs] [--engine-process] [--switch-interval S]
+
+--engine-process runs the engine in a process of its own (DataParallelLLM with one replica, as
+`serve --engine-process`), so the clients' Python work never takes the engine's interpreter lock.
 """
 
 import argparse
@@ -35,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import commit, freeze_heap  # noqa: E402
-from chatengine import AsyncLLM, SamplingParams, StructuredOutputs  # noqa: E402
+from chatengine import AsyncLLM, DataParallelLLM, SamplingParams, StructuredOutputs  # noqa: E402
 
 OPEN_SCHEMA = {  # as a pydantic model with a str, an int and a list[str] gives it
     "type": "object",
@@ -57,6 +61,9 @@ SCHEMA = {
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
 }
+
+
+KINDS = ["plain", "json", "control", "json-bounded", "control-bounded", "logprobs"]
 
 
 def workload(n: int, max_tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -125,7 +132,11 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
 
 
 def bench_model(model: str, kinds: list[str], args) -> list[dict]:
-    llm = AsyncLLM(model, **({"device": "cpu", "dtype": "float32"} if args.dry_run else {}))
+    options = {"device": "cpu", "dtype": "float32"} if args.dry_run else {}
+    if args.engine_process:
+        llm = DataParallelLLM(model, data_parallel_size=1, **options)
+    else:
+        llm = AsyncLLM(model, **options)
     freeze_heap()  # as `chatengine serve` does after start-up
     prompts = workload(args.requests, args.max_tokens, llm.vocab_size)
     rows = []
@@ -163,7 +174,7 @@ def summarize(rows: list[dict]) -> list[str]:
             control = kind.replace("json", "control")
             if kind.startswith("json") and control in med:
                 ratio = f"plain TPOT x{m['plain_tpot_ms_p50'] / med[control]['plain_tpot_ms_p50']:.3f} of {control}'s"
-            elif kind == "logprobs":
+            elif kind == "logprobs" and "plain" in med:
                 ratio = f"tok/s x{m['tok_s'] / med['plain']['tok_s']:.3f}"
             else:
                 ratio = "1"
@@ -189,23 +200,29 @@ def main():
         default=None,
         help="sys.setswitchinterval (s) for the run: how soon the engine thread gets the GIL back from the clients'",
     )
+    ap.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS, help="rounds to run, in this order")
+    ap.add_argument("--engine-process", action="store_true", help="the engine in a process of its own")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny counts: checks the script runs")
     args = ap.parse_args()
     if args.dry_run:
         args.requests, args.clients, args.max_tokens, args.rounds, args.logprob_model = 8, 4, 8, 1, ""
+    for kind in args.kinds:
+        if kind.startswith("control") and kind.replace("control", "json") not in args.kinds[: args.kinds.index(kind)]:
+            ap.error(f"--kinds: {kind} repeats the lengths of a {kind.replace('control', 'json')} round before it")
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
-    rows = bench_model(args.model, ["plain", "json", "control", "json-bounded", "control-bounded", "logprobs"], args)
+    rows = bench_model(args.model, args.kinds, args)
     if args.logprob_model:
-        rows += bench_model(args.logprob_model, ["plain", "logprobs"], args)
+        rows += bench_model(args.logprob_model, [k for k in args.kinds if k in ("plain", "logprobs")], args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     meta = {"device": device, "commit": commit(), "torch": torch.__version__, "args": vars(args)}
     table = summarize(rows)
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H%M")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"sampling_bench-{stamp}-{meta['commit']}" + ("-dry" if args.dry_run else "")
+    name = f"sampling_bench-{stamp}-{meta['commit']}" + ("-engine-process" if args.engine_process else "")
+    name += "-dry" if args.dry_run else ""
     (out / f"{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     (out / f"{name}.md").write_text(f"{meta}\n\n" + "\n".join(table) + "\n")
     print("\n".join(table))

@@ -59,6 +59,12 @@ class TokenLogprobs(ListView):
         d.setdefault(int(row[0]), row[1])
         return d
 
+    def rows_from(self, i: int) -> tuple[int, array]:
+        """Rows i.. of this view as (k, their flat floats): what a replica sends of new tokens, to be
+        viewed again on the other end (no dicts made or pickled on either)."""
+        width = 2 + 2 * self._k
+        return self._k, self._flat[i * width : self._n * width]
+
     def __repr__(self) -> str:
         return f"TokenLogprobs({list(self)!r})"
 

@@ -73,3 +73,28 @@ def test_an_assembler_makes_outputs_only_when_asked():
     assert asm.add(enc.encode(out(["abc"], [[1, 2, 3]], finished=True))) is True
     assert asm.finished and asm.token_ids(0) == [1, 2, 3]
     assert asm.output_and_count() == (out(["abc"], [[1, 2, 3]], finished=True), 3)
+
+
+def test_the_engines_flat_logprobs_travel_flat_and_read_the_same():
+    # the engine's TokenLogprobs: rows of (token, logprob, k values, k ids); a delta carries new rows'
+    # floats (an array, pickled as bytes), and the assembled output reads the same dicts
+    from array import array
+
+    from chatengine.outputs import TokenLogprobs
+
+    flat = array("d")
+    enc, asm = DeltaEncoder(), OutputAssembler("r", "p", [1, 2])
+    rows = [(5, -0.1, -0.1, -2.0, 5, 8), (9, -3.0, -0.5, -1.0, 4, 6), (4, -0.2, -0.2, -2.5, 4, 1)]
+    kept = []
+    for n, row in enumerate(rows, 1):
+        flat.extend(row)
+        original = out(["x" * n], [[r[0] for r in rows[:n]]])
+        original.outputs[0].logprobs = TokenLogprobs(flat, 2, n)
+        delta = pickle.loads(pickle.dumps(enc.encode(original)))
+        k, new = delta[6][0][6]
+        assert k == 2 and type(new) is array and list(new) == list(row)  # only the new row
+        got = asm.apply(delta)
+        assert got == original and isinstance(got.outputs[0].logprobs, TokenLogprobs)
+        kept.append(got.outputs[0].logprobs)
+    assert kept[1] == [{5: -0.1, 8: -2.0}, {4: -0.5, 6: -1.0, 9: -3.0}]  # the sampled token last, not a top-2
+    assert len(kept[0]) == 1 and kept[0][-1] == {5: -0.1, 8: -2.0}  # an earlier output does not grow

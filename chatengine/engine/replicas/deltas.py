@@ -11,10 +11,14 @@ builds a RequestOutput only when its reader asks for one: a reader slower than t
 newest output only, so the ones it skips are never made.
 """
 
-from chatengine.outputs import CompletionOutput, ListView, RequestOutput
+from array import array
+
+from chatengine.outputs import CompletionOutput, ListView, RequestOutput, TokenLogprobs
 
 # (index, new token ids, characters of the text kept, text added, finish_reason, stop_reason,
-#  new logprobs or None, cumulative logprob)
+#  new logprobs or None, cumulative logprob); the engine's logprobs (TokenLogprobs) travel as
+#  (k, array of their flat floats): an array pickles as its bytes, where dicts cost ~2 us a token
+#  to build and pickle in the replica and as much to unpickle here
 CompletionDelta = tuple
 # (request_id, finished, error, num_cached_tokens, arrival_time, first_token_time,
 #  [CompletionDelta], new prompt logprobs or None)
@@ -33,7 +37,7 @@ class DeltaEncoder:
         for c in out.outputs:
             num_tokens, text = sent.get(c.index, (0, ""))
             keep = len(text) if c.text.startswith(text) else _common_prefix(c.text, text)
-            logprobs = c.logprobs[num_tokens:] if c.logprobs is not None else None
+            logprobs = _new_logprobs(c.logprobs, num_tokens)
             completions.append(
                 (c.index, c.token_ids[num_tokens:], keep, c.text[keep:], c.finish_reason, c.stop_reason, logprobs,
                  c.cumulative_logprob)
@@ -84,7 +88,12 @@ class OutputAssembler:
             else:  # a stop string's held-back text let go, or cut
                 c.text = c.text[:keep] + text
             c.finish_reason, c.stop_reason, c.cumulative_logprob = finish, stop, cumulative
-            if logprobs is not None:
+            if isinstance(logprobs, tuple):  # flat rows
+                k, rows = logprobs
+                c.flat = c.flat if c.flat is not None else array("d")
+                c.flat.extend(rows)
+                c.k = k
+            elif logprobs is not None:
                 if c.logprobs is None:
                     c.logprobs = []
                 c.logprobs += logprobs
@@ -129,26 +138,40 @@ class OutputAssembler:
         return list(c.token_ids) if c is not None else []
 
 
+def _new_logprobs(logprobs, num_tokens: int):
+    if logprobs is None:
+        return None
+    if isinstance(logprobs, TokenLogprobs):
+        return logprobs.rows_from(num_tokens)
+    return logprobs[num_tokens:]
+
+
 class _Completion:
-    __slots__ = ("text", "token_ids", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob")
+    __slots__ = ("text", "token_ids", "finish_reason", "stop_reason", "logprobs", "flat", "k", "cumulative_logprob")
 
     def __init__(self) -> None:
         self.text: str = ""
         self.token_ids: list[int] = []
         self.finish_reason = self.stop_reason = self.cumulative_logprob = None
-        self.logprobs: list | None = None
+        self.logprobs: list | None = None  # dicts, as they came
+        self.flat: array | None = None  # or the engine's flat rows of k candidates (TokenLogprobs)
+        self.k = 0
 
     def snapshot(self, index: int) -> CompletionOutput:
         """Callers may keep an output while the next one grows: the ids are copied, the logprobs (a
         list only ever appended to) are viewed up to their length now."""
         logprobs = self.logprobs
+        if self.flat is not None:
+            view = TokenLogprobs(self.flat, self.k, len(self.flat) // (2 + 2 * self.k))
+        else:
+            view = _Prefix(logprobs, len(logprobs)) if logprobs is not None else None
         return CompletionOutput(
             index,
             self.text,
             list(self.token_ids),
             self.finish_reason,
             self.stop_reason,
-            _Prefix(logprobs, len(logprobs)) if logprobs is not None else None,
+            view,
             self.cumulative_logprob,
         )
 
