@@ -90,6 +90,34 @@ def test_triton_two_segments_are_the_sum_of_the_halves_in_fp32(device, dtype, re
     _two_halves(im.linear_triton, x, w, dtype)
 
 
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        pytest.param("cpu", torch.float32, marks=DEVICES[0].marks),
+        pytest.param("cuda", torch.float32, marks=DEVICES[1].marks),
+        pytest.param("cuda", torch.bfloat16, marks=DEVICES[1].marks),
+    ],
+)
+def test_segments_in_programs_of_their_own_give_the_one_programs_bits(device, dtype, request, monkeypatch):
+    """A call with too few tiles runs each segment of K in programs of its own and adds their fp32
+    sums after: the same bits as one program walking both (with a bias, and fp32 results too)."""
+    if device == "cpu":
+        request.getfixturevalue("row_exact_dot")
+    torch.manual_seed(2)
+    M, K, N = (300, 4096, 1024) if device == "cuda" else (40, 160, 48)
+    x = torch.randn(M, K, device=device).to(dtype)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    b = torch.randn(N, device=device).to(dtype)
+    got = {}
+    for name, below in (("one program", 0), ("apart", 10**9)):
+        monkeypatch.setattr(im, "split_below", lambda device, below=below: below)
+        got[name] = [im.linear_triton(x, w, b, segments=2), im.linear_triton(x, w, segments=2, out_dtype=torch.float32)]
+    for one, apart in zip(got["one program"], got["apart"], strict=True):
+        assert torch.equal(one, apart)
+    assert got["apart"][1].dtype == torch.float32
+    torch.testing.assert_close(got["apart"][0].float(), im.linear_ref(x, w, b).float(), **CLOSE[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_torch_two_segments_are_the_sum_of_the_halves_in_fp32(dtype):
     """The CPU path: each half in x's dtype, the two added in fp32, rounded once."""

@@ -14,6 +14,7 @@ from chatengine.engine.structured import (
     allocate_bitmask,
     apply_bitmask,
     apply_bitmask_ref,
+    fill_ahead,
     fill_bitmasks,
 )
 from chatengine.sampling_params import StructuredOutputs as SO
@@ -112,6 +113,32 @@ def test_batch_fill_equals_row_by_row_fill(grammars, tok, eos):
         assert torch.equal(batch[row], single[0])
     assert allowed(batch, 3, grammars.vocab_size) == set(eos)
     assert (batch[1] == 7).all() and (batch[5] == -1).all()
+
+
+def test_masks_filled_ahead_equal_fills_made_then_and_follow_each_token(grammars, tok, eos):
+    """fill_ahead starts the next masks on the grammar worker; a later fill copies them, and they
+    are the masks a fill made at that moment gives. A token accepted meanwhile drops the mask made
+    ahead (it waits for it first): the next fill is of the new state."""
+    texts = ['{"name": "Ad', '{"name": "Ada", ', '{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 3']
+    states = [walk(grammars, tok, SPECS["json"], t) for t in texts]
+    twins = [walk(grammars, tok, SPECS["json"], t) for t in texts]  # the same states, never ahead
+    assert states[2].accept(eos[0]) and twins[2].accept(eos[0])  # terminated: nothing to start
+    fill_ahead(states)
+    assert [s._ahead is not None for s in states] == [True, True, False, True]
+    rows = [3, 1, 0, 2]
+    ahead, now = allocate_bitmask(4, grammars.vocab_size), allocate_bitmask(4, grammars.vocab_size)
+    fill_bitmasks(states, ahead, rows)
+    fill_bitmasks(twins, now, rows)
+    assert torch.equal(ahead, now)
+    assert allowed(ahead, 0, grammars.vocab_size) == set(eos)
+    (quote,) = tok.encode('"', add_special_tokens=False)
+    before = ahead[rows[0]].clone()
+    fill_ahead(states)  # the masks made ahead stand until a token changes the state
+    assert states[0].accept(quote) and twins[0].accept(quote)  # the name's string ends
+    assert states[0]._ahead is None and states[1]._ahead is not None
+    fill_bitmasks(states, ahead, rows)
+    fill_bitmasks(twins, now, rows)
+    assert torch.equal(ahead, now) and not torch.equal(ahead[rows[0]], before)
 
 
 def test_an_invalid_token_is_refused_and_changes_nothing(grammars, tok):

@@ -69,3 +69,24 @@ def test_bad_specs_are_clear_errors(llm):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputs(regex="(a")))
     with pytest.raises(ValueError, match="exactly one"):
         llm.generate("x", SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]}))
+
+
+def test_the_engine_starts_each_next_mask_as_it_feeds_a_token(llm, monkeypatch):
+    """Fed a token, a grammar's next mask is started on the grammar worker, and the sampling copies
+    it: the answer is the one of masks made at sampling time (fill_ahead turned off)."""
+    from chatengine.engine import structured
+
+    started = []
+    real = structured.fill_ahead
+
+    def counting(states):
+        started.append(len(states))
+        real(states)
+
+    spec = StructuredOutputs(json=SCHEMA)
+    monkeypatch.setattr(structured, "fill_ahead", counting)
+    ahead = run(llm, "Give the capital of France as JSON.", spec, temperature=0.8, seed=3)
+    monkeypatch.setattr(structured, "fill_ahead", lambda states: None)
+    now = run(llm, "Give the capital of France as JSON.", spec, temperature=0.8, seed=3)
+    assert ahead.token_ids == now.token_ids and json.loads(ahead.text)["city"]
+    assert sum(started) >= len(ahead.token_ids) - 2  # every token fed but the last (it ended the grammar)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from chatengine.config import EngineConfig
+from chatengine.engine import structured
 from chatengine.engine.front import EngineFront
 from chatengine.engine.kv.block_manager import BlockManager, owner_tag
 from chatengine.engine.kv.disk_store import drop_owner_files
@@ -353,9 +354,12 @@ class LLMEngine:
             if token_id is not None and not seq.is_finished
         ]
         self.scheduler.publish(out)  # before a grammar that ends a sequence frees its blocks
+        grammars = []
         for seq, token_id, _ in sampled:
-            if seq.grammar is not None:
-                self._advance_grammar(self.requests[seq.request_id], seq, token_id)
+            if seq.grammar is not None and self._advance_grammar(self.requests[seq.request_id], seq, token_id):
+                grammars.append(seq.grammar)
+        if grammars:  # their next masks, made while this thread goes on (sampling copies them)
+            structured.fill_ahead(grammars)
         received.append((out, launched, sampled))
 
     def _advance(self, out, launched, sampled: list) -> list[RequestOutput]:

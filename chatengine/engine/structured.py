@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -188,27 +188,46 @@ class Grammars:
 
 
 class GrammarState:
-    """One per generated sequence; used by one thread at a time (the engine's)."""
+    """One per generated sequence. The engine's thread uses it; a fill started ahead (`fill_ahead`)
+    runs on the grammar worker meanwhile, and every method here first waits for that fill, so the
+    matcher is never read by one thread while another changes it."""
 
     def __init__(self, matcher: Any, stop_row: torch.Tensor, vocab_size: int):
         self._matcher = matcher
         self._stop_row = stop_row
         self._vocab_size = vocab_size
+        # (fill, its bitmask, this state's row there): the next mask, started on the worker for the
+        # state as it is now; dropped when the state changes
+        self._ahead: tuple[Future, torch.Tensor, int] | None = None
+
+    def _settle(self) -> tuple[Future, torch.Tensor, int] | None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[0].result()  # (a failed fill raises here, as the same fill made now would)
+        return ahead
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar does not allow it here,
         if it is out of the vocabulary, or if the grammar has already terminated."""
+        self._settle()
         if not 0 <= token_id < self._vocab_size:
             return False
         return bool(self._matcher.accept_token(int(token_id)))
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted after a complete text."""
+        if self._ahead is not None:
+            self._ahead[0].result()
         return bool(self._matcher.is_terminated())
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (bitmask: CPU int32 (N, ceil(V/32)))."""
-        if self._matcher.is_terminated():  # xgrammar fills nothing then: allow the stop tokens only
+        ahead = self._settle()
+        if ahead is not None:
+            _, made, at = ahead
+            bitmask[row].copy_(made[at])
+            self._ahead = ahead  # still the state's next mask until it changes
+        elif self._matcher.is_terminated():  # xgrammar fills nothing then: allow the stop tokens only
             bitmask[row].copy_(self._stop_row)
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -216,6 +235,8 @@ class GrammarState:
 
 _batch: Any = None  # one xgrammar BatchGrammarMatcher (its thread pool) per process, built on first use
 _batch_lock = threading.Lock()
+_fill_lock = threading.Lock()  # one batch fill at a time: the worker's, or the engine's own
+_worker: ThreadPoolExecutor | None = None  # runs fills started ahead, one batch at a time
 
 
 def _batch_matcher() -> Any:
@@ -227,18 +248,47 @@ def _batch_matcher() -> Any:
         return _batch
 
 
+def _fill_rows(matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Each matcher's next mask into its row of bitmask: several on the batch matcher's threads."""
+    if len(matchers) == 1:
+        matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        return
+    batch = _batch_matcher()
+    with _fill_lock:
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+
 def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
-    """bitmask[rows[k]] = the allowed next tokens of states[k], the rows filled on several threads
-    at once: inside a JSON string a fill costs ~0.15 ms, and a step waits for all of them."""
-    live = [(s, r) for s, r in zip(states, rows, strict=True) if not s.is_terminated()]
+    """bitmask[rows[k]] = the allowed next tokens of states[k]: the masks filled ahead copied, the
+    others filled now on several threads at once (inside a JSON string a fill costs ~0.15 ms, and
+    a step waits for all of them)."""
+    now = []
     for s, r in zip(states, rows, strict=True):
-        if s.is_terminated():
+        if s._ahead is not None or s.is_terminated():
             s.fill_bitmask(bitmask, r)
-    if len(live) == 1:
-        live[0][0].fill_bitmask(bitmask, live[0][1])
-    elif live:
-        matchers = [s._matcher for s, _ in live]
-        _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, [r for _, r in live])
+        else:
+            now.append((s, r))
+    if now:
+        _fill_rows([s._matcher for s, _ in now], bitmask, [r for _, r in now])
+
+
+def fill_ahead(states: list[GrammarState]) -> None:
+    """Start the next masks of these states on the grammar worker and return: the engine calls it
+    when it has fed them their tokens, and the sampling that needs the masks (a step or two later)
+    copies them. The fills release the interpreter lock, so the engine's thread goes on with other
+    requests' work meanwhile instead of waiting for them."""
+    global _worker
+    live = [s for s in states if s._ahead is None and not s.is_terminated()]
+    if not live:
+        return
+    if _worker is None:
+        with _batch_lock:
+            _worker = _worker or ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+    made = allocate_bitmask(len(live), live[0]._vocab_size, fill=False)
+    rows = list(range(len(live)))
+    fill = _worker.submit(_fill_rows, [s._matcher for s in live], made, rows)
+    for s, r in zip(live, rows):
+        s._ahead = (fill, made, r)
 
 
 def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False, fill: bool = True) -> torch.Tensor:

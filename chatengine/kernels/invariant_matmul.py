@@ -17,6 +17,8 @@ tensor-parallel group computes for a row-parallel layer (each rank its half, all
 that deterministic answers are the same on one GPU and on two (models/parallel_layers.py).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +57,7 @@ def _matmul_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_ys,
     SEG_K,
     HAS_BIAS: tl.constexpr,
     SEGMENTS: tl.constexpr,
@@ -77,7 +80,9 @@ def _matmul_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    # a second grid axis: one segment of K per program, its fp32 sums to Y's slice (linear_triton)
+    seg = tl.program_id(1)
+    ks = seg * SEG_K + tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     x_ptr = X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     w_ptr = W + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # (K, N): W^T
@@ -86,7 +91,7 @@ def _matmul_kernel(
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         end = (s + 1) * SEG_K
         for k0 in range(s * SEG_K, end, BLOCK_K):  # from the segment's start, never split
-            k_ok = k0 + ks < end
+            k_ok = k0 + ks < seg * SEG_K + end
             x = tl.load(x_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             part = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), part, input_precision=DOT_PRECISION)
@@ -96,7 +101,7 @@ def _matmul_kernel(
             acc += part
     if HAS_BIAS:  # added in fp32 before the one rounding (a fixed order too)
         acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptr = Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    y_ptr = Y + seg.to(tl.int64) * stride_ys + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -128,21 +133,27 @@ def linear_triton(
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
     if x.device.type != "cuda" and x.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # the interpreter multiplies bf16 bit patterns
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    _matmul_kernel[grid](
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    # Too few tiles to fill the device (a decode step): each segment of K in programs of its own, its
+    # fp32 sums stored, then added in order in fp32 -- the very additions the one-program path makes
+    # (its segments each from zero, then acc += part), so the same bits for any M, either way.
+    parts = segments if segments > 1 and tiles < split_below(x.device) else 1
+    out = torch.empty(parts, M, N, dtype=torch.float32, device=x.device) if parts > 1 else y
+    _matmul_kernel[(tiles, parts)](
         x2,
         weight,
         bias if bias is not None else weight,
-        y,
+        out,
         M,
         N,
         K,
         x2.stride(0),
         weight.stride(0),
-        y.stride(0),
+        out.stride(-2),
+        M * N,
         K // segments,
-        HAS_BIAS=bias is not None,
-        SEGMENTS=segments,
+        HAS_BIAS=bias is not None and parts == 1,
+        SEGMENTS=segments // parts,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -152,7 +163,21 @@ def linear_triton(
         num_warps=warps,
         num_stages=stages,
     )
+    if parts > 1:
+        total = out[0] + out[1]
+        for s in range(2, parts):
+            total += out[s]
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total)  # one rounding, to y's dtype
     return y.view(*lead, N)
+
+
+@functools.lru_cache(maxsize=16)
+def split_below(device: torch.device) -> int:
+    """Tiles under which a segmented layer runs its segments in programs of their own: the device's
+    multiprocessors (one wave)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def linear_tiled_torch(

@@ -364,6 +364,10 @@ MAX_SPLITS = 64
 # element, so 64 keys at head_dim 128, or 4 warps at head_dim >= 128, spill (ptxas, sm_90).
 DECODE_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}  # 64: H200 sweep, NOTES.md v1
 PREFILL_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}  # 64: H200 prefill sweep (6 configs)
+# Invariant mode: one tile for decodes and prefill chunks alike (a row's sums must not depend on
+# which kind of launch computes it): rows per program (query tokens x the GQA group) and the launch.
+INVARIANT_BLOCK_M = 16
+INVARIANT_LAUNCH = PREFILL_LAUNCH
 
 
 def _launch(table: dict, block_d: int) -> tuple[int, int, int]:
@@ -445,13 +449,13 @@ def launch_plan(
     None only with num_splits given)."""
     group = H_q // H_kv
     block_d = triton.next_power_of_2(D)
-    if split_keys:  # invariant: the prefill tiles for every launch, splits at fixed key positions
-        assert split_keys % 64 == 0, "split_keys must be a multiple of every BLOCK_N"
-        block_m = max(64, triton.next_power_of_2(group))
+    if split_keys:  # invariant: one tile for every launch, splits at fixed key positions
+        launch = _launch(INVARIANT_LAUNCH, block_d)
+        assert split_keys % launch[0] == 0, "split_keys must be a multiple of BLOCK_N"
+        block_m = max(INVARIANT_BLOCK_M, triton.next_power_of_2(group))
         if num_splits is None:
             assert max_seqlen_k is not None
             num_splits = max(1, -(-max_seqlen_k // split_keys))
-        launch = _launch(PREFILL_LAUNCH, block_d)
         return LaunchPlan(num_splits, block_d, block_m, block_m // group, launch, False, 1, split_keys)
     if max_seqlen_q == 1:  # decode: one token, the GQA group in the rows
         block_m, block_q = max(16, triton.next_power_of_2(group)), 1  # tl.dot needs M >= 16
