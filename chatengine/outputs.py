@@ -52,11 +52,10 @@ class TokenLogprobs(ListView):
         return self._row(i)
 
     def _row(self, i: int) -> dict[int, float]:
-        k = self._k
+        k, f = self._k, self._flat
         at = i * (2 + 2 * k)
-        row = self._flat[at : at + 2 + 2 * k]
-        d = dict(zip(map(int, row[2 + k :]), row[2 : 2 + k]))
-        d.setdefault(int(row[0]), row[1])
+        d = dict(zip(map(int, f[at + 2 + k : at + 2 + 2 * k]), f[at + 2 : at + 2 + k]))
+        d.setdefault(int(f[at]), f[at + 1])
         return d
 
     def rows_from(self, i: int) -> tuple[int, array]:

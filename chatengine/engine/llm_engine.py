@@ -427,7 +427,7 @@ class LLMEngine:
         for seq, _, _ in sampled:
             row = logprobs.get(seq.seq_id)
             if row is not None:
-                seq.logprob_rows.extend(row)
+                seq.logprob_rows.frombytes(row[0])
                 seq.cumulative_logprob += row[1]
         for seq in seqs:
             if seq.seq_id not in prompt or seq.request_id not in self.requests:

@@ -43,10 +43,16 @@ class HostLogprobs:
         """From a packed (R, 2 + 2k) float32 tensor of the device (logprob_ops): one copy."""
         return HostLogprobs(_host_copy(packed, pin), k)
 
-    def flat_rows(self, ks: list[int]) -> list[list[float]]:
-        """Row r as TokenLogprobs stores it: token, its logprob, its ks[r] best values, their ids."""
-        ids_at = 2 + self.k
-        return [row[: 2 + k] + row[ids_at : ids_at + k] for k, row in zip(ks, self.packed.tolist())]
+    def flat_rows(self, ks: list[int]) -> list[tuple[bytes, float]]:
+        """Row r as TokenLogprobs stores it, float32 bytes (token, its logprob, its ks[r] best values,
+        their ids), and the token's logprob: appended to a sequence's array with one call."""
+        a = self.packed.numpy()
+        K = self.k
+        rows = [
+            a[r].tobytes() if k == K else a[r, : 2 + k].tobytes() + a[r, 2 + K : 2 + K + k].tobytes()
+            for r, k in enumerate(ks)
+        ]
+        return list(zip(rows, a[:, 1].tolist(), strict=True))
 
     def as_dicts(self, ks: list[int]) -> list[dict[int, float]]:
         """Row r: {token: logprob} of its ks[r] best, then its token if it is not among them."""

@@ -908,7 +908,7 @@ class ModelRunner:
 
     @staticmethod
     def collected_logprobs(step: LaunchedStep) -> tuple[dict, dict]:
-        """After collect: {seq_id: [token, logprob, k values, k ids]} (a TokenLogprobs row) of the
+        """After collect: {seq_id: (a TokenLogprobs row as float32 bytes, the token's logprob)} of the
         sampled tokens that asked, and {seq_id: (first position, [{token: logprob}] per prompt token
         from there)}."""
         sampled, prompt = {}, {}

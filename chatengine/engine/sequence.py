@@ -49,7 +49,7 @@ class Sequence:
         self.grammar: Any = None  # structured-output state: the engine advances it, the runner masks by it
         self.history: Any = None  # penalties' numpy copy of the known token ids (the logits processor's)
         # per output token, when params.logprobs is set: TokenLogprobs rows (token, logprob, k values, k ids)
-        self.logprob_rows = array("d")
+        self.logprob_rows = array("f")
         self.cumulative_logprob = 0.0
 
     def __len__(self):

@@ -90,7 +90,7 @@ class OutputAssembler:
             c.finish_reason, c.stop_reason, c.cumulative_logprob = finish, stop, cumulative
             if isinstance(logprobs, tuple):  # flat rows
                 k, rows = logprobs
-                c.flat = c.flat if c.flat is not None else array("d")
+                c.flat = c.flat if c.flat is not None else array(rows.typecode)
                 c.flat.extend(rows)
                 c.k = k
             elif logprobs is not None:
