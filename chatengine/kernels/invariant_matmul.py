@@ -14,7 +14,10 @@ bf16 a near-tie between two tokens then flips. Here every call of a layer runs o
 
 `segments=2` reduces K as two halves, each from zero, added at the end in fp32: the sum a two-rank
 tensor-parallel group computes for a row-parallel layer (each rank its half, all-reduced in fp32), so
-that deterministic answers are the same on one GPU and on two (models/parallel_layers.py).
+that deterministic answers are the same on one GPU and on two (models/parallel_layers.py). A call
+with fewer tiles than the device has multiprocessors (a decode step) runs each segment in programs of
+its own and adds their stored fp32 sums after, in the same order: the same additions, so the same
+bits, whichever way M sends it.
 """
 
 import functools
