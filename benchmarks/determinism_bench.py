@@ -99,14 +99,23 @@ def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_
         return [llm.generate([p], sp, user=user)[0] for p, sp in zip(prompts, params)]
 
     together = each if args.alone else batch
+
+    mode = "deterministic" if deterministic else "default"
+
+    def done(what: str) -> None:  # progress, so that a run cut short still says where its time went
+        print(f"  [{model} {mode}] {what}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+    done("started")
     for kind, params in kinds.items():
         user = f"a-{kind}"
         runs[kind]["a"] = answers(each(targets, params, user))
+        done(f"{kind} a")
         outs = together(targets, params, user)
         runs[kind]["c"], cached[kind]["c"] = answers(outs), sum(o.num_cached_tokens for o in outs)
         engine.offload_cached_blocks()
         outs = together(targets, params, user)
         runs[kind]["d"], cached[kind]["d"] = answers(outs), sum(o.num_cached_tokens for o in outs)
+        done(f"{kind} c, d")
     for kind, params in kinds.items():
         # the targets among the neighbours, at random places
         rng = random.Random(kind)
@@ -122,8 +131,11 @@ def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_
         engine.scheduler.max_num_batched_tokens = args.budget_f  # chunk boundaries move
         runs[kind]["f"] = answers(together(targets, params, f"f-{kind}"))
         engine.scheduler.max_num_batched_tokens = budget
+        done(f"{kind} b, f")
     llm.shutdown()  # flushes the cached pages to the disk store
+    done("shut down")
     llm = LLM(model, **kw)  # the restart
+    done("restarted")
     engine = llm.engine
     for kind, params in kinds.items():
         outs = together(targets, params, f"a-{kind}")
