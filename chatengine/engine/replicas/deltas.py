@@ -159,8 +159,9 @@ class _Completion:
 
     def snapshot(self, index: int) -> CompletionOutput:
         """Callers may keep an output while the next one grows: the ids are copied, the logprobs (a
-        list only ever appended to) are viewed up to their length now."""
+        list or an array only ever appended to) are viewed up to their length now."""
         logprobs = self.logprobs
+        view: ListView | None
         if self.flat is not None:
             view = TokenLogprobs(self.flat, self.k, len(self.flat) // (2 + 2 * self.k))
         else:
