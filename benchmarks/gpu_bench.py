@@ -670,7 +670,7 @@ def profile_eager_decode(args, res, suffix, B=256, options=None):
     """Kernel time of eager steps: the first prefill step (as many 1024-token prompts as its token
     budget takes), then decode steps of B sequences at 1024 tokens of context."""
     shape = args.models[0]
-    llm = engine(shape, args, enforce_eager=True, **(options or {}))
+    llm = engine(shape, args, **{**(options or {}), "enforce_eager": True})
     eng = llm.engine
     ctx = 1024
     rng = random.Random(0)

@@ -213,8 +213,9 @@ def main():
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     rows = bench_model(args.model, args.kinds, args)
-    if args.logprob_model:
-        rows += bench_model(args.logprob_model, [k for k in args.kinds if k in ("plain", "logprobs")], args)
+    logprob_kinds = [k for k in args.kinds if k in ("plain", "logprobs")]
+    if args.logprob_model and logprob_kinds:
+        rows += bench_model(args.logprob_model, logprob_kinds, args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     meta = {"device": device, "commit": commit(), "torch": torch.__version__, "args": vars(args)}
     table = summarize(rows)

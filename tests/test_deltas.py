@@ -82,9 +82,9 @@ def test_the_engines_flat_logprobs_travel_flat_and_read_the_same():
 
     from chatengine.outputs import TokenLogprobs
 
-    flat = array("d")
+    flat = array("f")  # the engine's typecode (float32 rows)
     enc, asm = DeltaEncoder(), OutputAssembler("r", "p", [1, 2])
-    rows = [(5, -0.1, -0.1, -2.0, 5, 8), (9, -3.0, -0.5, -1.0, 4, 6), (4, -0.2, -0.2, -2.5, 4, 1)]
+    rows = [(5, -0.125, -0.125, -2.0, 5, 8), (9, -3.0, -0.5, -1.0, 4, 6), (4, -0.25, -0.25, -2.5, 4, 1)]
     kept = []
     for n, row in enumerate(rows, 1):
         flat.extend(row)
@@ -96,5 +96,5 @@ def test_the_engines_flat_logprobs_travel_flat_and_read_the_same():
         got = asm.apply(delta)
         assert got == original and isinstance(got.outputs[0].logprobs, TokenLogprobs)
         kept.append(got.outputs[0].logprobs)
-    assert kept[1] == [{5: -0.1, 8: -2.0}, {4: -0.5, 6: -1.0, 9: -3.0}]  # the sampled token last, not a top-2
-    assert len(kept[0]) == 1 and kept[0][-1] == {5: -0.1, 8: -2.0}  # an earlier output does not grow
+    assert kept[1] == [{5: -0.125, 8: -2.0}, {4: -0.5, 6: -1.0, 9: -3.0}]  # the sampled token last, not a top-2
+    assert len(kept[0]) == 1 and kept[0][-1] == {5: -0.125, 8: -2.0}  # an earlier output does not grow

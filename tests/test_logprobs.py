@@ -45,6 +45,26 @@ def test_packed_host_logprobs_keep_large_token_ids_exact():
     assert all(type(t) is int for row in d for t in row)
 
 
+def test_flat_rows_of_a_step_with_several_ks_read_as_their_dicts():
+    """A step's rows packed with its largest k: each row cut to its own k as float32 bytes, read
+    back through TokenLogprobs as the same dicts as as_dicts, with the token's logprob beside."""
+    from array import array
+
+    from chatengine.outputs import TokenLogprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 300)
+    chosen = torch.tensor([5, 299, 17])
+    host = row_logprobs(logits, chosen, 5).to_host(pin=False)
+    ks = [2, 5, 0]
+    rows = host.flat_rows(ks)
+    for (data, logprob), k, want in zip(rows, ks, host.as_dicts(ks), strict=True):
+        flat = array("f")
+        flat.frombytes(data)
+        assert len(flat) == 2 + 2 * k and TokenLogprobs(flat, k, 1)[0] == want
+        assert logprob == want[int(flat[0])]
+
+
 @pytest.mark.parametrize("k", [0, 5])
 def test_sampled_logprobs_equal_transformers(either, hf_model, k):
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=k)

@@ -9,7 +9,7 @@ from chatengine.outputs import TokenLogprobs
 
 
 def test_rows_read_as_dicts_best_first_then_the_token_and_views_stay_fixed():
-    flat = array("d")
+    flat = array("f")
     flat.extend([7, -0.5, -0.25, -0.5, 3, 7])  # token 7 among the top 2 (ids 3, 7)
     flat.extend([9, -3.0, -0.125, -1.0, 4, 5])  # token 9 not among them: appended last
     first = TokenLogprobs(flat, 2, 1)

@@ -141,6 +141,46 @@ def test_masks_filled_ahead_equal_fills_made_then_and_follow_each_token(grammars
     assert torch.equal(ahead, now) and not torch.equal(ahead[rows[0]], before)
 
 
+def test_a_fill_that_fails_ahead_is_its_own_states_alone(grammars, tok):
+    """A matcher whose fill fails on the worker: the batch's other states still get their masks made
+    ahead; that state's is made again at sampling time (and raises there if it fails again), and its
+    tokens are still accepted."""
+
+    class Failing:
+        def __init__(self, matcher):
+            self.matcher, self.fail = matcher, True
+
+        def fill_next_token_bitmask(self, bitmask, row):
+            if self.fail:
+                raise RuntimeError("fill failed")
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+        def __getattr__(self, name):  # (the batch fill reaches the matcher's native handle: fails too)
+            if name == "_handle" and self.fail:
+                raise RuntimeError("fill failed")
+            return getattr(self.matcher, name)
+
+    texts = ['{"name": "Ad', '{"name": "Ada", ']
+    states = [walk(grammars, tok, SPECS["json"], t) for t in texts]
+    twins = [walk(grammars, tok, SPECS["json"], t) for t in texts]
+    states[0]._matcher = Failing(states[0]._matcher)
+    fill_ahead(states)
+    with pytest.raises(RuntimeError, match="fill failed"):
+        states[0].ahead_mask()
+    assert states[1].ahead_mask() is not None  # the batch's other row was made alone
+    fill_ahead(states)
+    with pytest.raises(RuntimeError, match="fill failed"):  # made now, and failing again: raised
+        fill_bitmasks(states, allocate_bitmask(2, grammars.vocab_size), [0, 1])
+    states[0]._matcher.fail = False
+    fill_ahead(states)
+    got, want = allocate_bitmask(2, grammars.vocab_size), allocate_bitmask(2, grammars.vocab_size)
+    fill_bitmasks(states, got, [0, 1])
+    fill_bitmasks(twins, want, [0, 1])
+    assert torch.equal(got, want)
+    (quote,) = tok.encode('"', add_special_tokens=False)
+    assert states[0].accept(quote) and twins[0].accept(quote)
+
+
 def test_an_invalid_token_is_refused_and_changes_nothing(grammars, tok):
     state = grammars.matcher(grammars.compile(SO(json_object=True)))
     letter = tok.encode("x", add_special_tokens=False)[0]

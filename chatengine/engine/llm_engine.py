@@ -486,6 +486,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Retire one sequence of req (it must not be finished yet)."""
+        if seq.grammar is not None:
+            seq.grammar.drop_ahead()  # (its batch's masks may be large: not kept for a finished sequence)
         self.scheduler.finish(seq)
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         req.num_finished += 1

@@ -15,6 +15,7 @@ t % 32 of word t // 32 is set. Bits beyond V are ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -200,16 +201,30 @@ class GrammarState:
         # state as it is now; dropped when the state changes
         self._ahead: tuple[Future, torch.Tensor, int] | None = None
 
-    def _settle(self) -> tuple[Future, torch.Tensor, int] | None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead[0].result()  # (a failed fill raises here, as the same fill made now would)
-        return ahead
+    def ahead_mask(self) -> tuple[torch.Tensor, int] | None:
+        """(bitmask, row) of the next mask filled ahead, once it is made; None if none was started.
+        A fill that failed raises here, for this state only."""
+        if self._ahead is None:
+            return None
+        fill, made, at = self._ahead
+        errors = fill.result()
+        if errors is not None and errors[at] is not None:
+            self._ahead = None
+            raise errors[at]
+        return made, at
+
+    def drop_ahead(self) -> None:
+        """The sequence ended: its mask filled ahead is not needed (a fill may still be running; the
+        matcher is not touched again)."""
+        self._ahead = None
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar does not allow it here,
         if it is out of the vocabulary, or if the grammar has already terminated."""
-        self._settle()
+        if self._ahead is not None:
+            with contextlib.suppress(Exception):  # (a failed fill ahead: the state itself is intact)
+                self.ahead_mask()
+            self._ahead = None
         if not 0 <= token_id < self._vocab_size:
             return False
         return bool(self._matcher.accept_token(int(token_id)))
@@ -222,11 +237,9 @@ class GrammarState:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (bitmask: CPU int32 (N, ceil(V/32)))."""
-        ahead = self._settle()
+        ahead = self.ahead_mask()
         if ahead is not None:
-            _, made, at = ahead
-            bitmask[row].copy_(made[at])
-            self._ahead = ahead  # still the state's next mask until it changes
+            bitmask[row].copy_(ahead[0][ahead[1]])
         elif self._matcher.is_terminated():  # xgrammar fills nothing then: allow the stop tokens only
             bitmask[row].copy_(self._stop_row)
         else:
@@ -258,25 +271,55 @@ def _fill_rows(matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
         batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
+def _fill_ahead_rows(matchers: list, bitmask: torch.Tensor) -> list[Exception | None] | None:
+    """The worker's job: row i of bitmask for matchers[i]. If the batch fails, each row alone, so
+    that a failure is its own matcher's (None: all made)."""
+    try:
+        _fill_rows(matchers, bitmask, list(range(len(matchers))))
+        return None
+    except Exception:
+        errors: list[Exception | None] = []
+        for i, m in enumerate(matchers):
+            try:
+                m.fill_next_token_bitmask(bitmask, i)
+                errors.append(None)
+            except Exception as e:
+                errors.append(e)
+        return errors
+
+
 def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
-    """bitmask[rows[k]] = the allowed next tokens of states[k]: the masks filled ahead copied, the
-    others filled now on several threads at once (inside a JSON string a fill costs ~0.15 ms, and
-    a step waits for all of them)."""
-    now = []
+    """bitmask[rows[k]] = the allowed next tokens of states[k]: the masks filled ahead copied (a
+    batch's rows at once), the others filled now on several threads at once (inside a JSON string
+    a fill costs ~0.15 ms, and a step waits for all of them)."""
+    now: list[tuple[GrammarState, int]] = []
+    ahead: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id of a batch -> its rows
     for s, r in zip(states, rows, strict=True):
-        if s._ahead is not None or s.is_terminated():
+        try:
+            got = s.ahead_mask()
+        except Exception:  # that fill failed ahead: made now instead (raising here if it fails again)
+            got = None
+        if got is not None:
+            made, at = got
+            ahead.setdefault(id(made), (made, [], []))
+            ahead[id(made)][1].append(at)
+            ahead[id(made)][2].append(r)
+        elif s.is_terminated():
             s.fill_bitmask(bitmask, r)
         else:
             now.append((s, r))
+    for made, ats, rs in ahead.values():
+        bitmask[rs] = made[ats]
     if now:
         _fill_rows([s._matcher for s, _ in now], bitmask, [r for _, r in now])
 
 
 def fill_ahead(states: list[GrammarState]) -> None:
     """Start the next masks of these states on the grammar worker and return: the engine calls it
-    when it has fed them their tokens, and the sampling that needs the masks (a step or two later)
-    copies them. The fills release the interpreter lock, so the engine's thread goes on with other
-    requests' work meanwhile instead of waiting for them."""
+    when it has fed them their tokens, and the sampling that needs the masks (the step after next,
+    as such a row sits out a step) copies them. The fills release the interpreter lock, so the
+    engine's thread goes on with other requests' work meanwhile. (When every running row is
+    constrained, the masks are needed right after their tokens are fed, and the overlap is small.)"""
     global _worker
     live = [s for s in states if s._ahead is None and not s.is_terminated()]
     if not live:
@@ -285,9 +328,8 @@ def fill_ahead(states: list[GrammarState]) -> None:
         with _batch_lock:
             _worker = _worker or ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
     made = allocate_bitmask(len(live), live[0]._vocab_size, fill=False)
-    rows = list(range(len(live)))
-    fill = _worker.submit(_fill_rows, [s._matcher for s in live], made, rows)
-    for s, r in zip(live, rows):
+    fill = _worker.submit(_fill_ahead_rows, [s._matcher for s in live], made)
+    for r, s in enumerate(live):
         s._ahead = (fill, made, r)
 
 

@@ -43,9 +43,11 @@ def config_for(N: int) -> tuple[int, int, int, int, int]:
     return WIDE if N >= WIDE_FROM else NARROW
 
 
-# M is never specialized (Triton compiles a variant for M == 1 and for M % 16 == 0 otherwise): one
-# compiled kernel per layer for every batch size, and no compile in the middle of serving
-_jit_rows = triton.jit(do_not_specialize=["M"]) if triton is not None else jit
+# M (and M * N, the stride between segments) is never specialized (Triton compiles a variant for 1
+# and for multiples of 16 otherwise): one compiled kernel per layer for every batch size -- two for a
+# segmented layer, its segments in one program or apart (with CUDA graphs both compile at start, in
+# the captures of small batches and the full-budget profile forward; eager, the second at first use)
+_jit_rows = triton.jit(do_not_specialize=["M", "stride_ys"]) if triton is not None else jit
 
 
 @_jit_rows
@@ -83,7 +85,8 @@ def _matmul_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # a second grid axis: one segment of K per program, its fp32 sums to Y's slice (linear_triton)
+    # a second grid axis when segments run apart (linear_triton): this program's segment of K, its
+    # fp32 sums to Y's slice of that segment (else one program, seg 0, walks every segment)
     seg = tl.program_id(1)
     ks = seg * SEG_K + tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N

@@ -139,6 +139,7 @@ class OutputAssembler:
 
 
 def _new_logprobs(logprobs, num_tokens: int):
+    """The engine's TokenLogprobs as flat rows; any other sequence of dicts as its new dicts."""
     if logprobs is None:
         return None
     if isinstance(logprobs, TokenLogprobs):
