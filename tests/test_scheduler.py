@@ -4,7 +4,7 @@ from chatengine.config import EngineConfig
 from chatengine.engine.kv.block_manager import BlockManager
 from chatengine.engine.scheduler import Scheduler
 from chatengine.engine.sequence import Sequence, SequenceStatus
-from chatengine.sampling_params import SamplingParams
+from chatengine.sampling_params import SamplingParams, StructuredOutputs
 
 BS = 4
 
@@ -137,6 +137,38 @@ def test_a_sequence_that_reads_its_tokens_sits_out_while_one_is_in_flight():
     assert out.seqs == [plain, penalized] and penalized.num_pending == 0
     sched.launched(out)
     assert sched.schedule().seqs == [plain]  # and so every other step
+
+
+def test_a_grammar_row_whose_next_mask_is_still_being_filled_sits_out():
+    """A grammar's next mask is filled on a worker thread once its token is in (structured.fill_ahead):
+    while it is, the row sits the step out beside plain rows (their step never waits for the fill);
+    alone, it runs (its sampling waits for the mask)."""
+
+    class Grammar:
+        making = True
+
+        def filling(self):
+            return self.making
+
+    sched = make(budget=16)
+    plain = Sequence([1, 2, 3], SamplingParams(max_tokens=8), block_size=BS)
+    constrained = Sequence(
+        [4, 5, 6], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(json_object=True)), block_size=BS
+    )
+    constrained.grammar = Grammar()
+    for s in (plain, constrained):
+        sched.add(s)
+    sched.launched(sched.schedule())
+    plain.fill_placeholder(7)
+    constrained.fill_placeholder(7)  # its token is back, but its mask is still being made
+    out = sched.schedule()
+    assert out.seqs == [plain]
+    sched.launched(out)
+    constrained.grammar.making = False
+    assert sched.schedule().seqs == [plain, constrained]  # the mask is made
+    constrained.grammar.making = True
+    sched.finish(plain)
+    assert sched.schedule().seqs == [constrained]  # alone: nothing would overlap
 
 
 def test_rows_that_read_their_tokens_run_on_placeholders_when_no_plain_row_would_overlap():

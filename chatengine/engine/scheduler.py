@@ -13,8 +13,9 @@ sequence whose pending token ends it by length is not scheduled again; one that 
 by EOS or a stop string costs one wasted lane, found when the values arrive. A sequence whose
 sampling reads its tokens on the host (a grammar, penalties, min_tokens) is not scheduled while its
 last token is in flight when plain sequences run beside it: it takes every other step, and theirs
-keep overlapping. When every running sequence is such a one, they run on their placeholders and the
-engine collects the step in flight before their sampling.
+keep overlapping; a grammar's also waits for its next mask, filled on a worker thread meanwhile.
+When every running sequence is such a one, they run on their placeholders and the engine collects
+the step in flight before their sampling.
 """
 
 from collections import deque
@@ -70,9 +71,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and seq.params.needs_history and others_overlap:
-                i += 1  # its sampling reads the token still in flight: it sits this step out, so the
-                continue  # plain rows' step never waits for that token to reach the host
+            if seq.params.needs_history and others_overlap and (seq.num_pending or _mask_in_making(seq)):
+                # its sampling reads the token still in flight, or its grammar's next mask still being
+                # filled (structured.fill_ahead): it sits this step out, so the plain rows' step never
+                # waits for that token to reach the host or for that mask
+                i += 1
+                continue
             if seq.num_pending and (
                 seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
             ):
@@ -149,3 +153,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.drop_placeholders()
         seq.status = SequenceStatus.FINISHED
+
+
+def _mask_in_making(seq: Sequence) -> bool:
+    return seq.grammar is not None and seq.grammar.filling()

@@ -213,6 +213,10 @@ class GrammarState:
             raise errors[at]
         return made, at
 
+    def filling(self) -> bool:
+        """A mask filled ahead is still being made (its sampling would wait for it)."""
+        return self._ahead is not None and not self._ahead[0].done()
+
     def drop_ahead(self) -> None:
         """The sequence ended: its mask filled ahead is not needed (a fill may still be running; the
         matcher is not touched again)."""
