@@ -141,8 +141,8 @@ def test_a_sequence_that_reads_its_tokens_sits_out_while_one_is_in_flight():
 
 def test_a_grammar_row_whose_next_mask_is_still_being_filled_sits_out():
     """A grammar's next mask is filled on a worker thread once its token is in (structured.fill_ahead):
-    while it is, the row sits the step out beside plain rows (their step never waits for the fill);
-    alone, it runs (its sampling waits for the mask)."""
+    with async scheduling, while it is, the row sits the step out beside plain rows (their step never
+    waits for the fill); alone, it runs (its sampling waits for the mask)."""
 
     class Grammar:
         making = True
@@ -151,6 +151,7 @@ def test_a_grammar_row_whose_next_mask_is_still_being_filled_sits_out():
             return self.making
 
     sched = make(budget=16)
+    sched.wait_for_masks = True  # (the engine's, with async scheduling)
     plain = Sequence([1, 2, 3], SamplingParams(max_tokens=8), block_size=BS)
     constrained = Sequence(
         [4, 5, 6], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(json_object=True)), block_size=BS
@@ -161,6 +162,9 @@ def test_a_grammar_row_whose_next_mask_is_still_being_filled_sits_out():
     sched.launched(sched.schedule())
     plain.fill_placeholder(7)
     constrained.fill_placeholder(7)  # its token is back, but its mask is still being made
+    sched.wait_for_masks = False  # step by step, the schedule never depends on a fill's timing
+    assert sched.schedule().seqs == [plain, constrained]
+    sched.wait_for_masks = True
     out = sched.schedule()
     assert out.seqs == [plain]
     sched.launched(out)

@@ -171,14 +171,23 @@ def test_a_fill_that_fails_ahead_is_its_own_states_alone(grammars, tok):
     fill_ahead(states)
     with pytest.raises(RuntimeError, match="fill failed"):  # made now, and failing again: raised
         fill_bitmasks(states, allocate_bitmask(2, grammars.vocab_size), [0, 1])
+    fill_ahead(states)  # fails ahead again; then the fill made at sampling succeeds
+    states[0]._ahead[0].result()  # (the worker's fill done before the matcher mends)
     states[0]._matcher.fail = False
-    fill_ahead(states)
     got, want = allocate_bitmask(2, grammars.vocab_size), allocate_bitmask(2, grammars.vocab_size)
     fill_bitmasks(states, got, [0, 1])
     fill_bitmasks(twins, want, [0, 1])
     assert torch.equal(got, want)
+    states[0]._matcher.fail = True
+    fill_ahead(states)  # a failed fill ahead never reaches accept: the state is intact
+    states[0]._ahead[0].result()
+    states[0]._matcher.fail = False
     (quote,) = tok.encode('"', add_special_tokens=False)
     assert states[0].accept(quote) and twins[0].accept(quote)
+    got, want = allocate_bitmask(2, grammars.vocab_size), allocate_bitmask(2, grammars.vocab_size)
+    fill_bitmasks(states, got, [0, 1])
+    fill_bitmasks(twins, want, [0, 1])
+    assert torch.equal(got, want)
 
 
 def test_an_invalid_token_is_refused_and_changes_nothing(grammars, tok):

@@ -80,6 +80,9 @@ class LLMEngine:
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         )
+        # with async scheduling a grammar row waits for its next mask (filled on a worker meanwhile)
+        # beside plain rows; run step by step, the schedule does not depend on a fill's timing
+        self.scheduler.wait_for_masks = self.async_scheduling
         self._in_flight: tuple | None = None  # (SchedulerOutput, LaunchedStep) not collected yet
         self.tiers = self._make_tiers(root)
         self.block_manager.tiers = self.tiers
@@ -231,6 +234,7 @@ class LLMEngine:
             seq.seed_key = seed_key(req.params.seed, i)
         if req.grammar is not None:
             seq.grammar = self.grammars().matcher(req.grammar)
+            structured.fill_ahead([seq.grammar])  # its first mask, made while its prompt is computed
         req.seqs.append(seq)
         req.detoks.append(IncrementalDetokenizer(self.tokenizer))
         return seq

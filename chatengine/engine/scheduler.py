@@ -12,8 +12,9 @@ are placeholders (sequence.PLACEHOLDER) whose KV the next step computes from the
 sequence whose pending token ends it by length is not scheduled again; one that a pending token ends
 by EOS or a stop string costs one wasted lane, found when the values arrive. A sequence whose
 sampling reads its tokens on the host (a grammar, penalties, min_tokens) is not scheduled while its
-last token is in flight when plain sequences run beside it: it takes every other step, and theirs
-keep overlapping; a grammar's also waits for its next mask, filled on a worker thread meanwhile.
+last token is in flight when plain sequences run beside it: it takes at most every other step, and
+theirs keep overlapping; with async scheduling a grammar's also waits for its next mask, filled on a
+worker thread meanwhile.
 When every running sequence is such a one, they run on their placeholders and the engine collects
 the step in flight before their sampling.
 """
@@ -47,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0
+        self.wait_for_masks = False  # a grammar row sits out while its next mask is being made (engine)
         # keep ~1% of the pool free at admission so a new prompt does not force a preemption at once
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -71,7 +73,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.params.needs_history and others_overlap and (seq.num_pending or _mask_in_making(seq)):
+            if (
+                seq.params.needs_history
+                and others_overlap
+                and (seq.num_pending or (self.wait_for_masks and _mask_in_making(seq)))
+            ):
                 # its sampling reads the token still in flight, or its grammar's next mask still being
                 # filled (structured.fill_ahead): it sits this step out, so the plain rows' step never
                 # waits for that token to reach the host or for that mask

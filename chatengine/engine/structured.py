@@ -190,15 +190,15 @@ class Grammars:
 
 class GrammarState:
     """One per generated sequence. The engine's thread uses it; a fill started ahead (`fill_ahead`)
-    runs on the grammar worker meanwhile, and every method here first waits for that fill, so the
-    matcher is never read by one thread while another changes it."""
+    runs on the grammar worker meanwhile, and every method that touches the matcher first waits for
+    that fill, so the matcher is never read by one thread while another changes it."""
 
     def __init__(self, matcher: Any, stop_row: torch.Tensor, vocab_size: int):
         self._matcher = matcher
         self._stop_row = stop_row
         self._vocab_size = vocab_size
         # (fill, its bitmask, this state's row there): the next mask, started on the worker for the
-        # state as it is now; dropped when the state changes
+        # state as it is now; dropped when the state changes, the fill fails or the sequence ends
         self._ahead: tuple[Future, torch.Tensor, int] | None = None
 
     def ahead_mask(self) -> tuple[torch.Tensor, int] | None:
@@ -240,8 +240,12 @@ class GrammarState:
         return bool(self._matcher.is_terminated())
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row] (bitmask: CPU int32 (N, ceil(V/32)))."""
-        ahead = self.ahead_mask()
+        """Write the allowed next tokens into bitmask[row] (bitmask: CPU int32 (N, ceil(V/32))): the
+        mask filled ahead, or (none, or it failed) one filled now."""
+        try:
+            ahead = self.ahead_mask()
+        except Exception:
+            ahead = None
         if ahead is not None:
             bitmask[row].copy_(ahead[0][ahead[1]])
         elif self._matcher.is_terminated():  # xgrammar fills nothing then: allow the stop tokens only
@@ -320,10 +324,11 @@ def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor, rows: list[
 
 def fill_ahead(states: list[GrammarState]) -> None:
     """Start the next masks of these states on the grammar worker and return: the engine calls it
-    when it has fed them their tokens, and the sampling that needs the masks (the step after next,
-    as such a row sits out a step) copies them. The fills release the interpreter lock, so the
-    engine's thread goes on with other requests' work meanwhile. (When every running row is
-    constrained, the masks are needed right after their tokens are fed, and the overlap is small.)"""
+    when it has fed them their tokens (and a new sequence its first), and the sampling that needs
+    the masks (a later step: such a row sits out while its mask is made) copies them. The fills
+    release the interpreter lock, so the engine's thread goes on with other requests' work
+    meanwhile. (When every running row is constrained, the masks are needed right after their
+    tokens are fed, and the overlap is small.)"""
     global _worker
     live = [s for s in states if s._ahead is None and not s.is_terminated()]
     if not live:
