@@ -183,6 +183,16 @@ def send(page, text):
     box.press("Enter")
 
 
+def reply(page, text):
+    """Send and wait for this turn's reply to be final: its own bubble first (the chat's last bubble
+    until it comes is the previous reply, already final, and a wait on it alone would pass at once
+    while this turn's updates, the sidebar's included, are still to arrive)."""
+    before = page.locator('#chat [data-testid="bot"]').count()
+    send(page, text)
+    expect(page.locator('#chat [data-testid="bot"]').nth(before)).to_be_attached()
+    wait_idle(page)
+
+
 def last_bot(page):
     return page.locator('#chat [data-testid="bot"]').last
 
@@ -582,10 +592,8 @@ def test_the_chat_menu_renames_pins_exports_and_deletes_after_a_confirm(server, 
     login(page, server.url, "alice", "pw-alice")
     page.locator("#new-chat").click()
     set_setting(page, "max-tokens", 4)
-    send(page, "Say something short.")
-    wait_idle(page)
-    send(page, "And again.")
-    wait_idle(page)
+    reply(page, "Say something short.")
+    reply(page, "And again.")
     page.locator("#chat-menu-btn").click()
     expect(page.locator("#rename-box textarea, #rename-box input").first).to_have_value("Say something short.")
     box = page.locator("#rename-box textarea, #rename-box input").first
