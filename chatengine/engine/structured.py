@@ -15,7 +15,6 @@ t % 32 of word t // 32 is set. Bits beyond V are ignored.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -226,8 +225,7 @@ class GrammarState:
         """Advance by one token; False (state unchanged) if the grammar does not allow it here,
         if it is out of the vocabulary, or if the grammar has already terminated."""
         if self._ahead is not None:
-            with contextlib.suppress(Exception):  # (a failed fill ahead: the state itself is intact)
-                self.ahead_mask()
+            self._ahead[0].result()  # (the worker returns a failed row's error: it never raises here)
             self._ahead = None
         if not 0 <= token_id < self._vocab_size:
             return False

@@ -88,16 +88,16 @@ def _matmul_kernel(
     # a second grid axis when segments run apart (linear_triton): this program's segment of K, its
     # fp32 sums to Y's slice of that segment (else one program, seg 0, walks every segment)
     seg = tl.program_id(1)
-    ks = seg * SEG_K + tl.arange(0, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
-    x_ptr = X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    w_ptr = W + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # (K, N): W^T
+    x_ptr = X + seg * SEG_K + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    w_ptr = W + seg * SEG_K + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # (K, N): W^T
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for s in tl.static_range(SEGMENTS):  # K's segments [s * SEG_K, (s + 1) * SEG_K), in order
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         end = (s + 1) * SEG_K
         for k0 in range(s * SEG_K, end, BLOCK_K):  # from the segment's start, never split
-            k_ok = k0 + ks < seg * SEG_K + end
+            k_ok = k0 + ks < end
             x = tl.load(x_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             part = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), part, input_precision=DOT_PRECISION)
