@@ -6,7 +6,8 @@ functions from torch.profiler.
 --steps steps are timed and one more stretch of them is profiled, for each variant:
   plain      nothing beyond temperature
   logprobs   logprobs=5 on every request
-  json       a quarter under a JSON schema (needs a model with a tokenizer)
+  json       a quarter under sampling_bench's bounded JSON schema (needs a model with a tokenizer)
+  json-open  the same under its open schema (strings without maxLength: cheaper fills, longer outputs)
   penalty    repetition_penalty=1.1 on every request
   prefill    a chat turn arriving beside the decodes, as serve_bench's at 20/s: each timed pair of
              steps admits one request of a 1500-token persona (cached on the device by an earlier
@@ -32,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import commit  # noqa: E402
-from benchmarks.sampling_bench import SCHEMA  # noqa: E402
+from benchmarks.sampling_bench import OPEN_SCHEMA, SCHEMA  # noqa: E402
 from chatengine import LLM, SamplingParams, StructuredOutputs  # noqa: E402
 
 
@@ -40,8 +41,9 @@ def params(variant: str, i: int, max_tokens: int) -> SamplingParams:
     common = dict(temperature=0.6, max_tokens=max_tokens, ignore_eos=True)
     if variant == "logprobs":
         return SamplingParams(**common, logprobs=5)
-    if variant == "json" and i % 4 == 0:
-        return SamplingParams(temperature=0.6, max_tokens=max_tokens, structured_outputs=StructuredOutputs(json=SCHEMA))
+    if variant.startswith("json") and i % 4 == 0:
+        schema = OPEN_SCHEMA if variant == "json-open" else SCHEMA
+        return SamplingParams(temperature=0.6, max_tokens=max_tokens, structured_outputs=StructuredOutputs(json=schema))
     if variant == "penalty":
         return SamplingParams(**common, repetition_penalty=1.1)
     return SamplingParams(**common)
@@ -103,11 +105,13 @@ def profiled(llm: LLM, prompts, variant: str, steps: int) -> tuple[str, float]:
 
 
 def host_profile(llm: LLM, prompts, variant: str, steps: int) -> str:
-    """cProfile of the host side of `steps` steps: our functions and xgrammar's, by cumulative time."""
+    """cProfile of the host side of `steps` steps: our functions and xgrammar's by cumulative time, then
+    every function by its own time."""
     prof = cProfile.Profile()
     prof.runcall(decode_steps, llm, prompts, variant, steps)
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats(r"chatengine|xgrammar", 25)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)  # where the host's own time goes
     return out.getvalue()
 
 

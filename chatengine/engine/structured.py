@@ -314,8 +314,9 @@ def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor, rows: list[
             s.fill_bitmask(bitmask, r)
         else:
             now.append((s, r))
+    words = bitmask.numpy()  # (numpy's row gather: torch's index ops cost the engine's thread ~10x as much)
     for made, ats, rs in ahead.values():
-        bitmask[rs] = made[ats]
+        words[rs] = made.numpy()[ats]
     if now:
         _fill_rows([s._matcher for s, _ in now], bitmask, [r for _, r in now])
 
