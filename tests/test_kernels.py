@@ -20,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ imports triton
 
-from chatengine.kernels import cache_ops, fp8_ops, fused_ops, logprob_ops, sampling  # noqa: E402
+from chatengine.kernels import cache_ops, fp8_ops, fused_ops, grammar_masks, logprob_ops, sampling  # noqa: E402
 from chatengine.kernels import paged_attention as pa
 
 tl, triton = pa.tl, pa.triton  # (None without triton)
@@ -875,3 +875,32 @@ def test_quantize_rows_kernel_equals_reference(device, dtype):
     q_ref, scale_ref = fp8_ops.quantize_rows_ref(x)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.float(), q_ref.float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [77, 5000])
+def test_row_masks_equal_reference_and_touch_only_their_rows(device, vocab):
+    """The packed grammar masks: row k's mask words go to logits row rows[k] (rows out of order),
+    bits past the vocabulary are ignored, and rows not named are neither read nor changed."""
+    from chatengine.engine.structured import apply_bitmask_ref
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    rows = [4, 1, 2]
+    packed, masks = grammar_masks.pack_row_masks(rows, vocab, pin=False)
+    masks.copy_(torch.randint(-(2**31), 2**31, masks.shape, generator=gen, dtype=torch.int64).to(torch.int32))
+    masks[1] = -1  # row 1: all allowed
+    masks[2] = 0  # row 2: none
+    masks[0, -1] = -1  # set bits past V
+    assert packed[:3].tolist() == rows
+    a, b = logits.clone().to(device), logits.clone()
+    grammar_masks.apply_row_masks_triton(a, packed.to(device), len(rows))
+    grammar_masks.apply_row_masks_ref(b, packed, len(rows))
+    assert torch.equal(a.cpu(), b)
+    full = torch.full((6, masks.shape[1]), -1, dtype=torch.int32)
+    full[rows] = masks
+    c = logits.clone()
+    apply_bitmask_ref(c, full)  # the N-row form of the same masks
+    assert torch.equal(b, c)
+    assert torch.equal(b[[0, 3, 5]], logits[[0, 3, 5]]) and torch.equal(b[1], logits[1])
+    assert torch.isneginf(b[2]).all() and torch.isneginf(b[4]).any() and not torch.isneginf(b[4]).all()

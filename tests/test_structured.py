@@ -16,6 +16,7 @@ from chatengine.engine.structured import (
     apply_bitmask_ref,
     fill_ahead,
     fill_bitmasks,
+    mask_logits,
 )
 from chatengine.sampling_params import StructuredOutputs as SO
 
@@ -361,6 +362,32 @@ def test_apply_bitmask_with_a_grammar_mask(grammars):
     assert torch.equal(a, b)
     assert set(torch.nonzero(~torch.isneginf(a[0])).flatten().tolist()) == allowed(mask, 0, v)
     assert torch.equal(a[1], logits[1])
+
+
+def test_mask_logits_masks_each_states_row_and_no_other(grammars, tok, eos):
+    """A step's grammar rows: each row gets its own state's mask (filled ahead or now), in rows out
+    of order; the other rows are untouched. The GPU's packed buffer is filled the same way (a view
+    past the row indices), checked here against fills into a tensor of its own."""
+    from chatengine.kernels.grammar_masks import apply_row_masks_ref, pack_row_masks
+
+    v = grammars.vocab_size
+    texts = ['{"name": "Ad', '{"name": "Ada", ', '{"name": "Ada", "age": 3']
+    states = [walk(grammars, tok, SPECS["json"], t) for t in texts]
+    fill_ahead(states[:2])
+    rows = [5, 0, 3]
+    logits = torch.randn(6, v, generator=torch.Generator().manual_seed(0))
+    a = logits.clone()
+    mask_logits(a, states, rows)
+    packed, masks = pack_row_masks(rows, v, pin=False)
+    fill_bitmasks(states, masks, [0, 1, 2])
+    b = logits.clone()
+    apply_row_masks_ref(b, packed, 3)
+    assert torch.equal(a, b)
+    for state, row in zip(states, rows, strict=True):
+        single = allocate_bitmask(1, v)
+        state.fill_bitmask(single, 0)
+        assert set(torch.nonzero(~torch.isneginf(a[row])).flatten().tolist()) == allowed(single, 0, v)
+    assert torch.equal(a[[1, 2, 4]], logits[[1, 2, 4]])
 
 
 def test_apply_bitmask_checks_shapes():

@@ -129,11 +129,7 @@ def _counts(token_arrays: list[np.ndarray], V: int, device) -> torch.Tensor:
 def _grammar_mask(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
     from chatengine.engine import structured  # xgrammar loads only when a grammar is used
 
-    N, V = logits.shape
     live = [i for i in rows if not seqs[i].is_finished]  # (one that finished just now samples a wasted lane)
     if not live:
         return
-    # only the live rows are written and read (no fill of the rest); pinned: copied without a sync
-    bitmask = structured.allocate_bitmask(N, V, pin=logits.is_cuda, fill=False)
-    structured.fill_bitmasks([seqs[i].grammar for i in live], bitmask, live)
-    structured.apply_bitmask(logits, bitmask, on_device(live, torch.int32, logits.device))
+    structured.mask_logits(logits, [seqs[i].grammar for i in live], live)

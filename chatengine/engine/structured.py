@@ -341,6 +341,23 @@ def fill_ahead(states: list[GrammarState]) -> None:
         s._ahead = (fill, made, r)
 
 
+def mask_logits(logits: torch.Tensor, states: list[GrammarState], rows: list[int]) -> None:
+    """In place: logits[rows[k]] get -inf wherever states[k] forbids the next token (logits (N, V)
+    fp32). On a GPU the rows' masks and indices travel in one pinned buffer and one kernel applies
+    them (no bitmask of all N rows, no second copy); on the CPU xgrammar's kernel takes N rows."""
+    if not logits.is_cuda:
+        bitmask = allocate_bitmask(logits.shape[0], logits.shape[1], fill=False)
+        fill_bitmasks(states, bitmask, rows)
+        apply_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int32))
+        return
+    from chatengine.kernels.grammar_masks import apply_row_masks_triton, pack_row_masks
+
+    packed, masks = pack_row_masks(rows, logits.shape[1], pin=True)
+    fill_bitmasks(states, masks, list(range(len(rows))))
+    with torch.cuda.device(logits.device):
+        apply_row_masks_triton(logits, packed.to(logits.device, non_blocking=True), len(rows))
+
+
 def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False, fill: bool = True) -> torch.Tensor:
     """A bitmask: int32 (rows, ceil(vocab_size / 32)) on CPU, all allowed (`fill`) or uninitialised
     (for rows that are all filled, or masked by row index); `pin`: in pinned memory, so that
