@@ -160,6 +160,13 @@ def bench_model(model: str, kinds: list[str], args) -> list[dict]:
     return rows
 
 
+def _paired_ratios(rows: list[dict], model: str, kind: str, control: str) -> list[float]:
+    """Each round's plain TPOT under `kind` over its `control` round's (run right after it): on a
+    host whose speed drifts, a pair measured minutes apart says less than one measured together."""
+    tpot = {(r["kind"], r["round"]): r["plain_tpot_ms_p50"] for r in rows if r["model"] == model}
+    return [tpot[kind, i] / tpot[control, i] for k, i in sorted(tpot) if k == kind and (control, i) in tpot]
+
+
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
         "| model | run | tok/s | plain tok/s | plain TPOT p50 ms | p90 ms | plain TTFT p50 ms | ratio |",
@@ -173,7 +180,11 @@ def summarize(rows: list[dict]) -> list[str]:
         for kind, m in med.items():
             control = kind.replace("json", "control")
             if kind.startswith("json") and control in med:
-                ratio = f"plain TPOT x{m['plain_tpot_ms_p50'] / med[control]['plain_tpot_ms_p50']:.3f} of {control}'s"
+                paired = _paired_ratios(rows, model, kind, control)
+                ratio = (
+                    f"plain TPOT x{m['plain_tpot_ms_p50'] / med[control]['plain_tpot_ms_p50']:.3f} of {control}'s; "
+                    f"same round: x{statistics.median(paired):.3f} ({', '.join(f'{x:.3f}' for x in paired)})"
+                )
             elif kind == "logprobs" and "plain" in med:
                 ratio = f"tok/s x{m['tok_s'] / med['plain']['tok_s']:.3f}"
             else:
