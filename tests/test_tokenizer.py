@@ -66,3 +66,38 @@ def test_detokenizer_fast_path_equals_transformers_decode(tok):
 def test_detokenizer_without_a_tokenizer_gives_no_text():
     detok = IncrementalDetokenizer(None)
     assert detok.add(5) == "" and detok.flush() == "" and detok.text == ""
+
+
+def _deltas(detok, ids):
+    return [detok.add(i) for i in ids] + [detok.flush()]
+
+
+def test_detokenizer_stream_gives_the_decodes_deltas_and_flushes_a_cut_character(tok):
+    """The Rust DecodeStream path gives each token the delta the two-decode window gives, and a text
+    cut inside a multi-byte character flushes the same held-back tail (U+FFFD)."""
+    text = "Snow ☃ and a family 👨‍👩‍👧 — naïve café, 日本語 " * 3
+    ids = tok.encode(text, add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    for seq in (ids, ids[:cut]):
+        fast = IncrementalDetokenizer(tok)
+        assert fast._stream is not None
+        slow = IncrementalDetokenizer(tok)
+        slow._stream = None
+        assert _deltas(fast, seq) == _deltas(slow, seq)
+        assert fast.text == slow.text == tok.decode(seq, skip_special_tokens=True)
+    assert fast.text.endswith("\ufffd")
+
+
+def test_detokenizer_carries_on_by_decodes_when_the_stream_refuses(tok):
+    ids = tok.encode("Snow ☃ and a family 👨‍👩‍👧 — naïve café", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids[:7]]
+
+    class Refusing:
+        def step(self, tokenizer, token_id):
+            raise Exception("InvalidPrefix")
+
+    detok._stream = Refusing()
+    deltas += [detok.add(i) for i in ids[7:]] + [detok.flush()]
+    assert detok._stream is None
+    assert "".join(deltas) == detok.text == tok.decode(ids)

@@ -13,6 +13,8 @@ in U+FFFD, so streamed deltas are always whole characters.
 import re
 import secrets
 
+from tokenizers.decoders import DecodeStream
+
 ROLES = ("system", "user", "assistant")
 
 
@@ -264,6 +266,10 @@ class IncrementalDetokenizer:
         rust = getattr(tokenizer, "_tokenizer", None)
         plain = getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
         self._rust_decode = rust.decode if rust is not None and plain and hasattr(rust, "decode") else None
+        # the same window algorithm in one Rust call a token (~6x faster than the two decodes):
+        # its offsets are mirrored here, so flush() and a fallback to the decodes carry on from them
+        self._rust = rust
+        self._stream = DecodeStream(skip_special_tokens=True) if self._rust_decode is not None else None
 
     def _decode(self, ids: list[int]) -> str:
         if self._rust_decode is not None:
@@ -275,6 +281,21 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         if self.tokenizer is None:  # dummy weights have no text: skip slicing the growing id list
             return ""
+        if self._stream is None:
+            return self._add_decoded()
+        try:
+            delta = self._stream.step(self._rust, token_id)
+        except Exception:  # (it refuses a text that does not extend its window's): the decodes from here
+            self._stream = None
+            return self._add_decoded()
+        if not delta:
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def _add_decoded(self) -> str:
+        """add() by two decodes: the window's text with and without the tokens not yet shown."""
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
