@@ -11,6 +11,7 @@ import torch
 
 from chatengine.engine.structured import (
     Grammars,
+    accept_tokens,
     allocate_bitmask,
     apply_bitmask,
     apply_bitmask_ref,
@@ -189,6 +190,27 @@ def test_a_fill_that_fails_ahead_is_its_own_states_alone(grammars, tok):
     fill_bitmasks(states, got, [0, 1])
     fill_bitmasks(twins, want, [0, 1])
     assert torch.equal(got, want)
+
+
+def test_accept_tokens_feeds_a_batch_as_one_state_at_a_time(grammars, tok, eos):
+    """One call for a step's rows: each state advances as accept() would, a refused or out-of-vocabulary
+    token changes nothing, and only a state that accepted a stop token after a complete text is terminated."""
+    texts = ['{"name": "Ad', '{"name": "Ada", ', '{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 36}', '{"na']
+    states = [walk(grammars, tok, SPECS["json"], t) for t in texts]
+    twins = [walk(grammars, tok, SPECS["json"], t) for t in texts]
+    a = tok.encode("a", add_special_tokens=False)[0]
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    fill_ahead(states[:2])  # a fill ahead still pending is waited for, then dropped
+    feed = [a, brace, eos[0], a, grammars.vocab_size + 5]
+    got = accept_tokens(states, feed)
+    want = [(twin.accept(t), twin.is_terminated()) for twin, t in zip(twins, feed, strict=True)]
+    assert got == want == [(True, False), (False, False), (True, True), (False, False), (False, False)]
+    for state, twin in zip(states, twins, strict=True):
+        x, y = allocate_bitmask(1, grammars.vocab_size), allocate_bitmask(1, grammars.vocab_size)
+        state.fill_bitmask(x, 0)
+        twin.fill_bitmask(y, 0)
+        assert torch.equal(x, y)
+    assert accept_tokens(states[:1], [a]) == [(True, False)]  # one row: no batch call
 
 
 def test_an_invalid_token_is_refused_and_changes_nothing(grammars, tok):

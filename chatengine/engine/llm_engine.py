@@ -358,12 +358,9 @@ class LLMEngine:
             if token_id is not None and not seq.is_finished
         ]
         self.scheduler.publish(out)  # before a grammar that ends a sequence frees its blocks
-        grammars = []
-        for seq, token_id, _ in sampled:
-            if seq.grammar is not None and self._advance_grammar(self.requests[seq.request_id], seq, token_id):
-                grammars.append(seq.grammar)
-        if grammars:  # their next masks, made while this thread goes on (sampling copies them)
-            structured.fill_ahead(grammars)
+        fed = [(seq, token_id) for seq, token_id, _ in sampled if seq.grammar is not None]
+        if fed:
+            self._advance_grammars(fed)
         received.append((out, launched, sampled))
 
     def _advance(self, out, launched, sampled: list) -> list[RequestOutput]:
@@ -475,18 +472,25 @@ class LLMEngine:
                     return True
         return False
 
-    def _advance_grammar(self, req: Request, seq: Sequence, token_id: int) -> bool:
-        """Feed the token to the sequence's grammar; False when that finished the sequence."""
-        if not seq.grammar.accept(token_id):  # the mask allowed it, so this is a bug: end it visibly
-            log.error("request %s: token %d refused by its grammar", req.request_id, token_id)
-            self._finish(req, seq, "error")
-            return False
-        if seq.grammar.is_terminated():  # it accepted a stop token: the text is complete (ignore_eos or not)
-            if token_id not in self.eos_token_ids:
-                req.detoks[seq.index].add(token_id)
-            self._finish(req, seq, "stop")
-            return False
-        return True
+    def _advance_grammars(self, fed: list[tuple[Sequence, int]]) -> None:
+        """Feed each grammar its sequence's token (one call for the step's rows). A refused token ends
+        its sequence as an error (the mask allowed it: a bug, shown), a completed text as a stop
+        (ignore_eos or not); the others' next masks start filling while this thread goes on."""
+        live = []
+        results = structured.accept_tokens([seq.grammar for seq, _ in fed], [t for _, t in fed])
+        for (seq, token_id), (accepted, terminated) in zip(fed, results, strict=True):
+            req = self.requests[seq.request_id]
+            if not accepted:
+                log.error("request %s: token %d refused by its grammar", req.request_id, token_id)
+                self._finish(req, seq, "error")
+            elif terminated:
+                if token_id not in self.eos_token_ids:
+                    req.detoks[seq.index].add(token_id)
+                self._finish(req, seq, "stop")
+            else:
+                live.append(seq.grammar)
+        if live:
+            structured.fill_ahead(live)
 
     def _finish(self, req: Request, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Retire one sequence of req (it must not be finished yet)."""

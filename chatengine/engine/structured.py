@@ -184,7 +184,7 @@ class Grammars:
 
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> GrammarState:
         """A fresh state for one sequence at the start of its output."""
-        return GrammarState(_xgr().GrammarMatcher(compiled), self._stop_row, self.vocab_size)
+        return GrammarState(_xgr().GrammarMatcher(compiled), self._stop_row, self.vocab_size, self.stop_token_ids)
 
 
 class GrammarState:
@@ -192,10 +192,12 @@ class GrammarState:
     runs on the grammar worker meanwhile, and every method that touches the matcher first waits for
     that fill, so the matcher is never read by one thread while another changes it."""
 
-    def __init__(self, matcher: Any, stop_row: torch.Tensor, vocab_size: int):
+    def __init__(self, matcher: Any, stop_row: torch.Tensor, vocab_size: int, stop_token_ids: list[int]):
         self._matcher = matcher
         self._stop_row = stop_row
         self._vocab_size = vocab_size
+        self._stops = frozenset(stop_token_ids)  # a matcher terminates only on one of these
+        self._terminated = False  # kept here: asked each step, and only a stop token changes it
         # (fill, its bitmask, this state's row there): the next mask, started on the worker for the
         # state as it is now; dropped when the state changes, the fill fails or the sequence ends
         self._ahead: tuple[Future, torch.Tensor, int] | None = None
@@ -224,18 +226,17 @@ class GrammarState:
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar does not allow it here,
         if it is out of the vocabulary, or if the grammar has already terminated."""
+        return accept_tokens([self], [token_id])[0][0]
+
+    def _settle(self) -> None:
+        """Wait for a fill ahead (it reads the matcher) and drop it: the matcher is about to change."""
         if self._ahead is not None:
             self._ahead[0].result()  # (the worker returns a failed row's error: it never raises here)
             self._ahead = None
-        if not 0 <= token_id < self._vocab_size:
-            return False
-        return bool(self._matcher.accept_token(int(token_id)))
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted after a complete text."""
-        if self._ahead is not None:
-            self._ahead[0].result()
-        return bool(self._matcher.is_terminated())
+        return self._terminated
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (bitmask: CPU int32 (N, ceil(V/32))): the
@@ -246,10 +247,33 @@ class GrammarState:
             ahead = None
         if ahead is not None:
             bitmask[row].copy_(ahead[0][ahead[1]])
-        elif self._matcher.is_terminated():  # xgrammar fills nothing then: allow the stop tokens only
+        elif self._terminated:  # xgrammar fills nothing then: allow the stop tokens only
             bitmask[row].copy_(self._stop_row)
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def accept_tokens(states: list[GrammarState], token_ids: list[int]) -> list[tuple[bool, bool]]:
+    """Advance each state by its token, the batch in one xgrammar call: (accepted, terminated) per
+    state. A refused token (or one out of the vocabulary) leaves its state unchanged. The engine
+    feeds every grammar row of a step at once: one state at a time cost its thread ~3 Python-to-C
+    calls a row. (A matcher terminates only on accepting a stop token, so only those ask.)"""
+    for s in states:
+        s._settle()
+    fed = [k for k, (s, t) in enumerate(zip(states, token_ids, strict=True)) if 0 <= t < s._vocab_size]
+    accepted = [False] * len(states)
+    if len(fed) == 1:
+        accepted[fed[0]] = bool(states[fed[0]]._matcher.accept_token(int(token_ids[fed[0]])))
+    elif fed:
+        got = _xgr().BatchGrammarMatcher.batch_accept_token(
+            [states[k]._matcher for k in fed], [int(token_ids[k]) for k in fed]
+        )
+        for k, ok in zip(fed, got, strict=True):
+            accepted[k] = ok
+    for s, t, ok in zip(states, token_ids, accepted, strict=True):
+        if ok and t in s._stops:
+            s._terminated = bool(s._matcher.is_terminated())
+    return [(ok, s._terminated) for s, ok in zip(states, accepted, strict=True)]
 
 
 _batch: Any = None  # one xgrammar BatchGrammarMatcher (its thread pool) per process, built on first use
@@ -299,23 +323,28 @@ def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor, rows: list[
     batch's rows at once), the others filled now on several threads at once (inside a JSON string
     a fill costs ~0.15 ms, and a step waits for all of them)."""
     now: list[tuple[GrammarState, int]] = []
-    ahead: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id of a batch -> its rows
+    batches: dict[int, tuple[Future, torch.Tensor, list[GrammarState], list[int], list[int]]] = {}
     for s, r in zip(states, rows, strict=True):
-        try:
-            got = s.ahead_mask()
-        except Exception:  # that fill failed ahead: made now instead (raising here if it fails again)
-            got = None
-        if got is not None:
-            made, at = got
-            ahead.setdefault(id(made), (made, [], []))
-            ahead[id(made)][1].append(at)
-            ahead[id(made)][2].append(r)
+        if s._ahead is not None:  # grouped by the fill that made it: one wait a batch
+            fill, made, at = s._ahead
+            batch = batches.setdefault(id(fill), (fill, made, [], [], []))
+            batch[2].append(s)
+            batch[3].append(at)
+            batch[4].append(r)
         elif s.is_terminated():
             s.fill_bitmask(bitmask, r)
         else:
             now.append((s, r))
     words = bitmask.numpy()  # (numpy's row gather: torch's index ops cost the engine's thread ~10x as much)
-    for made, ats, rs in ahead.values():
+    for fill, made, ahead, ats, rs in batches.values():
+        errors = fill.result()
+        if errors is not None:  # rows whose fill failed ahead are made now (raising here if they fail again)
+            for s, at, r in zip(ahead, ats, rs, strict=True):
+                if errors[at] is not None:
+                    s._ahead = None
+                    now.append((s, r))
+            rs = [r for at, r in zip(ats, rs, strict=True) if errors[at] is None]
+            ats = [at for at in ats if errors[at] is None]
         words[rs] = made.numpy()[ats]
     if now:
         _fill_rows([s._matcher for s, _ in now], bitmask, [r for _, r in now])
@@ -329,7 +358,7 @@ def fill_ahead(states: list[GrammarState]) -> None:
     meanwhile. (When every running row is constrained, the masks are needed right after their
     tokens are fed, and the overlap is small.)"""
     global _worker
-    live = [s for s in states if s._ahead is None and not s.is_terminated()]
+    live = [s for s in states if s._ahead is None and not s._terminated]
     if not live:
         return
     if _worker is None:
