@@ -284,6 +284,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; then process the step launched before it (async scheduling)
         or this one. Returns the outputs of the requests that the processed step advanced."""
+        if self.async_scheduling and structured.fills_in_flight():
+            time.sleep(0)  # lets a grammar fill that is done report now, so its row joins this step
         out = self.scheduler.schedule()
         launched = None
         outputs: list[RequestOutput] = self._flush_held(out.preempted) if out.preempted else []

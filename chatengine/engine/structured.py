@@ -280,6 +280,7 @@ _batch: Any = None  # one xgrammar BatchGrammarMatcher (its thread pool) per pro
 _batch_lock = threading.Lock()
 _fill_lock = threading.Lock()  # one batch fill at a time: the worker's, or the engine's own
 _worker: ThreadPoolExecutor | None = None  # runs fills started ahead, one batch at a time
+_last_fill: Future | None = None  # the newest fill started ahead (the worker runs them in order)
 
 
 def _batch_matcher() -> Any:
@@ -357,7 +358,7 @@ def fill_ahead(states: list[GrammarState]) -> None:
     release the interpreter lock, so the engine's thread goes on with other requests' work
     meanwhile. (When every running row is constrained, the masks are needed right after their
     tokens are fed, and the overlap is small.)"""
-    global _worker
+    global _worker, _last_fill
     live = [s for s in states if s._ahead is None and not s._terminated]
     if not live:
         return
@@ -365,7 +366,7 @@ def fill_ahead(states: list[GrammarState]) -> None:
         with _batch_lock:
             _worker = _worker or ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
     made = allocate_bitmask(len(live), live[0]._vocab_size, fill=False)
-    fill = _worker.submit(_fill_ahead_rows, [s._matcher for s in live], made)
+    fill = _last_fill = _worker.submit(_fill_ahead_rows, [s._matcher for s in live], made)
     for r, s in enumerate(live):
         s._ahead = (fill, made, r)
 
@@ -385,6 +386,15 @@ def mask_logits(logits: torch.Tensor, states: list[GrammarState], rows: list[int
     fill_bitmasks(states, masks, list(range(len(rows))))
     with torch.cuda.device(logits.device):
         apply_row_masks_triton(logits, packed.to(logits.device, non_blocking=True), len(rows))
+
+
+def fills_in_flight() -> bool:
+    """A fill started ahead has not reported yet. Its xgrammar call runs without the interpreter
+    lock, but the worker needs the lock back to report, and the engine's thread keeps it through its
+    pure-Python bookkeeping: a mask made in time would still read as in the making at the next
+    schedule, and its row would sit out a step more. The engine yields the lock once before
+    scheduling while this is True."""
+    return _last_fill is not None and not _last_fill.done()
 
 
 def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False, fill: bool = True) -> torch.Tensor:
