@@ -161,8 +161,8 @@ def bench_model(model: str, kinds: list[str], args) -> list[dict]:
 
 
 def _paired_ratios(rows: list[dict], model: str, kind: str, control: str) -> list[float]:
-    """Each round's plain TPOT under `kind` over its `control` round's (run right after it): on a
-    host whose speed drifts, a pair measured minutes apart says less than one measured together."""
+    """Each round's plain TPOT under `kind` over its `control` round's (run after it in the same
+    round): on a host whose speed drifts, rounds minutes apart say less than a pair run together."""
     tpot = {(r["kind"], r["round"]): r["plain_tpot_ms_p50"] for r in rows if r["model"] == model}
     return [tpot[kind, i] / tpot[control, i] for k, i in sorted(tpot) if k == kind and (control, i) in tpot]
 

@@ -891,7 +891,7 @@ def test_row_masks_equal_reference_and_touch_only_their_rows(device, vocab):
     masks.copy_(torch.randint(-(2**31), 2**31, masks.shape, generator=gen, dtype=torch.int64).to(torch.int32))
     masks[1] = -1  # row 1: all allowed
     masks[2] = 0  # row 2: none
-    masks[0, -1] = -1  # set bits past V
+    masks[0, -1] = 0  # row 4's bits past V are 0 too: nothing may be written past V (row 5 stays)
     assert packed[:3].tolist() == rows
     a, b = logits.clone().to(device), logits.clone()
     grammar_masks.apply_row_masks_triton(a, packed.to(device), len(rows))

@@ -17,6 +17,7 @@ from chatengine.engine.structured import (
     apply_bitmask_ref,
     fill_ahead,
     fill_bitmasks,
+    fills_in_flight,
     mask_logits,
 )
 from chatengine.sampling_params import StructuredOutputs as SO
@@ -213,6 +214,26 @@ def test_accept_tokens_feeds_a_batch_as_one_state_at_a_time(grammars, tok, eos):
     assert accept_tokens(states[:1], [a]) == [(True, False)]  # one row: no batch call
 
 
+def test_fills_in_flight_until_the_newest_fill_reports(grammars, tok, monkeypatch):
+    """The engine yields its lock before scheduling while a fill started ahead has not reported."""
+    from chatengine.engine import structured
+
+    gate = threading.Event()
+    real = structured._fill_ahead_rows
+
+    def held(matchers, bitmask):
+        gate.wait(10)
+        return real(matchers, bitmask)
+
+    monkeypatch.setattr(structured, "_fill_ahead_rows", held)
+    state = walk(grammars, tok, SPECS["json"], '{"name": "Ad')
+    fill_ahead([state])
+    assert fills_in_flight()
+    gate.set()
+    state._ahead[0].result(10)
+    assert not fills_in_flight()
+
+
 def test_an_invalid_token_is_refused_and_changes_nothing(grammars, tok):
     state = grammars.matcher(grammars.compile(SO(json_object=True)))
     letter = tok.encode("x", add_special_tokens=False)[0]
@@ -386,24 +407,28 @@ def test_apply_bitmask_with_a_grammar_mask(grammars):
     assert torch.equal(a[1], logits[1])
 
 
-def test_mask_logits_masks_each_states_row_and_no_other(grammars, tok, eos):
-    """A step's grammar rows: each row gets its own state's mask (filled ahead or now), in rows out
-    of order; the other rows are untouched. The GPU's packed buffer is filled the same way (a view
-    past the row indices), checked here against fills into a tensor of its own."""
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA"))]
+)
+def test_mask_logits_masks_each_states_row_and_no_other(grammars, tok, device):
+    """A step's grammar rows: each row gets its own state's mask (two filled ahead, two filled now),
+    in rows out of order; the other rows are untouched. The GPU's packed buffer is filled the same
+    way (a view past the row indices), checked here against the reference on a pack of its own."""
     from chatengine.kernels.grammar_masks import apply_row_masks_ref, pack_row_masks
 
     v = grammars.vocab_size
-    texts = ['{"name": "Ad', '{"name": "Ada", ', '{"name": "Ada", "age": 3']
+    texts = ['{"name": "Ad', '{"name": "Ada", ', '{"name": "Ada", "age": 3', '{"na']
     states = [walk(grammars, tok, SPECS["json"], t) for t in texts]
     fill_ahead(states[:2])
-    rows = [5, 0, 3]
-    logits = torch.randn(6, v, generator=torch.Generator().manual_seed(0))
-    a = logits.clone()
+    rows = [5, 0, 3, 6]
+    logits = torch.randn(7, v, generator=torch.Generator().manual_seed(0))
+    a = logits.to(device)
     mask_logits(a, states, rows)
+    a = a.cpu()
     packed, masks = pack_row_masks(rows, v, pin=False)
-    fill_bitmasks(states, masks, [0, 1, 2])
+    fill_bitmasks(states, masks, [0, 1, 2, 3])
     b = logits.clone()
-    apply_row_masks_ref(b, packed, 3)
+    apply_row_masks_ref(b, packed, 4)
     assert torch.equal(a, b)
     for state, row in zip(states, rows, strict=True):
         single = allocate_bitmask(1, v)

@@ -84,8 +84,23 @@ def test_detokenizer_stream_gives_the_decodes_deltas_and_flushes_a_cut_character
         slow = IncrementalDetokenizer(tok)
         slow._stream = None
         assert _deltas(fast, seq) == _deltas(slow, seq)
+        assert fast._stream is not None  # the stream gave them all (no fallback)
         assert fast.text == slow.text == tok.decode(seq, skip_special_tokens=True)
     assert fast.text.endswith("\ufffd")
+
+
+def test_detokenizer_after_a_flush_starts_a_fresh_window(tok):
+    """Tokens added after a flush (which gave out a held-back partial character) are decoded from
+    there, by the stream as by the decodes."""
+    ids = tok.encode("日本語 and more", add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    got = []
+    for use_stream in (True, False):
+        detok = IncrementalDetokenizer(tok)
+        if not use_stream:
+            detok._stream = None
+        got.append([detok.add(i) for i in ids[:cut]] + [detok.flush()] + [detok.add(i) for i in ids[cut:]])
+    assert got[0] == got[1]
 
 
 def test_detokenizer_carries_on_by_decodes_when_the_stream_refuses(tok):

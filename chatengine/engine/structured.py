@@ -113,6 +113,7 @@ class Grammars:
         for t in self.stop_token_ids:
             words[t >> 5] |= np.uint32(1 << (t & 31))
         self._stop_row = torch.from_numpy(words.view(np.int32))
+        self._stops = frozenset(self.stop_token_ids)
         self.tokenizer_info_seconds: float | None = None  # how long the lazy TokenizerInfo build took
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
@@ -184,7 +185,7 @@ class Grammars:
 
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> GrammarState:
         """A fresh state for one sequence at the start of its output."""
-        return GrammarState(_xgr().GrammarMatcher(compiled), self._stop_row, self.vocab_size, self.stop_token_ids)
+        return GrammarState(_xgr().GrammarMatcher(compiled), self._stop_row, self.vocab_size, self._stops)
 
 
 class GrammarState:
@@ -192,11 +193,11 @@ class GrammarState:
     runs on the grammar worker meanwhile, and every method that touches the matcher first waits for
     that fill, so the matcher is never read by one thread while another changes it."""
 
-    def __init__(self, matcher: Any, stop_row: torch.Tensor, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, matcher: Any, stop_row: torch.Tensor, vocab_size: int, stop_token_ids: frozenset[int]):
         self._matcher = matcher
         self._stop_row = stop_row
         self._vocab_size = vocab_size
-        self._stops = frozenset(stop_token_ids)  # a matcher terminates only on one of these
+        self._stops = stop_token_ids  # a matcher terminates only on one of these
         self._terminated = False  # kept here: asked each step, and only a stop token changes it
         # (fill, its bitmask, this state's row there): the next mask, started on the worker for the
         # state as it is now; dropped when the state changes, the fill fails or the sequence ends
@@ -333,7 +334,7 @@ def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor, rows: list[
             batch[3].append(at)
             batch[4].append(r)
         elif s.is_terminated():
-            s.fill_bitmask(bitmask, r)
+            bitmask[r].copy_(s._stop_row)
         else:
             now.append((s, r))
     words = bitmask.numpy()  # (numpy's row gather: torch's index ops cost the engine's thread ~10x as much)
@@ -397,14 +398,13 @@ def fills_in_flight() -> bool:
     return _last_fill is not None and not _last_fill.done()
 
 
-def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False, fill: bool = True) -> torch.Tensor:
+def allocate_bitmask(rows: int, vocab_size: int, fill: bool = True) -> torch.Tensor:
     """A bitmask: int32 (rows, ceil(vocab_size / 32)) on CPU, all allowed (`fill`) or uninitialised
-    (for rows that are all filled, or masked by row index); `pin`: in pinned memory, so that
-    apply_bitmask copies it to a GPU without waiting for the device."""
+    (for rows that are all filled, or masked by row index)."""
     shape = (rows, (vocab_size + 31) // 32)
     if not fill:
-        return torch.empty(shape, dtype=torch.int32, pin_memory=pin)
-    return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
+        return torch.empty(shape, dtype=torch.int32)
+    return torch.full(shape, -1, dtype=torch.int32)
 
 
 def _check_shapes(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -422,24 +422,19 @@ _MIN_CPU_KERNEL_VOCAB = 32
 
 @torch.no_grad()
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """In place: logits (N, V) float32 (CPU or CUDA) get -inf where bitmask (N, ceil(V/32)) int32
-    has a 0 bit. rows: int32 indices on logits' device of the rows to mask, the other rows of both
-    neither read nor changed (None: every row). The bitmask is copied to logits' device here: from
-    pinned memory without waiting (the caller must not refill that buffer: allocate one per step),
-    else blocking."""
+    """In place: logits (N, V) float32 get -inf where bitmask (N, ceil(V/32)) int32 has a 0 bit
+    (xgrammar's CPU kernel; the plain-torch reference elsewhere: a GPU step takes mask_logits'
+    packed kernel). rows: int32 indices of the rows to mask, the other rows of both neither read
+    nor changed (None: every row)."""
     _check_shapes(logits, bitmask)
     n, v = logits.shape
     if n == 0 or (rows is not None and rows.numel() == 0):
         return
-    bitmask = bitmask.to(logits.device, non_blocking=bitmask.is_pinned()).contiguous()
-    kernel = logits.dtype == torch.float32 and logits.stride(1) == 1
-    if kernel and logits.is_cuda:
-        with torch.cuda.device(logits.device):  # the Triton kernel launches on the current device
-            # vocab_size given: bits past V (the last word's padding) are never read
-            _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, indices=rows, backend="triton")
-    elif kernel and logits.device.type == "cpu" and v >= _MIN_CPU_KERNEL_VOCAB:
+    kernel = logits.dtype == torch.float32 and logits.stride(1) == 1 and logits.device.type == "cpu"
+    if kernel and v >= _MIN_CPU_KERNEL_VOCAB:
         indices = None if rows is None else rows.tolist()
-        _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, indices=indices, backend="cpu")
+        # vocab_size given: bits past V (the last word's padding) are never read
+        _xgr().apply_token_bitmask_inplace(logits, bitmask.contiguous(), vocab_size=v, indices=indices, backend="cpu")
     else:
         apply_bitmask_ref(logits, bitmask, rows)
 

@@ -10,10 +10,13 @@ may hold half an emoji). The detokenizer decodes a small window and holds text b
 in U+FFFD, so streamed deltas are always whole characters.
 """
 
+import logging
 import re
 import secrets
 
 from tokenizers.decoders import DecodeStream
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 
@@ -285,7 +288,10 @@ class IncrementalDetokenizer:
             return self._add_decoded()
         try:
             delta = self._stream.step(self._rust, token_id)
-        except Exception:  # (it refuses a text that does not extend its window's): the decodes from here
+        except TypeError:  # a bad call, not a refusal: a bug to see
+            raise
+        except Exception as e:  # it refuses a text that does not extend its window's: the decodes from here
+            log.debug("detokenizer: DecodeStream refused token %d (%s); decoding windows instead", token_id, e)
             self._stream = None
             return self._add_decoded()
         if not delta:
@@ -311,5 +317,7 @@ class IncrementalDetokenizer:
         full = self._decode(self.token_ids[self.prefix_offset :])
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.token_ids)
+        if self._stream is not None:  # its window starts afresh too
+            self._stream = DecodeStream(skip_special_tokens=True)
         self.text += delta
         return delta

@@ -36,7 +36,10 @@ def apply_row_masks_triton(logits: torch.Tensor, packed: torch.Tensor, num_rows:
     """In place: logits (N, V) fp32, rows contiguous; packed on logits' device (layout above)."""
     check_device(logits)
     N, V = logits.shape
-    assert logits.stride(1) == 1 and packed.dtype == torch.int32 and packed.numel() == num_rows * (1 + (V + 31) // 32)
+    if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError("apply_row_masks_triton needs float32 logits (N, V) with contiguous rows")
+    if packed.dtype != torch.int32 or packed.numel() != num_rows * (1 + (V + 31) // 32):
+        raise ValueError(f"the packed masks do not fit {num_rows} rows of a vocabulary of {V}")
     if num_rows == 0:
         return
     _row_masks_kernel[(num_rows, -(-V // BLOCK))](
