@@ -117,46 +117,50 @@ void cf_rope_store(const float* q, int64_t ldq, const float* k, int64_t ldk, con
 // One query token per sequence (a decode step): out (B, H_q, D) contiguous. Sequence b's query
 // q + b * ldq (heads at stride D) attends over its first lens[b] cached keys (the last `window`
 // of them when window > 0), found through its row of the block table (stride ldt). Query heads
-// h_kv * G .. h_kv * G + G - 1 share KV head h_kv (G = H_q / H_kv). Scores for one (b, h_kv) go to
-// a buffer, then an exact softmax (max subtracted) weights the values. D a multiple of 8.
+// h_kv * G .. h_kv * G + G - 1 share KV head h_kv (G = H_q / H_kv). One task per (sequence, query
+// head): a decode of one sequence has H_q tasks to share out, not H_kv (3 tasks on 2 threads left
+// one thread a third idle). The keys are walked page by page (one table lookup a page, no division
+// a key); scores go to a buffer, then an exact softmax (max subtracted) weights the values, which
+// each head adds in key order. D a multiple of 8.
 void cf_decode_attention(const float* q, int64_t ldq, const float* k_cache, const float* v_cache, int64_t page_stride,
                          int64_t bs, int64_t Hq, int64_t Hkv, int64_t D, const int32_t* tables, int64_t ldt,
                          const int32_t* lens, int64_t B, float scale, int64_t window, float* out, int threads) {
-  const int64_t G = Hq / Hkv;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && B * Hkv > 1)
-  for (int64_t task = 0; task < B * Hkv; task++) {
-    const int64_t b = task / Hkv, h = task % Hkv;
+  const int64_t G = Hq / Hkv, row = Hkv * D;  // row: a slot's stride inside a page
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && B * Hq > 1)
+  for (int64_t task = 0; task < B * Hq; task++) {
+    const int64_t b = task / Hq, hq = task % Hq, h = hq / G;
     const int64_t L = lens[b];
     const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
     const int32_t* table = tables + b * ldt;
     thread_local std::vector<float> scores;
-    if (static_cast<int64_t>(scores.size()) < G * L) scores.resize(G * L);
-    float* out_h = out + (b * Hq + h * G) * D;
-    std::fill(out_h, out_h + G * D, 0.f);
+    if (static_cast<int64_t>(scores.size()) < L) scores.resize(L);
+    float* sc = scores.data();
+    const float* qh = q + b * ldq + hq * D;
+    float* out_h = out + (b * Hq + hq) * D;
+    std::fill(out_h, out_h + D, 0.f);
     if (L <= lo) continue;
-    auto slot_at = [&](const float* cache, int64_t s) {
-      return cache + static_cast<int64_t>(table[s / bs]) * page_stride + s % bs * Hkv * D + h * D;
+    // visit(cache, f): f(s, the slot's row of head h) for s in [lo, L), a page at a time
+    auto visit = [&](const float* cache, auto&& f) {
+      for (int64_t s = lo; s < L;) {
+        const int64_t off = s % bs, n = std::min(bs - off, L - s);
+        const float* at = cache + static_cast<int64_t>(table[s / bs]) * page_stride + off * row + h * D;
+        for (int64_t i = 0; i < n; i++) f(s + i, at + i * row);
+        s += n;
+      }
     };
-    for (int64_t g = 0; g < G; g++) {
-      const float* qg = q + b * ldq + (h * G + g) * D;
-      float* sc = scores.data() + g * L;
-      float mx = -INFINITY;
-      for (int64_t s = lo; s < L; s++) {
-        sc[s] = dot(qg, slot_at(k_cache, s), D) * scale;
-        mx = std::max(mx, sc[s]);
-      }
-      float sum = 0.f;
-      for (int64_t s = lo; s < L; s++) {
-        sc[s] = expf(sc[s] - mx);
-        sum += sc[s];
-      }
-      const float inv = 1.f / sum;
-      for (int64_t s = lo; s < L; s++) sc[s] *= inv;
+    float mx = -INFINITY;
+    visit(k_cache, [&](int64_t s, const float* ks) {
+      sc[s] = dot(qh, ks, D) * scale;
+      mx = std::max(mx, sc[s]);
+    });
+    float sum = 0.f;
+    for (int64_t s = lo; s < L; s++) {
+      sc[s] = expf(sc[s] - mx);
+      sum += sc[s];
     }
-    for (int64_t s = lo; s < L; s++) {  // each value row read once for the G heads
-      const float* vs = slot_at(v_cache, s);
-      for (int64_t g = 0; g < G; g++) axpy(scores[g * L + s], vs, out_h + g * D, D);
-    }
+    const float inv = 1.f / sum;
+    for (int64_t s = lo; s < L; s++) sc[s] *= inv;
+    visit(v_cache, [&](int64_t s, const float* vs) { axpy(sc[s], vs, out_h, D); });
   }
 }
 
