@@ -10,9 +10,11 @@
              (the same arrivals and lengths without grammars: what the grammars themselves cost)
   json-bounded, control-bounded   the same with a schema whose strings and array are bounded
              (maxLength / maxItems: a mask fill inside such a string costs ~8x an open one's)
+  control-again  control's round once more, run after it: how far two rounds of the same work
+             differ on this host (the noise a json round's ratio must be read against)
   logprobs   every request with logprobs=5, its client reading each new token's candidates as a
              streaming client does: total tokens/s against `plain`'s
-Rounds alternate (plain, json, control, json-bounded, control-bounded, logprobs) x --rounds; the
+Rounds alternate (plain, json, control, control-again, json-bounded, control-bounded, logprobs) x --rounds; the
 table gives medians and ratios. --model needs a tokenizer (grammars): the default model, or a
 random-weight directory of a real shape (benchmarks/random_hf_model.py); --logprob-model
 (dummy:llama-3.2-1b, a 128k vocabulary) runs plain and logprobs too. Saves JSON + markdown under --out.
@@ -63,7 +65,12 @@ SCHEMA = {
 }
 
 
-KINDS = ["plain", "json", "control", "json-bounded", "control-bounded", "logprobs"]
+KINDS = ["plain", "json", "control", "control-again", "json-bounded", "control-bounded", "logprobs"]
+
+
+def json_of(kind: str) -> str:
+    """The json round whose lengths a control round repeats."""
+    return "json-bounded" if kind == "control-bounded" else "json"
 
 
 def workload(n: int, max_tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -77,9 +84,7 @@ def params_for(kind: str, i: int, max_tokens: int, lengths: dict[int, int]) -> S
         schema = SCHEMA if kind.endswith("bounded") else OPEN_SCHEMA
         return SamplingParams(**common, structured_outputs=StructuredOutputs(json=schema))
     if kind.startswith("control") and i % 4 == 0:
-        return SamplingParams(
-            temperature=0.6, max_tokens=max(lengths[kind.replace("control", "json")][i], 1), ignore_eos=True
-        )
+        return SamplingParams(temperature=0.6, max_tokens=max(lengths[json_of(kind)][i], 1), ignore_eos=True)
     if kind == "logprobs":
         return SamplingParams(**common, ignore_eos=True, logprobs=5)
     return SamplingParams(**common, ignore_eos=True)
@@ -178,8 +183,12 @@ def summarize(rows: list[dict]) -> list[str]:
             sel = [r for r in rows if r["model"] == model and r["kind"] == kind]
             med[kind] = {k: statistics.median(r[k] for r in sel) for k in sel[0] if isinstance(sel[0][k], float)}
         for kind, m in med.items():
-            control = kind.replace("json", "control")
-            if kind.startswith("json") and control in med:
+            control = kind.replace("json", "control") if kind.startswith("json") else "control"
+            if kind == "control-again" and control in med:
+                paired = _paired_ratios(rows, model, kind, control)
+                each = ", ".join(f"{x:.3f}" for x in paired)
+                ratio = f"plain TPOT x{statistics.median(paired):.3f} of control's, same round ({each}): the noise"
+            elif kind.startswith("json") and control in med:
                 paired = _paired_ratios(rows, model, kind, control)
                 ratio = (
                     f"plain TPOT x{m['plain_tpot_ms_p50'] / med[control]['plain_tpot_ms_p50']:.3f} of {control}'s; "
@@ -219,8 +228,10 @@ def main():
     if args.dry_run:
         args.requests, args.clients, args.max_tokens, args.rounds, args.logprob_model = 8, 4, 8, 1, ""
     for kind in args.kinds:
-        if kind.startswith("control") and kind.replace("control", "json") not in args.kinds[: args.kinds.index(kind)]:
-            ap.error(f"--kinds: {kind} repeats the lengths of a {kind.replace('control', 'json')} round before it")
+        if kind.startswith("control") and json_of(kind) not in args.kinds[: args.kinds.index(kind)]:
+            ap.error(f"--kinds: {kind} repeats the lengths of a {json_of(kind)} round before it")
+        if kind == "control-again" and "control" not in args.kinds[: args.kinds.index(kind)]:
+            ap.error("--kinds: control-again repeats a control round before it")
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     rows = bench_model(args.model, args.kinds, args)
