@@ -57,3 +57,88 @@ def save_json(name: str, args, argv, body: dict, skip: tuple[str, ...] = ("out",
     path = out / f"{name}-{time.strftime('%Y-%m-%dT%H%M')}-{meta['commit']}.json"
     path.write_text(json.dumps(report, indent=1))
     return report, path
+
+
+class ThreadBusy:
+    """How busy each thread of this process and of its children was between two marks (Linux
+    /proc; elsewhere nothing): a closed loop runs as fast as its busiest thread, so this says which
+    one paced a round (the API process's event loop, the engine's loop, or a helper thread)."""
+
+    def __init__(self) -> None:
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._start: dict[tuple[int, int], int] = {}
+        self._t0 = 0.0
+
+    def mark(self) -> None:
+        self._start, self._t0 = self._ticks(), time.perf_counter()
+
+    def busy(self) -> dict[str, float]:
+        """Since mark(): {"api_main", "engine_main", "other_max"} as fractions of the wall time. The
+        engine's loop is the main thread of the child that used the most CPU, or without children
+        this process's busiest other thread; "other_max" the busiest thread besides. Empty without
+        /proc."""
+        wall = (time.perf_counter() - self._t0) * self._tick
+        now = self._ticks()
+        if not now or wall <= 0:
+            return {}
+        used = {key: (t - self._start.get(key, 0)) / wall for key, t in now.items()}
+        me = os.getpid()
+        per_pid: dict[int, float] = {}
+        for (pid, _), u in used.items():
+            per_pid[pid] = per_pid.get(pid, 0.0) + u
+        engine = max((p for p in per_pid if p != me), key=per_pid.get, default=None)
+        others = {key: u for key, u in used.items() if key[0] != key[1]}
+        if engine is None:  # the engine runs on a thread of this process: its busiest besides main
+            loop = max(others, key=others.get, default=(me, me))
+        else:
+            loop = (engine, engine)
+        others.pop(loop, None)
+        return {
+            "api_main": round(used.get((me, me), 0.0), 3),
+            "engine_main": round(used.get(loop, 0.0), 3),
+            "other_max": round(max(others.values(), default=0.0), 3),
+        }
+
+    def _ticks(self) -> dict[tuple[int, int], int]:
+        """{(pid, tid): utime + stime ticks} of this process and its children's threads."""
+        me = os.getpid()
+        pids = [me] + [p for p in _children(me)]
+        out = {}
+        for pid in pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+                if fields:
+                    out[pid, int(tid)] = int(fields[11]) + int(fields[12])
+        return out
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of any of pid's threads (their /proc children lists: scanning /proc for
+    parents instead hid a process's threads from its task listing on one kernel)."""
+    kids: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += map(int, f.read().split())
+        except OSError:
+            continue
+    return kids
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields of a /proc stat line after the command's name (which may hold spaces): [0] is
+    the state, [1] the parent's pid, [11] / [12] utime / stime."""
+    try:
+        with open(path) as f:
+            line = f.read()
+    except OSError:
+        return None
+    return line[line.rfind(")") + 2 :].split()

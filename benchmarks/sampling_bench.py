@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import commit, freeze_heap  # noqa: E402
+from benchmarks.common import ThreadBusy, commit, freeze_heap  # noqa: E402
 from chatengine import AsyncLLM, DataParallelLLM, SamplingParams, StructuredOutputs  # noqa: E402
 
 OPEN_SCHEMA = {  # as a pydantic model with a str, an int and a list[str] gives it
@@ -118,9 +118,12 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
                  "tpot": (end - first) / max(n - 1, 1)}
             )  # fmt: skip
 
+    threads = ThreadBusy()
+    threads.mark()
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
     wall = time.perf_counter() - t0
+    busy = threads.busy()
     plain = [r for r in records if r["plain"]]
     return {
         "kind": kind,
@@ -133,6 +136,7 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
         "constrained": len(records) - len(plain),
         "logprob_candidates": sum(r["candidates"] for r in records),  # read by the clients
         "constrained_tokens_mean": statistics.mean([r["tokens"] for r in records if not r["plain"]] or [0]),
+        **{f"busy_{k}": v for k, v in busy.items()},  # the threads' CPU over the wall time
     }
 
 
@@ -174,8 +178,9 @@ def _paired_ratios(rows: list[dict], model: str, kind: str, control: str) -> lis
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        "| model | run | tok/s | plain tok/s | plain TPOT p50 ms | p90 ms | plain TTFT p50 ms | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | run | tok/s | plain tok/s | plain TPOT p50 ms | p90 ms | plain TTFT p50 ms "
+        "| busy: API / engine / other | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for model in dict.fromkeys(r["model"] for r in rows):
         med = {}
@@ -201,9 +206,17 @@ def summarize(rows: list[dict]) -> list[str]:
             lines.append(
                 f"| {model} | {kind} | {m['tok_s']:.0f} | {m['plain_tok_s']:.0f} | "
                 f"{m['plain_tpot_ms_p50']:.2f} | {m['plain_tpot_ms_p90']:.2f} | "
-                f"{m['plain_ttft_ms_p50']:.0f} | {ratio} |"
+                f"{m['plain_ttft_ms_p50']:.0f} | {_busy(m)} | {ratio} |"
             )
     return lines
+
+
+def _busy(m: dict) -> str:
+    """The median round's thread loads: the API process's main thread (event loop and clients), the
+    engine's loop thread (its own process with --engine-process, else the API process's busiest other
+    thread), the busiest thread besides."""
+    keys = ("busy_api_main", "busy_engine_main", "busy_other_max")
+    return " / ".join(f"{m[k]:.0%}" for k in keys) if all(k in m for k in keys) else "-"
 
 
 def main():

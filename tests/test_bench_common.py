@@ -1,0 +1,53 @@
+"""benchmarks/common.py's ThreadBusy: which thread of the API process or its engine child paced a round."""
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import ThreadBusy  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_spinning_child_reads_as_the_engine_and_a_sleeping_main_as_idle():
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.3)  # the child's start-up
+        busy = ThreadBusy()
+        busy.mark()
+        time.sleep(0.6)
+        loads = busy.busy()
+    finally:
+        child.kill()
+        child.wait()
+    assert set(loads) == {"api_main", "engine_main", "other_max"}
+    assert 0.2 < loads["engine_main"] <= 1.05  # one core's worth at most
+    assert loads["api_main"] < 0.2
+
+
+def test_without_a_child_the_busiest_other_thread_is_the_engine():
+    stop = threading.Event()
+    worker = threading.Thread(target=lambda: _spin(0.8))
+    idle = threading.Thread(target=stop.wait)
+    idle.start()
+    busy = ThreadBusy()
+    busy.mark()
+    worker.start()
+    time.sleep(0.6)
+    loads = busy.busy()
+    worker.join()
+    stop.set()
+    idle.join()
+    assert loads["engine_main"] > 0.2
+    assert loads["other_max"] < 0.2  # the idle thread
