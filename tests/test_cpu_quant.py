@@ -153,8 +153,10 @@ def test_kernel_linear_matches_the_reference(fmt, rows):
     qw = cq.quantize(weights(n=74, k=320, seed=4), fmt)
     x, b = torch.randn(rows, 320), torch.randn(74)
     ref = cq.linear_ref(x, qw, b)
-    if rows > cq.GEMV_MAX_ROWS:  # dequantize (bit-exact) + the same F.linear
-        assert torch.equal(cq.linear(x, qw, b), ref)
+    if rows > cq.GEMV_MAX_ROWS:  # dequantize (bit-exact) + the same F.linear, in fp32 or bf16
+        assert torch.equal(cq.linear(x, qw, b, prefill="fp32"), ref)
+        assert torch.equal(cq.linear(x, qw, b, prefill="bf16"), cq.linear_bf16_ref(x, qw, b))
+        assert torch.equal(cq.linear(x, qw, b), cq.linear(x, qw, b, prefill=cq.PREFILL))
         return
     # the kernels sum in another order: fp32 rounding apart
     torch.testing.assert_close(cq.linear(x, qw, b, "fp32"), ref, rtol=1e-5, atol=1e-5)
@@ -243,3 +245,25 @@ def test_a_quantized_engine_holds_blocks_and_answers_close_to_fp32(fmt):
     finally:
         full.shutdown()
         quant.shutdown()
+
+
+def test_prefill_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    for flags, want in [
+        ({"avx2", "avx512_bf16"}, torch.bfloat16),
+        ({"amx_bf16"}, torch.bfloat16),
+        ({"avx2"}, torch.float32),
+    ]:
+        monkeypatch.setattr(cq, "_cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cq.prefill_dtype("auto") == want
+        assert cq.prefill_dtype("fp32") == torch.float32 and cq.prefill_dtype("bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match="CHATENGINE_CPU_PREFILL"):
+        cq.prefill_dtype("fp16")
+
+
+def test_bf16_prefill_stays_within_bf16_rounding_of_the_fp32_product():
+    qw = cq.quantize(weights(n=74, k=320, seed=5), "q4_1")
+    x = torch.randn(40, 320)
+    ref, ours = cq.linear_ref(x, qw), cq.linear_bf16_ref(x, qw)
+    # each product's two inputs move by at most 2^-9 of themselves; the output is rounded once more
+    bound = (x.abs() @ cq.dequantize_ref(qw).abs().T) * (2 * 2**-9) + ref.abs() * 2**-8
+    assert ((ours - ref).abs() <= bound + 1e-6).all()

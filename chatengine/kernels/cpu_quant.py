@@ -32,11 +32,15 @@ CHATENGINE_CPU_ACTIVATIONS (`ACTIVATIONS`):
   levels, an fp32 scale per 32) and each weight block costs one integer dot with them
   (`linear_q8_ref`). Its greedy output leaves the fp32 model's sooner (README), so it is opt-in.
 - "auto" (default): q16 for every format.
-More rows (prefill) dequantize the weight to fp32 and use torch's fp32 GEMM, whose speed the quantized
-path then keeps.
+More rows (prefill) dequantize the weight and use torch's GEMM, in the dtype CHATENGINE_CPU_PREFILL
+(`PREFILL`) names: "fp32" (linear_ref's result), "bf16" (x and W rounded to bf16, fp32 out:
+`linear_bf16_ref`), or "auto" (default): bf16 where the CPU has bf16 dot products (AVX512_BF16 or AMX),
+whose GEMM there runs ~4x the fp32 one (a 1000-token prompt of the default model: 1.45 -> 0.67 s on a
+2-core AMD EPYC VM), else fp32. bf16 keeps 8 significant bits, finer than the 4-bit weights' own steps.
 """
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -54,9 +58,10 @@ log = logging.getLogger("chatengine")
 FORMATS = ("q8_0", "q4_0", "q4_1")
 _FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # cpu_quant.cpp's enum Format
 QK = 32  # weights per block
-GEMV_MAX_ROWS = 16  # above: dequantize + fp32 GEMM (the GEMV unpacks each block once per 4 rows)
+GEMV_MAX_ROWS = 16  # above: dequantize + torch GEMM (the GEMV unpacks each block once per 4 rows)
 SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 ACTIVATIONS = os.environ.get("CHATENGINE_CPU_ACTIVATIONS", "auto")  # fp32, q16, q8: the decode GEMV's x (above)
+PREFILL = os.environ.get("CHATENGINE_CPU_PREFILL", "auto")  # fp32, bf16: the prefill GEMM's dtype (above)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -158,6 +163,13 @@ def linear_ref(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = Non
     return F.linear(x.float(), dequantize_ref(qw), None if bias is None else bias.float()).to(x.dtype)
 
 
+def linear_bf16_ref(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) with x and the dequantized weight rounded to bf16 (torch's bf16 GEMM), fp32 out,
+    the bias added in fp32."""
+    y = F.linear(x.to(torch.bfloat16), dequantize_ref(qw).to(torch.bfloat16)).float()
+    return y if bias is None else y + bias.float()
+
+
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, K) fp32 -> q8 blocks: levels q (M, K) int8, scales d (M, K/32) and scaled sums
     s = d * sum(q) (M, K/32), fp32: d = amax / 127, q = round-half-even(x * (1 / d)) as the kernel."""
@@ -214,12 +226,27 @@ _lib: ctypes.CDLL | None = None
 _lib_tried = False
 
 
-def _cpu_has_avx2() -> bool:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        return frozenset(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags)
+        return frozenset()
+
+
+def _cpu_has_avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
+def prefill_dtype(mode: str | None = None) -> torch.dtype:
+    """The prefill GEMM's dtype under `mode` (PREFILL if None): "fp32", "bf16", or "auto": bf16 where
+    the CPU multiplies bf16 natively (AVX512_BF16 or AMX), else fp32."""
+    mode = mode or PREFILL
+    if mode not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"CHATENGINE_CPU_PREFILL must be auto, fp32 or bf16, got {mode!r}")
+    if mode == "auto":
+        return torch.bfloat16 if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
+    return torch.bfloat16 if mode == "bf16" else torch.float32
 
 
 def _build_dir() -> Path:
@@ -310,11 +337,15 @@ def gemv_of(lib: ctypes.CDLL, fmt: str, activations: str | None = None):
 
 
 def linear(
-    x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, activations: str | None = None
+    x: torch.Tensor,
+    qw: QuantWeight,
+    bias: torch.Tensor | None = None,
+    activations: str | None = None,
+    prefill: str | None = None,
 ) -> torch.Tensor:
     """y = x W^T (+ b) for fp32 x (..., K): a kernel GEMV for few rows (`activations`, default
     ACTIVATIONS: "fp32", linear_ref's arithmetic, "q16", linear_q16_ref's, "q8", linear_q8_ref's, or
-    "auto": q16), else dequantize + torch's fp32 GEMM (linear_ref's).
+    "auto": q16), else dequantize + torch's GEMM (`prefill`, default PREFILL: dense_linear).
     A decode step calls this ~120 times: the common path touches as few torch ops as it can."""
     lib = _lib if _lib_tried else library()
     N, K = qw.shape
@@ -322,7 +353,7 @@ def linear(
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return linear_ref(x, qw, bias)
     if M > GEMV_MAX_ROWS:
-        return F.linear(x, dequantize(qw), bias)
+        return dense_linear(x, qw, bias, prefill)
     x2 = x if x.dim() == 2 else x.reshape(M, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -332,6 +363,17 @@ def linear(
     if bias is not None:
         y += bias
     return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
+
+
+def dense_linear(
+    x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, prefill: str | None = None
+) -> torch.Tensor:
+    """Many rows of fp32 x (a prefill chunk): the weight dequantized, then torch's GEMM in
+    prefill_dtype(prefill): fp32 (linear_ref's result) or bf16 (linear_bf16_ref's)."""
+    if prefill_dtype(prefill) == torch.bfloat16:
+        y = F.linear(x.to(torch.bfloat16), dequantize(qw).to(torch.bfloat16)).float()
+        return y if bias is None else y.add_(bias)
+    return F.linear(x, dequantize(qw), bias)
 
 
 def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
