@@ -24,10 +24,10 @@ CHATENGINE_CPU_ACTIVATIONS (`ACTIVATIONS`):
   order).
 - "q16": each row of x is quantized to int16 blocks (`quantize_rows16_ref`: levels, an fp32 scale
   per 32, amax / 32767) and each weight block costs two int16 multiply-adds with them
-  (`linear_q16_ref`); x's rounding (at most amax / 65534 an input) is ~260x finer than q8's. For one
-  or two rows of x (a decode step) the kernel takes eight weight rows at a time, whose scales it
-  reads column-major in one load, and prefetches the weights ahead: on a 2-core AVX2 VM the
-  135M model's layer GEMVs stream at ~8-12 GB/s instead of ~5.
+  (`linear_q16_ref`); x's rounding (at most amax / 65534 an input) is ~260x finer than q8's. The
+  kernel takes eight weight rows at a time (two rows of x a pass over them), whose scales it reads
+  column-major in one load, and prefetches the weights ahead: on a 2-core AVX2 VM the 135M model's
+  layer GEMVs stream at ~8-12 GB/s instead of ~5.
 - "q8": llama.cpp's arithmetic: each row of x is quantized to q8 blocks (`quantize_rows_ref`: int8
   levels, an fp32 scale per 32) and each weight block costs one integer dot with them
   (`linear_q8_ref`). Its greedy output leaves the fp32 model's sooner (README), so it is opt-in.
