@@ -234,6 +234,10 @@ def test_a_quantized_engine_holds_blocks_and_answers_close_to_fp32(fmt):
         linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
         assert linears and all(m.qweight is not None and m.qweight.fmt == fmt for m in linears)
         assert all("weight" not in dict(m.named_parameters()) for m in linears)
+        # the tied table went straight into the head's q8_0 blocks, which the embedding looks rows up in
+        head, ref = model.lm_head.qweight, cq.quantize(full.engine.runner.model.embed_tokens.weight, "q8_0")
+        assert torch.equal(head.qs, ref.qs) and torch.equal(head.d, ref.d)
+        assert model.embed_tokens.qweight is head and "weight" not in dict(model.embed_tokens.named_parameters())
         assert quant.engine.block_manager.root != full.engine.block_manager.root  # never each other's pages
         a, b = (llm.generate([prompt], params)[0] for llm in (full, quant))
         errors = [abs(da[t] - db[t]) for da, db, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], prompt[1:])]

@@ -328,8 +328,13 @@ class LlamaModel(nn.Module):
         for linear in [m for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]:
             if linear.qweight is None:  # (load_hf_state_dict may have done a layer's already)
                 linear.quantize_blocks(fmt)
-        self.lm_head.quantize_blocks("q8_0")
-        if self.config.tie_word_embeddings:
+        self._quantize_head()
+
+    def _quantize_head(self) -> None:
+        """The LM head to q8_0 blocks (once), a tied embedding looking its rows up in them."""
+        if self.lm_head.qweight is None:
+            self.lm_head.quantize_blocks("q8_0")
+        if self.config.tie_word_embeddings and self.embed_tokens.qweight is None:
             assert self.lm_head.qweight is not None
             self.embed_tokens.share_blocks(self.lm_head.qweight)
 
@@ -340,7 +345,9 @@ class LlamaModel(nn.Module):
         beyond this rank's slices is alive at a time. `blocks` (CPU: q8_0, q4_0, q4_1): each layer's
         projections become blocks as soon as they are loaded, so only one layer's fp32 weights are
         ever resident (the rest of the meta-built model's storage is allocated, never touched);
-        `after_layer` then runs (the runner gives the freed memory back to the OS there)."""
+        `after_layer` then runs (the runner gives the freed memory back to the OS there); the LM head
+        becomes q8_0 blocks as soon as its table is in (a tied table straight from the checkpoint's
+        tensor, before the first layer, with no fp32 copy of ours)."""
         if self.config.tie_word_embeddings:  # re-tie: to_empty() gives each module fresh storage
             self.lm_head.weight = self.embed_tokens.weight
         own = {n for n, _ in self.named_parameters()}  # names only: a quantized weight's storage goes at once
@@ -358,7 +365,13 @@ class LlamaModel(nn.Module):
         def heads_in_order(x):  # partial rotary: each head's q or k rows into our dim order
             return x if order is None else x.unflatten(0, (-1, c.head_dim))[:, order].flatten(0, 1)
 
-        self.embed_tokens.load(take("embed_tokens.weight"))
+        if blocks is not None and self.config.tie_word_embeddings:  # the table straight into q8_0 blocks
+            self.lm_head.quantize_blocks("q8_0", self.lm_head.rows_of(take("embed_tokens.weight")))
+            self._quantize_head()  # (the embedding shares them)
+            if after_layer is not None:
+                after_layer()
+        else:
+            self.embed_tokens.load(take("embed_tokens.weight"))
         layer: Any
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
@@ -382,6 +395,8 @@ class LlamaModel(nn.Module):
                     after_layer()
         if not self.config.tie_word_embeddings:
             self.lm_head.load(take("lm_head.weight"))
+            if blocks is not None:
+                self._quantize_head()
         elif "lm_head.weight" in names:
             take("lm_head.weight")
         replicated = {n for n in own if not any(k in n for k in ("_proj", "embed_tokens", "lm_head"))}

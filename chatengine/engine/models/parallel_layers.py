@@ -73,9 +73,11 @@ class _QuantizableWeight:
     qweight: cpu_quant.QuantWeight | None = None
 
     @torch.no_grad()
-    def quantize_blocks(self, fmt: str) -> None:
-        """Replace the loaded weight (N, K) by its blocks in `fmt` (its planes become buffers)."""
-        self.qweight = qw = cpu_quant.quantize(self.weight, fmt)  # type: ignore[attr-defined]
+    def quantize_blocks(self, fmt: str, source: torch.Tensor | None = None) -> None:
+        """Replace the loaded weight (N, K) by its blocks in `fmt` (its planes become buffers); from
+        `source` (N, K) instead when given, the weight's storage then never touched."""
+        w = self.weight if source is None else source  # type: ignore[attr-defined]
+        self.qweight = qw = cpu_quant.quantize(w, fmt)
         del self.weight  # type: ignore[attr-defined]
         for name in ("qs", "d", "m"):
             if getattr(qw, name) is not None:
@@ -192,11 +194,14 @@ class _VocabRows:
 
     @torch.no_grad()
     def load(self, full: torch.Tensor) -> None:
-        weight = self.weight  # type: ignore[attr-defined]  # the nn.Embedding's or nn.Linear's
+        self.weight.copy_(self.rows_of(full))  # type: ignore[attr-defined]  # the nn.Embedding's or nn.Linear's
+
+    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the full table; the last rank's padding rows past the vocabulary zero."""
         mine = full[self.first : self.first + self.rows]
-        if mine.shape[0] < self.rows:  # the last rank's padding rows past the vocabulary stay zero
-            weight.zero_()
-        weight[: mine.shape[0]].copy_(mine)
+        if mine.shape[0] < self.rows:
+            mine = torch.cat([mine, mine.new_zeros(self.rows - mine.shape[0], mine.shape[1])])
+        return mine
 
 
 class VocabParallelEmbedding(_VocabRows, nn.Embedding):
