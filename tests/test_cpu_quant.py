@@ -14,7 +14,8 @@ from gguf.quants import quantize as gguf_quantize
 from chatengine import LLM, SamplingParams
 from chatengine.config import EngineConfig
 from chatengine.engine.model_runner import lazy_zeros
-from chatengine.engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from chatengine.engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from chatengine.engine.parallel.group import TPGroup
 from chatengine.kernels import cpu_quant as cq
 
 GGML_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
@@ -149,14 +150,13 @@ def test_kernel_gemv_is_exact_where_the_values_are(fmt, rows):
 @pytest.mark.parametrize("fmt", cq.FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 16, 17, 40])
 def test_kernel_linear_matches_the_reference(fmt, rows):
-    # 74 output rows: tiles of 4 (or 2) weight rows plus a remainder; 320 inputs: 10 blocks (8 + 2)
+    # 74 output rows: tiles of 8 weight rows plus a remainder of 2; 320 inputs: 10 blocks (8 + 2)
     qw = cq.quantize(weights(n=74, k=320, seed=4), fmt)
     x, b = torch.randn(rows, 320), torch.randn(74)
     ref = cq.linear_ref(x, qw, b)
     if rows > cq.GEMV_MAX_ROWS:  # dequantize (bit-exact) + the same F.linear, in fp32 or bf16
         assert torch.equal(cq.linear(x, qw, b, prefill="fp32"), ref)
         assert torch.equal(cq.linear(x, qw, b, prefill="bf16"), cq.linear_bf16_ref(x, qw, b))
-        assert torch.equal(cq.linear(x, qw, b), cq.linear(x, qw, b, prefill=cq.PREFILL))
         return
     # the kernels sum in another order: fp32 rounding apart
     torch.testing.assert_close(cq.linear(x, qw, b, "fp32"), ref, rtol=1e-5, atol=1e-5)
@@ -224,7 +224,8 @@ def test_quantization_is_checked():
 
 
 @pytest.mark.parametrize("fmt", cq.FORMATS)
-def test_a_quantized_engine_holds_blocks_and_answers_close_to_fp32(fmt):
+def test_a_quantized_engine_holds_blocks_and_answers_close_to_fp32(fmt, monkeypatch):
+    monkeypatch.setattr(cq, "PREFILL", "fp32")  # the same arithmetic on every host (bf16: below)
     prompt = list(range(3, 60))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     kw = dict(device="cpu", num_kv_blocks=32, max_num_batched_tokens=64)
@@ -271,3 +272,69 @@ def test_bf16_prefill_stays_within_bf16_rounding_of_the_fp32_product():
     # each product's two inputs move by at most 2^-9 of themselves; the output is rounded once more
     bound = (x.abs() @ cq.dequantize_ref(qw).abs().T) * (2 * 2**-9) + ref.abs() * 2**-8
     assert ((ours - ref).abs() <= bound + 1e-6).all()
+
+
+@needs_kernel
+def test_dense_rows_take_the_prefill_dtype_only_inside_a_prompt_step(monkeypatch):
+    monkeypatch.setattr(cq, "PREFILL", "bf16")
+    qw, x, b = cq.quantize(weights(n=74, k=320, seed=6), "q4_1"), torch.randn(20, 320), torch.randn(74)
+    assert torch.equal(cq.linear(x, qw, b), cq.linear_ref(x, qw, b))  # outside: fp32
+    with cq.prefill_step(True):
+        assert torch.equal(cq.linear(x, qw, b), cq.linear_bf16_ref(x, qw, b))
+        with cq.prefill_step(False):
+            assert torch.equal(cq.linear(x, qw, b), cq.linear_ref(x, qw, b))
+
+
+@needs_kernel
+def test_a_large_table_is_multiplied_in_parts_with_the_same_products(monkeypatch):
+    monkeypatch.setattr(cq, "DENSE_ROWS", 32)  # 74 rows: parts of 32, 32 and 10
+    qw, x, b = cq.quantize(weights(n=74, k=320, seed=7), "q8_0"), torch.randn(3, 20, 320), torch.randn(74)
+    # (the GEMM may block a narrower product otherwise: the same sums, fp32 rounding apart)
+    torch.testing.assert_close(cq.dense_linear(x, qw, b, "fp32"), cq.linear_ref(x, qw, b), rtol=1e-5, atol=1e-5)
+    ref = cq.linear_bf16_ref(x, qw, b)  # the output rounded to bf16: one of its steps apart at most
+    assert ((cq.dense_linear(x, qw, b, "bf16") - ref).abs() <= ref.abs() * 2**-7 + 1e-5).all()
+
+
+@needs_kernel
+def test_the_engine_multiplies_prompt_only_steps_in_bf16_and_steps_with_decodes_in_fp32(monkeypatch):
+    monkeypatch.setattr(cq, "PREFILL", "bf16")
+    seen: list[bool] = []
+    part = cq._dense_part
+    monkeypatch.setattr(cq, "_dense_part", lambda x, w, b, bf16: (seen.append(bf16), part(x, w, b, bf16))[1])
+    llm = LLM("dummy:tiny", quantization="q4_1", device="cpu", num_kv_blocks=64, max_num_batched_tokens=256)
+    try:
+        engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        engine.add(engine.make_request(list(range(3, 40)), params, request_id="a"))
+        while not any(len(s.output_token_ids) for r in engine.requests.values() for s in r.seqs):
+            engine.step()  # a's prompt, alone
+        assert seen and all(seen)
+        seen.clear()
+        engine.add(engine.make_request(list(range(5, 35)), params, request_id="b"))
+        while engine.has_unfinished_requests():
+            engine.step()  # b's prompt beside a's decodes, then two decoding rows (the GEMV)
+        assert seen and not any(seen)
+    finally:
+        llm.shutdown()
+
+
+def test_a_tied_table_is_quantized_from_the_checkpoint_without_an_fp32_copy(monkeypatch):
+    def refuse(self, full):
+        raise AssertionError("the fp32 table was copied")
+
+    monkeypatch.setattr(VocabParallelEmbedding, "load", refuse)
+    llm = LLM("dummy:tiny", quantization="q8_0", device="cpu", num_kv_blocks=32)
+    try:
+        model = llm.engine.runner.model
+        assert model.embed_tokens.qweight is model.lm_head.qweight is not None
+    finally:
+        llm.shutdown()
+
+
+def test_the_last_rank_pads_its_vocabulary_rows_with_zeros():
+    table = torch.randn(5, 32)
+    last = VocabParallelEmbedding(5, 32, TPGroup(1, 2))  # rows 3..5 of a 6-row padded vocabulary
+    rows = last.rows_of(table)
+    assert torch.equal(rows[:2], table[3:]) and torch.equal(rows[2], torch.zeros(32))
+    last.load(table)
+    assert torch.equal(last.weight.data, rows)

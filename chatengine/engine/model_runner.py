@@ -54,7 +54,7 @@ from chatengine.engine.parallel.plan import Op, PlanSender
 from chatengine.engine.parallel.vocab_sampling import Finish
 from chatengine.engine.sampler import Sampler, position_key
 from chatengine.engine.sequence import Sequence
-from chatengine.kernels import attention_warmup, cache_ops, logprob_ops, paged_attention
+from chatengine.kernels import attention_warmup, cache_ops, cpu_quant, logprob_ops, paged_attention
 from chatengine.kernels import sampling as sampling_ops
 from chatengine.sampling_params import SamplingParams
 
@@ -275,7 +275,9 @@ class ModelRunner:
             model = LlamaModel(mc, self.backend, max_model_len, self.group).to(dtype)
         model.to_empty(device=device)  # in the final dtype: no full-precision copy of the slice
         self.quantization = config.quantization_on(device.type, loaded.gguf_format)
-        blocks = self.quantization if self.quantization in CPU_QUANTIZATIONS else None
+        self.blocks = blocks = self.quantization if self.quantization in CPU_QUANTIZATIONS else None
+        if blocks is not None:  # a bad CHATENGINE_CPU_PREFILL fails here, not at the first long prompt
+            log.info("CPU %s blocks; prompt-only steps multiply in %s", blocks, cpu_quant.prefill_dtype())
         # CPU blocks: quantized layer by layer, the freed fp32 memory given back after each
         model.load_hf_state_dict(loaded.state_dict, blocks, release_freed_heap if blocks else None)
         if self.quantization == "fp8":
@@ -774,7 +776,10 @@ class ModelRunner:
         )
         if hasattr(self.backend, "begin_step"):  # torch backend: per-step plan shared by the layers
             self.backend.begin_step(meta, d["positions"])
-        return self.model(d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
+        # CPU blocks: a step of prompt chunks only may take the prefill GEMM's dtype (cpu_quant.PREFILL)
+        prompts_only = self.blocks is not None and bool((d["cu_seqlens_q"].diff() > 1).all())
+        with cpu_quant.prefill_step(prompts_only):
+            return self.model(d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
 
     @torch.inference_mode()
     def follow_forward(

@@ -32,13 +32,18 @@ CHATENGINE_CPU_ACTIVATIONS (`ACTIVATIONS`):
   levels, an fp32 scale per 32) and each weight block costs one integer dot with them
   (`linear_q8_ref`). Its greedy output leaves the fp32 model's sooner (README), so it is opt-in.
 - "auto" (default): q16 for every format.
-More rows (prefill) dequantize the weight and use torch's GEMM, in the dtype CHATENGINE_CPU_PREFILL
-(`PREFILL`) names: "fp32" (linear_ref's result), "bf16" (x and W rounded to bf16, fp32 out:
-`linear_bf16_ref`), or "auto" (default): bf16 where the CPU has bf16 dot products (AVX512_BF16 or AMX),
-whose GEMM there runs ~4x the fp32 one (a 1000-token prompt of the default model: 1.45 -> 0.67 s on a
-2-core AMD EPYC VM), else fp32. bf16 keeps 8 significant bits, finer than the 4-bit weights' own steps.
+More rows dequantize the weight and use torch's GEMM (dense_linear): in fp32 (linear_ref's result),
+except in a step of prompt chunks only (`prefill_step`, set by the model runner), which takes the
+dtype CHATENGINE_CPU_PREFILL (`PREFILL`) names: "fp32", "bf16" (x and W rounded to bf16, the output
+rounded to bf16 and returned as fp32: `linear_bf16_ref`), or "auto" (default): bf16 where the CPU has
+bf16 dot products (AVX512_BF16 or AMX), whose GEMM there runs ~4x the fp32 one (a 1000-token prompt of
+the default model: 1.5 -> 0.75 s on a 2-core AMD EPYC VM), else fp32. A step with decode rows stays
+fp32: bf16's 8 significant bits would reach the sampled tokens of every sequence decoding beside a
+prompt (greedy agreement of single prompts with fp32: 94.3% with bf16 prefill, 100% without).
 """
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -47,6 +52,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +64,8 @@ log = logging.getLogger("chatengine")
 FORMATS = ("q8_0", "q4_0", "q4_1")
 _FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # cpu_quant.cpp's enum Format
 QK = 32  # weights per block
-GEMV_MAX_ROWS = 16  # above: dequantize + torch GEMM (the GEMV unpacks each block once per 4 rows)
+GEMV_MAX_ROWS = 16  # above: dequantize + torch GEMM (the GEMV unpacks each block once per 2 rows)
+DENSE_ROWS = 4096  # weight rows dequantized at a time by dense_linear: an LM head's table is never whole in fp32
 SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 ACTIVATIONS = os.environ.get("CHATENGINE_CPU_ACTIVATIONS", "auto")  # fp32, q16, q8: the decode GEMV's x (above)
 PREFILL = os.environ.get("CHATENGINE_CPU_PREFILL", "auto")  # fp32, bf16: the prefill GEMM's dtype (above)
@@ -164,8 +171,8 @@ def linear_ref(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = Non
 
 
 def linear_bf16_ref(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) with x and the dequantized weight rounded to bf16 (torch's bf16 GEMM), fp32 out,
-    the bias added in fp32."""
+    """y = x W^T (+ b) with x and the dequantized weight rounded to bf16 (torch's bf16 GEMM, whose
+    output is bf16), returned as fp32 with the bias added in fp32."""
     y = F.linear(x.to(torch.bfloat16), dequantize_ref(qw).to(torch.bfloat16)).float()
     return y if bias is None else y + bias.float()
 
@@ -236,6 +243,19 @@ def _cpu_flags() -> frozenset[str]:
 
 def _cpu_has_avx2() -> bool:
     return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
+_PREFILL_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("chatengine_prefill_step", default=False)
+
+
+@contextlib.contextmanager
+def prefill_step(on: bool) -> Iterator[None]:
+    """Within: dense_linear's GEMMs take PREFILL's dtype when `on` (a step of prompt chunks only)."""
+    token = _PREFILL_STEP.set(on)
+    try:
+        yield
+    finally:
+        _PREFILL_STEP.reset(token)
 
 
 def prefill_dtype(mode: str | None = None) -> torch.dtype:
@@ -345,7 +365,8 @@ def linear(
 ) -> torch.Tensor:
     """y = x W^T (+ b) for fp32 x (..., K): a kernel GEMV for few rows (`activations`, default
     ACTIVATIONS: "fp32", linear_ref's arithmetic, "q16", linear_q16_ref's, "q8", linear_q8_ref's, or
-    "auto": q16), else dequantize + torch's GEMM (`prefill`, default PREFILL: dense_linear).
+    "auto": q16), else dequantize + torch's GEMM (dense_linear, `prefill` its dtype). Without the
+    kernel: linear_ref.
     A decode step calls this ~120 times: the common path touches as few torch ops as it can."""
     lib = _lib if _lib_tried else library()
     N, K = qw.shape
@@ -368,12 +389,29 @@ def linear(
 def dense_linear(
     x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, prefill: str | None = None
 ) -> torch.Tensor:
-    """Many rows of fp32 x (a prefill chunk): the weight dequantized, then torch's GEMM in
-    prefill_dtype(prefill): fp32 (linear_ref's result) or bf16 (linear_bf16_ref's)."""
-    if prefill_dtype(prefill) == torch.bfloat16:
-        y = F.linear(x.to(torch.bfloat16), dequantize(qw).to(torch.bfloat16)).float()
-        return y if bias is None else y.add_(bias)
-    return F.linear(x, dequantize(qw), bias)
+    """Many rows of fp32 x: the weight dequantized DENSE_ROWS rows at a time, each part multiplied by
+    torch's GEMM in prefill_dtype(prefill) (default: PREFILL's within a prefill_step, else fp32):
+    fp32 gives linear_ref's result, bf16 linear_bf16_ref's."""
+    if prefill is None:
+        prefill = PREFILL if _PREFILL_STEP.get() else "fp32"
+    bf16 = prefill_dtype(prefill) == torch.bfloat16
+    xs = x.to(torch.bfloat16) if bf16 else x
+    N = qw.shape[0]
+    if N <= DENSE_ROWS:
+        return _dense_part(xs, dequantize(qw), bias, bf16)
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    for a in range(0, N, DENSE_ROWS):
+        b = min(N, a + DENSE_ROWS)
+        part = QuantWeight(qw.fmt, qw.qs[a:b], qw.d[a:b], None if qw.m is None else qw.m[a:b], (b - a, qw.shape[1]))
+        y[..., a:b] = _dense_part(xs, dequantize(part), None if bias is None else bias[a:b], bf16)
+    return y
+
+
+def _dense_part(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bf16: bool) -> torch.Tensor:
+    if not bf16:
+        return F.linear(x, w, bias)
+    y = F.linear(x, w.to(torch.bfloat16)).float()
+    return y if bias is None else y.add_(bias)
 
 
 def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
