@@ -194,10 +194,15 @@ class _VocabRows:
 
     @torch.no_grad()
     def load(self, full: torch.Tensor) -> None:
-        self.weight.copy_(self.rows_of(full))  # type: ignore[attr-defined]  # the nn.Embedding's or nn.Linear's
+        weight = self.weight  # type: ignore[attr-defined]  # the nn.Embedding's or nn.Linear's
+        mine = full[self.first : self.first + self.rows]
+        if mine.shape[0] < self.rows:  # the last rank's padding rows past the vocabulary stay zero
+            weight.zero_()
+        weight[: mine.shape[0]].copy_(mine)
 
     def rows_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the full table; the last rank's padding rows past the vocabulary zero."""
+        """This rank's rows of the full table as load() fills them (a new tensor only where the last
+        rank pads with zero rows): what a quantized head takes straight from the checkpoint."""
         mine = full[self.first : self.first + self.rows]
         if mine.shape[0] < self.rows:
             mine = torch.cat([mine, mine.new_zeros(self.rows - mine.shape[0], mine.shape[1])])
