@@ -402,16 +402,16 @@ inline __m256i reduce8(const __m256i v[8]) {
 constexpr int PF_TILES = 3;
 
 // y[t, n .. n + 8) for t < MT rows of x: W rows n..n+7, every block; each weight block is unpacked
-// once for the MT rows of x.
+// once for the MT rows of x. `first`: the first pass over this tile, which prefetches the tiles to come.
 template <int F, int MT>
-inline void tile8_q16(const Weights& w, int64_t n, const Q16Rows& x, float* y, int64_t ldy) {
+inline void tile8_q16(const Weights& w, int64_t n, const Q16Rows& x, float* y, int64_t ldy, bool first) {
   const int64_t G = w.K / QK;
   __m256 acc[MT], acc_min[MT];
   for (int t = 0; t < MT; t++) acc[t] = acc_min[t] = _mm256_setzero_ps();
   // the tile PF_TILES ahead: 8 rows of K weights, 64 (q4) or 128 (q8_0) bytes a block step
   const int lines = F == Q8_0 ? 4 : 2;
   const char* ahead = reinterpret_cast<const char*>(w.qs) + (n + 8 * PF_TILES) * (F == Q8_0 ? w.K : w.K / 2);
-  const bool prefetch = n + 8 * PF_TILES + 8 <= w.N;
+  const bool prefetch = first && n + 8 * PF_TILES + 8 <= w.N;
   for (int64_t g = 0; g < G; g++) {
     if (prefetch) {  // the weights, and the scale lines (a line holds 32 rows' scales of a block)
       for (int i = 0; i < lines; i++) _mm_prefetch(ahead + (g * lines + i) * 64, _MM_HINT_T0);
@@ -505,26 +505,26 @@ inline void rows_q16(const Weights& w, int64_t n0, int64_t n1, const Q16Rows& x,
 
 // Eight rows of W at a time (tile8_q16), for every row of x: two rows of x a pass over the tile (the
 // registers hold no more), the tile's weights read from memory once and from the cache by the later
-// passes. On a 2-core EPYC VM a decode step of 8 sequences took the 135M model's layers in ~10 ms
-// this way, ~12 ms with the row-at-a-time path (rows_q16, which now takes only the last N % 8 rows).
+// passes. On a 2-core AMD EPYC VM (AVX-512) the 135M model's layers took 5.7 / 10.8 / 20.6 ms for 4 /
+// 8 / 16 rows this way, 6.8 / 11.6 / 21.1 with the row-at-a-time path (rows_q16, now only for the
+// last N % 8 rows), its q8_0 LM head 1.2 / 2.3 / 4.6 against 1.7 / 2.9 / 5.3 (cpu_gemv_bench.py).
 template <int F>
 void gemv_q16(const Weights& w, const Q16Rows& x, int64_t M, float* y, int64_t ldy, int threads) {
-  const int64_t G = w.K / QK;
   const int64_t tiles = x.p != nullptr ? w.N / 8 : 0;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tiles > 1)
   for (int64_t tile = 0; tile < tiles; tile++) {
     int64_t t = 0;
     for (; t + 2 <= M; t += 2)
-      tile8_q16<F, 2>(w, 8 * tile, x.rows_from(t, w.K), y + t * ldy, ldy);
-    if (t < M) tile8_q16<F, 1>(w, 8 * tile, x.rows_from(t, w.K), y + t * ldy, ldy);
+      tile8_q16<F, 2>(w, 8 * tile, x.rows_from(t, w.K), y + t * ldy, ldy, t == 0);
+    if (t < M) tile8_q16<F, 1>(w, 8 * tile, x.rows_from(t, w.K), y + t * ldy, ldy, t == 0);
   }
-  const int64_t n0 = 8 * tiles;  // the rows past the tiles (all of them for more rows of x)
+  const int64_t n0 = 8 * tiles;  // the rows past the tiles (all of them when N < 8)
   const int64_t rows_per_task = 16, tasks = (w.N - n0 + rows_per_task - 1) / rows_per_task;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
   for (int64_t task = 0; task < tasks; task++) {  // each thread a contiguous range of rows
     const int64_t a = n0 + task * rows_per_task, b = std::min(w.N, a + rows_per_task);
     for (int64_t t = 0; t < M; t += 4) {
-      const Q16Rows xt{x.q + t * w.K, x.d + t * G, x.s + t * G, x.l + t * G, nullptr};
+      const Q16Rows xt = x.rows_from(t, w.K);
       switch (std::min<int64_t>(4, M - t)) {
         case 1: rows_q16<F, 1>(w, a, b, xt, y + t * ldy, ldy); break;
         case 2: rows_q16<F, 2>(w, a, b, xt, y + t * ldy, ldy); break;
