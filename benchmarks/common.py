@@ -62,9 +62,11 @@ def save_json(name: str, args, argv, body: dict, skip: tuple[str, ...] = ("out",
 class ThreadBusy:
     """How busy each thread of this process and of its children was between two marks (Linux
     /proc; elsewhere nothing): a closed loop runs as fast as its busiest thread, so this says which
-    one paced a round (the API process's event loop, the engine's loop, or a helper thread)."""
+    one paced a round: this process's main thread (the API's event loop), the engine's loop
+    (`engine`: (pid, tid), a replica process's main thread or a thread here), or another."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: tuple[int, int]) -> None:
+        self._engine = engine
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._start: dict[tuple[int, int], int] = {}
         self._t0 = 0.0
@@ -73,38 +75,27 @@ class ThreadBusy:
         self._start, self._t0 = self._ticks(), time.perf_counter()
 
     def busy(self) -> dict[str, float]:
-        """Since mark(): {"api_main", "engine_main", "other_max"} as fractions of the wall time. The
-        engine's loop is the main thread of the child that used the most CPU, or without children
-        this process's busiest other thread; "other_max" the busiest thread besides. Empty without
-        /proc."""
+        """Since mark(): {"api_main", "engine_main", "other_max"} as fractions of the wall time
+        ("other_max": the busiest thread besides those two). Empty without /proc."""
         wall = (time.perf_counter() - self._t0) * self._tick
         now = self._ticks()
         if not now or wall <= 0:
             return {}
         used = {key: (t - self._start.get(key, 0)) / wall for key, t in now.items()}
         me = os.getpid()
-        per_pid: dict[int, float] = {}
-        for (pid, _), u in used.items():
-            per_pid[pid] = per_pid.get(pid, 0.0) + u
-        engine = max((p for p in per_pid if p != me), key=per_pid.get, default=None)
-        others = {key: u for key, u in used.items() if key[0] != key[1]}
-        if engine is None:  # the engine runs on a thread of this process: its busiest besides main
-            loop = max(others, key=others.get, default=(me, me))
-        else:
-            loop = (engine, engine)
-        others.pop(loop, None)
+        api, engine = used.pop((me, me), 0.0), used.pop(self._engine, 0.0)
         return {
-            "api_main": round(used.get((me, me), 0.0), 3),
-            "engine_main": round(used.get(loop, 0.0), 3),
-            "other_max": round(max(others.values(), default=0.0), 3),
+            "api_main": round(api, 3),
+            "engine_main": round(engine, 3),
+            "other_max": round(max(used.values(), default=0.0), 3),
         }
 
     def _ticks(self) -> dict[tuple[int, int], int]:
-        """{(pid, tid): utime + stime ticks} of this process and its children's threads."""
+        """{(pid, tid): utime + stime ticks} of this process's threads, the engine's process's and
+        any other child's (a thread that ends meanwhile is left out)."""
         me = os.getpid()
-        pids = [me] + [p for p in _children(me)]
         out = {}
-        for pid in pids:
+        for pid in dict.fromkeys([me, self._engine[0], *_children(me)]):
             try:
                 tids = os.listdir(f"/proc/{pid}/task")
             except OSError:
@@ -117,8 +108,8 @@ class ThreadBusy:
 
 
 def _children(pid: int) -> list[int]:
-    """The child processes of any of pid's threads (their /proc children lists: scanning /proc for
-    parents instead hid a process's threads from its task listing on one kernel)."""
+    """The child processes of any of pid's threads (/proc/<pid>/task/<tid>/children; none where the
+    kernel lacks those lists)."""
     kids: list[int] = []
     try:
         tids = os.listdir(f"/proc/{pid}/task")

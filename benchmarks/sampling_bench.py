@@ -29,6 +29,7 @@ random-weight directory of a real shape (benchmarks/random_hf_model.py); --logpr
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
@@ -118,7 +119,7 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
                  "tpot": (end - first) / max(n - 1, 1)}
             )  # fmt: skip
 
-    threads = ThreadBusy()
+    threads = ThreadBusy(engine_thread(llm))
     threads.mark()
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -138,6 +139,14 @@ async def run_round(llm: AsyncLLM, prompts, kind: str, clients: int, max_tokens:
         "constrained_tokens_mean": statistics.mean([r["tokens"] for r in records if not r["plain"]] or [0]),
         **{f"busy_{k}": v for k, v in busy.items()},  # the threads' CPU over the wall time
     }
+
+
+def engine_thread(llm) -> tuple[int, int]:
+    """(pid, tid) of the engine's loop: the replica process's main thread, or AsyncLLM's loop thread."""
+    if isinstance(llm, DataParallelLLM):
+        pid = llm.replicas[0].process.pid
+        return pid, pid
+    return os.getpid(), llm._thread.native_id
 
 
 def bench_model(model: str, kinds: list[str], args) -> list[dict]:
@@ -213,8 +222,8 @@ def summarize(rows: list[dict]) -> list[str]:
 
 def _busy(m: dict) -> str:
     """The median round's thread loads: the API process's main thread (event loop and clients), the
-    engine's loop thread (its own process with --engine-process, else the API process's busiest other
-    thread), the busiest thread besides."""
+    engine's loop (the replica's main thread with --engine-process, else AsyncLLM's loop thread), the
+    busiest thread besides."""
     keys = ("busy_api_main", "busy_engine_main", "busy_other_max")
     return " / ".join(f"{m[k]:.0%}" for k in keys) if all(k in m for k in keys) else "-"
 

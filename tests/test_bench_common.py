@@ -1,5 +1,6 @@
-"""benchmarks/common.py's ThreadBusy: which thread of the API process or its engine child paced a round."""
+"""benchmarks/common.py's ThreadBusy: which thread of the API process or its engine paced a round."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -20,11 +21,11 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def test_a_spinning_child_reads_as_the_engine_and_a_sleeping_main_as_idle():
+def test_a_spinning_engine_process_reads_busy_and_a_sleeping_main_idle():
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
     try:
         time.sleep(0.3)  # the child's start-up
-        busy = ThreadBusy()
+        busy = ThreadBusy((child.pid, child.pid))
         busy.mark()
         time.sleep(0.6)
         loads = busy.busy()
@@ -36,15 +37,16 @@ def test_a_spinning_child_reads_as_the_engine_and_a_sleeping_main_as_idle():
     assert loads["api_main"] < 0.2
 
 
-def test_without_a_child_the_busiest_other_thread_is_the_engine():
-    stop = threading.Event()
-    worker = threading.Thread(target=lambda: _spin(0.8))
+def test_an_engine_thread_here_is_told_from_the_other_threads():
+    started, stop = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (started.set(), _spin(0.8)))
     idle = threading.Thread(target=stop.wait)
     idle.start()
-    busy = ThreadBusy()
-    busy.mark()
     worker.start()
-    time.sleep(0.6)
+    started.wait()
+    busy = ThreadBusy((os.getpid(), worker.native_id))
+    busy.mark()
+    time.sleep(0.5)
     loads = busy.busy()
     worker.join()
     stop.set()
