@@ -8,11 +8,15 @@ model's raw log-softmax.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 MAX_STOP_TOKEN_IDS = 64  # each sampled token is checked against them
 MAX_LOGPROBS = 20  # top candidates per token, as OpenAI allows
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
+_ROW_FLAG_INPUTS = frozenset(
+    {"presence_penalty", "frequency_penalty", "repetition_penalty", "structured_outputs", "min_tokens", "logit_bias"}
+)
 
 
 @dataclass
@@ -65,6 +69,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     structured_outputs: StructuredOutputs | None = None
+    if TYPE_CHECKING:  # set by _set_row_flags (plain attributes, not fields: no __init__ argument)
+        penalized: bool = field(init=False)
+        needs_history: bool = field(init=False)
+        processed: bool = field(init=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -73,6 +81,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        self._set_row_flags()
 
     def validate(self, max_n: int, max_tokens_limit: int, vocab_size: int | None = None) -> None:
         """Raise ValueError with an actionable message for values the engine cannot serve
@@ -158,18 +167,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
-    def penalized(self) -> bool:
-        """Penalties read the tokens generated so far, so a step must know them (no async overlap)."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in _ROW_FLAG_INPUTS and "processed" in self.__dict__:  # changed after construction
+            self._set_row_flags()
 
-    @property
-    def needs_history(self) -> bool:
-        """The next token's processing reads every token so far on the host (penalties, a grammar,
-        min_tokens' count)."""
-        return self.penalized or self.structured_outputs is not None or self.min_tokens > 0
-
-    @property
-    def processed(self) -> bool:
-        """Anything beyond temperature / top-k / top-p touches this row's logits."""
-        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
+    def _set_row_flags(self) -> None:
+        """The flags the step loop reads for every row and step, kept as plain attributes (three
+        nested properties cost ~0.4 us a row a step):
+          penalized      penalties read the tokens generated so far, so a step must know them
+          needs_history  the next token's processing reads every token so far on the host
+                         (penalties, a grammar, min_tokens' count)
+          processed      anything beyond temperature / top-k / top-p touches this row's logits"""
+        penalized = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        needs_history = penalized or self.structured_outputs is not None or self.min_tokens > 0
+        d = self.__dict__
+        d["penalized"], d["needs_history"] = penalized, needs_history
+        d["processed"] = needs_history or bool(self.logit_bias) or self.min_tokens > 0

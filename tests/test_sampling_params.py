@@ -43,3 +43,18 @@ def test_api_refuses_a_huge_stop_list():
             assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
     finally:
         engine.shutdown()
+
+
+def test_row_flags_follow_the_fields_they_read_even_when_set_later():
+    p = SamplingParams(temperature=0.6)
+    assert (p.penalized, p.needs_history, p.processed) == (False, False, False)
+    p.repetition_penalty = 1.1
+    assert (p.penalized, p.needs_history, p.processed) == (True, True, True)
+    p.repetition_penalty = 1.0
+    p.logit_bias = {3: 1.0}
+    assert (p.penalized, p.needs_history, p.processed) == (False, False, True)
+    p.min_tokens = 2
+    assert (p.needs_history, p.processed) == (True, True)
+    q = SamplingParams(structured_outputs={"json": {"type": "object"}})
+    assert q.needs_history and not q.penalized
+    assert "penalized" not in repr(q)  # not a field: no argument, no repr, no equality
