@@ -495,16 +495,16 @@ def test_disconnected_stream_frees_blocks(local, engine):
     }
     with httpx.stream("POST", local.url + "/v1/chat/completions", json=body, timeout=60) as resp:
         got = 0
-        for line in resp.iter_lines():
+        lines = resp.iter_lines()  # held: an abandoned line generator is closed, and the connection with it
+        for line in lines:
             if line.startswith("data: ") and '"content"' in line:
                 got += 1
                 if got >= 4:
                     break
-        assert engine.engine.requests  # it is running
         deadline = time.monotonic() + 2  # stats() is a snapshot published every 0.2 s at most
         while used_blocks(engine) == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert used_blocks(engine) > 0
+        assert used_blocks(engine) > 0 and engine.engine.requests  # it is running
     # the connection is closed: the request is aborted and its blocks are freed within a step or two
     wait_idle(engine, timeout=5)
     assert engine.stats()["num_generated_tokens"] - generated < 450
