@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -13,12 +12,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ThreadBusy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
-
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def test_a_spinning_engine_process_reads_busy_and_a_sleeping_main_idle():
@@ -37,19 +30,16 @@ def test_a_spinning_engine_process_reads_busy_and_a_sleeping_main_idle():
     assert loads["api_main"] < 0.2
 
 
-def test_an_engine_thread_here_is_told_from_the_other_threads():
-    started, stop = threading.Event(), threading.Event()
-    worker = threading.Thread(target=lambda: (started.set(), _spin(0.8)))
-    idle = threading.Thread(target=stop.wait)
-    idle.start()
-    worker.start()
-    started.wait()
-    busy = ThreadBusy((os.getpid(), worker.native_id))
+def test_the_engine_thread_and_the_busiest_other_are_told_apart(monkeypatch):
+    me = os.getpid()
+    ticks = iter([
+        {(me, me): 10, (me, 7): 0, (me, 8): 5, (4242, 4242): 0},  # at mark()
+        {(me, me): 20, (me, 7): 80, (me, 8): 15, (4242, 4242): 30},  # a second later, at 100 ticks a second
+    ])  # fmt: skip
+    monkeypatch.setattr(ThreadBusy, "_ticks", lambda self: next(ticks))
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    busy = ThreadBusy((me, 7))
+    busy._tick = 100
     busy.mark()
-    time.sleep(0.5)
-    loads = busy.busy()
-    worker.join()
-    stop.set()
-    idle.join()
-    assert loads["engine_main"] > 0.2
-    assert loads["other_max"] < 0.2  # the idle thread
+    assert busy.busy() == {"api_main": 0.1, "engine_main": 0.8, "other_max": 0.3}  # the child's 30 over 8's 10

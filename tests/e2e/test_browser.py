@@ -62,6 +62,8 @@ USERS = {
 }
 LONG_PROMPT = "Write a very long story about a dragon, at least 1000 words."
 KNIGHT_PROMPT = "Write a very long story about a knight, at least 1000 words."
+# long replies (a story, not one sentence), so the three streams are still running when looked for
+PLANETS = "Write a long story about a journey past every planet."
 T = 60_000  # ms: generous on 2 shared cores
 expect.set_options(timeout=T)
 
@@ -256,7 +258,7 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     # n = 3 alternatives in one request: all three stream side by side, then one shows with ‹ 1/3 ›
     set_setting(page, "n", 3)
     set_setting(page, "max-tokens", 160)  # long enough to see the three streams
-    send(page, "Name a planet.")
+    send(page, PLANETS)
     expect(page.locator("#chat")).to_contain_text("3/3 · generating…", timeout=T)
     wait_idle(page)
     set_setting(page, "max-tokens", 24)
@@ -271,7 +273,7 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     page.locator("#chat textarea").fill("Tell me about the sun.")
     page.locator("#chat").get_by_role("button", name="Submit").click()
     expect(page.locator("#chat")).to_contain_text("Tell me about the sun.")
-    expect(page.locator("#chat")).not_to_contain_text("Name a planet.")
+    expect(page.locator("#chat")).not_to_contain_text(PLANETS)
     # the edited message carries its own ‹ 2/2 ›; ‹ brings back the old branch
     first_user = page.locator('#chat [data-testid="user"]').first
     expect(first_user.locator(".ver-count")).to_have_text("2/2")
@@ -280,7 +282,7 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     # then streamed, and a streaming reply refuses ‹ (it owns the view)
     wait_idle(page)
     first_user.locator(".ver-prev.ver-on").click()
-    expect(page.locator("#chat")).to_contain_text("Name a planet.")
+    expect(page.locator("#chat")).to_contain_text(PLANETS)
     expect(page.locator('#chat [data-testid="user"]').first.locator(".ver-count")).to_have_text("1/2")
     page.screenshot(path=str(ARTIFACTS / "02b-versions-inline.png"))
 
