@@ -13,6 +13,7 @@ def test_smoke_run_streams_every_token_through_the_api(tmp_path):
     report = api_bench.main([*argv, "--out", str(tmp_path)])
     (r,) = report["rounds"]
     assert (r["tokens"], r["errors"]) == (8 * 6, 0)  # from usage: every request's 6 tokens
-    assert 8 <= r["chunks"] <= 8 * 6 and r["api_cpu_s_per_1k_tokens"] > 0
+    assert 8 <= r["chunks"] <= 8 * 6
+    assert r["api_cpu_s_per_1k_tokens"] >= 0  # /proc counts 10 ms ticks: a run this short may read none
     saved = json.loads(next(tmp_path.glob("api_bench-*.json")).read_text())
     assert saved["median"]["tokens"] == 48 and saved["meta"]["streams"] == 4
