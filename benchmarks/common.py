@@ -101,7 +101,7 @@ class ThreadBusy:
             except OSError:
                 continue
             for tid in tids:
-                fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+                fields = stat_fields(f"/proc/{pid}/task/{tid}/stat")
                 if fields:
                     out[pid, int(tid)] = int(fields[11]) + int(fields[12])
         return out
@@ -124,7 +124,7 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _stat_fields(path: str) -> list[str] | None:
+def stat_fields(path: str) -> list[str] | None:
     """The fields of a /proc stat line after the command's name (which may hold spaces): [0] is
     the state, [1] the parent's pid, [11] / [12] utime / stime."""
     try:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import commit, freeze_heap  # noqa: E402
+from benchmarks.common import commit, freeze_heap, stat_fields  # noqa: E402
 
 PCTS = (50, 90, 99)
 BENCH_KEY = "sk-serve-bench"
@@ -220,7 +220,9 @@ class HttpTarget:
 
     def server_cpu_s(self) -> float:
         """User + system CPU seconds of the server process so far (Linux /proc)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(f"/proc/{self.proc.pid}/stat")
+        if fields is None:
+            raise OSError(f"no /proc stat for the server (pid {self.proc.pid})")
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     async def stream(self, ids: list[int], max_tokens: int, rec: Record) -> None:
