@@ -51,6 +51,7 @@ def params(variant: str, i: int, max_tokens: int) -> SamplingParams:
 
 PERSONA_LEN = 1500
 PREFILL_NEW = 100
+TIMED = [False]  # True while decode_steps runs its timed steps (phase_times counts only those)
 
 
 def decode_steps(llm: LLM, prompts, variant: str, steps: int) -> list[float]:
@@ -71,6 +72,7 @@ def decode_steps(llm: LLM, prompts, variant: str, steps: int) -> list[float]:
     for _ in range(3):
         engine.step()
     times = []
+    TIMED[0] = True
     for _ in range(steps):
         if variant == "prefill":
             turn = persona + [rng.randrange(100, vocab) for _ in range(PREFILL_NEW)]
@@ -83,6 +85,7 @@ def decode_steps(llm: LLM, prompts, variant: str, steps: int) -> list[float]:
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    TIMED[0] = False
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     for request_id in list(engine.requests):
@@ -113,6 +116,52 @@ def host_profile(llm: LLM, prompts, variant: str, steps: int) -> str:
     pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats(r"chatengine|xgrammar", 25)
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)  # where the host's own time goes
     return out.getvalue()
+
+
+PHASES = [  # (object path, method): engine-level phases, then parts of the runner's launch
+    ("scheduler", "schedule"),
+    ("runner", "launch"),
+    ("runner", "collect"),
+    ("", "_receive"),
+    ("", "_advance"),
+    ("", "_output"),
+    ("runner", "_stage"),
+    ("runner", "_upload"),
+    ("runner", "_run"),
+    ("runner", "_process"),
+    ("runner", "_sample"),
+    ("runner", "_logprobs"),
+]
+
+
+def phase_times(llm: LLM, prompts, variant: str, steps: int) -> dict[str, float]:
+    """Host microseconds per timed step in each phase (perf_counter around the method; nested
+    phases are included in their callers': launch holds _stage .. _logprobs, _receive holds collect,
+    the wait for the device, _advance holds _output). ~0.3 us a call: it hardly moves the step."""
+    engine = llm.engine
+    totals: dict[str, float] = dict.fromkeys((name for _, name in PHASES), 0.0)
+    saved = []
+    for path, name in PHASES:
+        obj = getattr(engine, path) if path else engine
+        method = getattr(obj, name)
+
+        def timed(*args, _method=method, _name=name, **kwargs):
+            if not TIMED[0]:
+                return _method(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                totals[_name] += time.perf_counter() - t0
+
+        saved.append((obj, name))
+        setattr(obj, name, timed)
+    try:
+        times = decode_steps(llm, prompts, variant, steps)
+    finally:
+        for obj, name in saved:
+            delattr(obj, name)
+    return {"step": 1e6 * sum(times) / steps, **{k: 1e6 * v / steps for k, v in totals.items()}}
 
 
 def sync_points(llm: LLM, prompts, variant: str, steps: int) -> list[str]:
@@ -167,14 +216,19 @@ def main():
         tables, busy_ms = profiled(llm, prompts, variant, args.steps)
         tables += "\n" + host_profile(llm, prompts, variant, args.steps)
         row = {"variant": variant, "step_ms_p50": round(wall_ms, 3), "device_busy_ms_per_step": round(busy_ms, 3)}
+        row["phases_us"] = {k: round(v, 1) for k, v in phase_times(llm, prompts, variant, args.steps).items()}
+        print("host us per step:", json.dumps(row["phases_us"]), flush=True)
         row["syncs"] = sync_points(llm, prompts, variant, 8)
         print("host waits for the device at:", *row["syncs"], sep="\n  ", flush=True)
         summary["rows"].append(row)
         print(json.dumps(row), flush=True)
         print(tables, flush=True)
-    print("| variant | step ms p50 | device busy ms/step (profiled) |\n|---|---|---|")
+    names = list(summary["rows"][0]["phases_us"]) if summary["rows"] else []
+    print("| variant | step ms p50 | device busy ms/step (profiled) | " + " | ".join(names) + " (us/step) |")
+    print("|---" * (3 + len(names)) + "|")
     for r in summary["rows"]:
-        print(f"| {r['variant']} | {r['step_ms_p50']:.3f} | {r['device_busy_ms_per_step']:.3f} |")
+        phases = " | ".join(f"{r['phases_us'][k]:.0f}" for k in names)
+        print(f"| {r['variant']} | {r['step_ms_p50']:.3f} | {r['device_busy_ms_per_step']:.3f} | {phases} |")
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
     llm.shutdown()
