@@ -118,32 +118,44 @@ def host_profile(llm: LLM, prompts, variant: str, steps: int) -> str:
     return out.getvalue()
 
 
-PHASES = [  # (object path, method): engine-level phases, then parts of the runner's launch
-    ("scheduler", "schedule"),
-    ("runner", "launch"),
-    ("runner", "collect"),
-    ("", "_receive"),
-    ("", "_advance"),
-    ("", "_output"),
-    ("runner", "_stage"),
-    ("runner", "_upload"),
-    ("runner", "_run"),
-    ("runner", "_process"),
-    ("runner", "_sample"),
-    ("runner", "_logprobs"),
+PHASES = [  # engine-level phases, then parts of the runner's launch (dotted: an attribute's method)
+    "scheduler.schedule",
+    "runner.launch",
+    "runner.collect",
+    "_receive",
+    "_advance",
+    "_output",
+    "runner._stage",
+    "runner._uploaded.synchronize",
+    "runner._tables.gather",
+    "runner._upload",
+    "runner._finish",
+    "runner._run",
+    "runner._finish_logits",
+    "runner._process",
+    "runner._sample",
+    "runner._logprobs",
 ]
 
 
 def phase_times(llm: LLM, prompts, variant: str, steps: int) -> dict[str, float]:
-    """Host microseconds per timed step in each phase (perf_counter around the method; nested
-    phases are included in their callers': launch holds _stage .. _logprobs, _receive holds collect,
-    the wait for the device, _advance holds _output). ~0.3 us a call: it hardly moves the step."""
+    """Host microseconds in each phase, the median over the timed steps (perf_counter around the
+    method; nested phases are included in their callers': launch holds _stage .. _logprobs,
+    _receive holds collect, the wait for the device, _advance holds _output). ~0.3 us a call: it
+    hardly moves the step."""
     engine = llm.engine
-    totals: dict[str, float] = dict.fromkeys((name for _, name in PHASES), 0.0)
+    names = [p.rsplit(".", 1)[-1] if p.count(".") < 2 else p.split(".", 1)[1] for p in PHASES]
+    now: dict[str, float] = dict.fromkeys(names, 0.0)
+    per_step: list[dict[str, float]] = []
     saved = []
-    for path, name in PHASES:
-        obj = getattr(engine, path) if path else engine
-        method = getattr(obj, name)
+    for path, name in zip(PHASES, names):
+        *parts, attr = path.split(".")
+        obj = engine
+        for part in parts:
+            obj = getattr(obj, part, None)
+        if obj is None:  # (no CUDA: no upload event)
+            continue
+        method = getattr(obj, attr)
 
         def timed(*args, _method=method, _name=name, **kwargs):
             if not TIMED[0]:
@@ -152,16 +164,30 @@ def phase_times(llm: LLM, prompts, variant: str, steps: int) -> dict[str, float]
             try:
                 return _method(*args, **kwargs)
             finally:
-                totals[_name] += time.perf_counter() - t0
+                now[_name] += time.perf_counter() - t0
 
-        saved.append((obj, name))
-        setattr(obj, name, timed)
+        saved.append((obj, attr))
+        setattr(obj, attr, timed)
+    step = engine.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            if TIMED[0]:
+                per_step.append({"step": time.perf_counter() - t0, **now})
+            for k in now:
+                now[k] = 0.0
+
+    engine.step = timed_step
     try:
-        times = decode_steps(llm, prompts, variant, steps)
+        decode_steps(llm, prompts, variant, steps)
     finally:
-        for obj, name in saved:
-            delattr(obj, name)
-    return {"step": 1e6 * sum(times) / steps, **{k: 1e6 * v / steps for k, v in totals.items()}}
+        for obj, attr in saved:
+            delattr(obj, attr)
+        del engine.step
+    return {k: 1e6 * statistics.median(d[k] for d in per_step) for k in per_step[0]}
 
 
 def sync_points(llm: LLM, prompts, variant: str, steps: int) -> list[str]:
@@ -202,6 +228,9 @@ def main():
     ap.add_argument("--variants", default="plain,logprobs,json,penalty")
     ap.add_argument("--out", default=None, help="a JSON file for the summary")
     ap.add_argument("--prefill-new", type=int, default=PREFILL_NEW, help="prefill: new tokens of each turn")
+    ap.add_argument(
+        "--phases-only", action="store_true", help="step times and phases only: no profilers, no sync points"
+    )
     args = ap.parse_args()
     PREFILL_NEW = args.prefill_new
     llm = LLM(args.model)
@@ -213,12 +242,14 @@ def main():
     for variant in args.variants.split(","):
         walls = [decode_steps(llm, prompts, variant, args.steps) for _ in range(3)]
         wall_ms = 1e3 * statistics.median(statistics.median(w) for w in walls)
-        tables, busy_ms = profiled(llm, prompts, variant, args.steps)
-        tables += "\n" + host_profile(llm, prompts, variant, args.steps)
+        tables, busy_ms = "", float("nan")
+        if not args.phases_only:
+            tables, busy_ms = profiled(llm, prompts, variant, args.steps)
+            tables += "\n" + host_profile(llm, prompts, variant, args.steps)
         row = {"variant": variant, "step_ms_p50": round(wall_ms, 3), "device_busy_ms_per_step": round(busy_ms, 3)}
         row["phases_us"] = {k: round(v, 1) for k, v in phase_times(llm, prompts, variant, args.steps).items()}
         print("host us per step:", json.dumps(row["phases_us"]), flush=True)
-        row["syncs"] = sync_points(llm, prompts, variant, 8)
+        row["syncs"] = [] if args.phases_only else sync_points(llm, prompts, variant, 8)
         print("host waits for the device at:", *row["syncs"], sep="\n  ", flush=True)
         summary["rows"].append(row)
         print(json.dumps(row), flush=True)
