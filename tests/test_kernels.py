@@ -20,7 +20,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ imports triton
 
-from chatengine.kernels import cache_ops, fp8_ops, fused_ops, grammar_masks, logprob_ops, sampling  # noqa: E402
+from chatengine.kernels import (  # noqa: E402
+    cache_ops,
+    fp8_ops,
+    fused_ops,
+    grammar_masks,
+    logprob_ops,
+    placeholders,
+    sampling,
+)
 from chatengine.kernels import paged_attention as pa
 
 tl, triton = pa.tl, pa.triton  # (None without triton)
@@ -646,6 +654,25 @@ def test_greedy_triton_is_argmax_with_first_index_ties(device, dtype):
     logits[3, 5002] = 1.0  # the last column, in a partial chunk
     assert sampling.greedy_triton(logits, chunk=1024).tolist() == [5, 1029, 0, 5002]
     assert sampling.greedy_triton(logits[:0], chunk=1024).shape == (0,)
+    buf = torch.full((6,), -7, dtype=torch.int64, device=device)  # into a given buffer (the runner's)
+    assert sampling.greedy_triton(logits, chunk=1024, out=buf[:4]).data_ptr() == buf.data_ptr()
+    assert buf.tolist() == [5, 1029, 0, 5002, -7, -7]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fill_placeholders_equals_reference(device):
+    sampled = torch.tensor([900, 901, 902, 903, 904], dtype=torch.int64, device=device)
+    # lanes 0, 2 and 3 carry placeholders (input rows 4, 0, 6 take samples 2, 0, 4); -1: none
+    dst = torch.tensor([4, -1, 0, 6, -1, -1, -1], dtype=torch.int32, device=device)
+    src = torch.tensor([2, 3, 0, 4, 1, 1, 1], dtype=torch.int32, device=device)
+    a = torch.arange(10, 18, dtype=torch.int32, device=device)
+    a[[0, 4, 6]] = 0  # staged as 0
+    b = a.clone()
+    placeholders.fill_placeholders_triton(a, sampled, dst, src)
+    placeholders.fill_placeholders_ref(b, sampled, dst, src)
+    assert a.tolist() == b.tolist() == [900, 11, 12, 13, 902, 15, 904, 17]
+    placeholders.fill_placeholders_triton(a, sampled, dst[:0], src[:0])  # no lanes: nothing
+    assert a.tolist() == b.tolist()
 
 
 @pytest.mark.parametrize("device", DEVICES)

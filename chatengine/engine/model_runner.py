@@ -54,7 +54,7 @@ from chatengine.engine.parallel.plan import Op, PlanSender
 from chatengine.engine.parallel.vocab_sampling import Finish
 from chatengine.engine.sampler import Sampler, position_key
 from chatengine.engine.sequence import Sequence
-from chatengine.kernels import attention_warmup, cache_ops, cpu_quant, logprob_ops, paged_attention
+from chatengine.kernels import attention_warmup, cache_ops, cpu_quant, logprob_ops, paged_attention, placeholders
 from chatengine.kernels import sampling as sampling_ops
 from chatengine.sampling_params import SamplingParams
 
@@ -313,8 +313,12 @@ class ModelRunner:
         # engine reads the one before
         self._token_host = [torch.zeros(max_b, dtype=torch.int64, pin_memory=True) for _ in range(2)] if pin else None
         self._flip = 0
-        self._last_tokens: torch.Tensor | None = None  # the last launched step's samples, on the device
-        self._last_rows: dict[int, int] = {}  # seq_id -> its row in _last_tokens
+        # the last launched step's samples on the device, which the next step's placeholders read
+        self._sampled = torch.zeros(max_b, dtype=torch.int64, device=device)
+        self._last_rows: dict[int, int] = {}  # seq_id -> its row in _sampled
+        # decode graphs fill their placeholders themselves (placeholders.py), so a decode step launches
+        # nothing for them; with tensor parallelism rank 0 fills them before it broadcasts the inputs
+        self._graph_fills = self.fused_sampling and not self.group.is_parallel
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
         self.num_graph_steps = 0  # decode steps replayed
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # padded T -> ...
@@ -494,9 +498,11 @@ class ModelRunner:
         np.cumsum(n, out=cu[1 : B + 1])
         token_seq = np.repeat(np.arange(B), n)  # (T,) the sequence of each token
         pending = np.flatnonzero(ids[:T] < 0)  # placeholders: sampled by the last step, on the device
+        dst = view("pending_dst")
         if pending.size:
-            self._stage_pending(seqs, token_seq[pending], pending, view("pending_dst"), view("pending_src"))
+            self._stage_pending(seqs, token_seq[pending], pending, dst, view("pending_src"))
             ids[pending] = 0
+        dst[pending.size :] = -1  # lanes without one (a decode graph's fill reads every lane)
         p = start[token_seq] + (np.arange(T, dtype=np.int32) - cu[token_seq])
         pos[:T] = p
         slots[:T] = bt[token_seq, p // bs] * bs + p % bs
@@ -541,17 +547,21 @@ class ModelRunner:
             lay = self._stagings[T, B, S, W] = Staging((T, B, S, W), _layout(T, B, S, W), self._dev)
         return lay
 
-    def _upload(self, lay: Staging, num_pending: int = 0) -> dict[str, torch.Tensor]:
+    def _upload(self, lay: Staging, num_pending: int = 0, graph_fills: bool = False) -> dict[str, torch.Tensor]:
         """One non-blocking copy of the staged prefix, then the placeholder ids from the last step's
-        samples (on the device: no sync); device views by name."""
+        samples (on the device: no sync), unless the decode graph about to run fills them itself
+        (`graph_fills`); device views by name."""
         if self._dev is not self._host:
             self._dev[: lay.end].copy_(self._host[: lay.end], non_blocking=True)
             self._uploaded.record()  # the next _stage must not overwrite _host before this copy ran
         d = lay.views
-        if num_pending:
-            assert self._last_tokens is not None, "pending tokens need a launched step before them"
-            src = self._last_tokens[d["pending_src"][:num_pending]]
-            d["input_ids"][d["pending_dst"][:num_pending]] = src.to(torch.int32)
+        if num_pending and not graph_fills:
+            assert self._last_rows, "pending tokens need a launched step before them"
+            dst, src = d["pending_dst"][:num_pending], d["pending_src"][:num_pending]
+            if self.fused_sampling:
+                placeholders.fill_placeholders_triton(d["input_ids"], self._sampled, dst, src)
+            else:
+                d["input_ids"][dst] = self._sampled[src].to(torch.int32)
         return d
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
@@ -601,9 +611,10 @@ class ModelRunner:
             off, n = lay[name]
             self._host_np[off : off + n] = value
 
-    def _capture(self, lay, B: int, max_seqlen_q: int, num_splits: int, pool):
+    def _capture(self, lay, B: int, max_seqlen_q: int, num_splits: int, pool, fills: bool = False):
         """Capture one forward over the staged layout `lay` (all padding: nothing read or stored);
-        its replays read whatever a later _stage writes there. Returns (graph, logits)."""
+        its replays read whatever a later _stage writes there. `fills`: the graph first fills the
+        placeholder ids (a decode graph's). Returns (graph, logits)."""
         d = self._upload(lay)
         meta = StepMetadata(
             slot_mapping=d["slot_mapping"],
@@ -615,10 +626,15 @@ class ModelRunner:
             num_splits=num_splits,
         )
         args = (d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
+        fill = (d["input_ids"], self._sampled, d["pending_dst"], d["pending_src"])
+        if fills:
+            placeholders.fill_placeholders_triton(*fill)
         self.model(*args)  # compiles the kernels outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
+            if fills:
+                placeholders.fill_placeholders_triton(*fill)
             logits = self.model(*args)
         return graph, logits
 
@@ -636,7 +652,7 @@ class ModelRunner:
             splits = self._graph_splits() or paged_attention._decode_splits(
                 bs * self.num_kv_heads, self.max_model_len, sms, block_d
             )
-            self.graphs[bs] = self._capture(lay, bs, 1, splits, pool)
+            self.graphs[bs] = self._capture(lay, bs, 1, splits, pool, fills=self._graph_fills)
             pool = self.graphs[bs][0].pool()
         for Tp in reversed(self.prefill_graph_sizes()):
             lay = self._staging(Tp, 1, 1, self.max_num_pages)  # an empty sequence: no keys, nothing stored
@@ -693,7 +709,7 @@ class ModelRunner:
             mode, key = EAGER, B
             lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens)
         finish = self._finish(mode, seqs, samples, prompt_plan is not None, whole)
-        d = self._upload(lay, num_pending)
+        d = self._upload(lay, num_pending, graph_fills=mode == DECODE_GRAPH and self._graph_fills)
         if self.plan is not None:  # the other ranks run the same forward on their slices
             self.plan.send(Op.FORWARD, mode, key, max_q, max_k, *lay.key, finish)
             self.group.broadcast(self._dev[: lay.end])  # with this step's sampled placeholders filled
@@ -801,7 +817,8 @@ class ModelRunner:
             return self.sampler(logits.float(), params, [s.generator for s in seqs])
         fused = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1]
         if len(fused) == len(seqs):
-            return self._sample_fused(logits, temps, finish.greedy, finish.seed, finish.keys)
+            out = self._sampled[: len(seqs)]
+            return self._sample_fused(logits, temps, finish.greedy, finish.seed, finish.keys, out)
         if not fused:
             return self.sampler(logits.float(), params, [s.generator for s in seqs])
         rest = [i for i, p in enumerate(params) if not (p.top_k == 0 and p.top_p >= 1)]
@@ -815,12 +832,14 @@ class ModelRunner:
         return out
 
     def _sample_fused(
-        self, logits: torch.Tensor, temps: torch.Tensor, greedy: bool, seed: int, keys: tuple
+        self, logits: torch.Tensor, temps: torch.Tensor, greedy: bool, seed: int, keys: tuple, out=None
     ) -> torch.Tensor:
+        """The fused sampler's draw (greedy, or seeded by `seed` and the rows' `keys`), into `out`
+        (N,) int64 if given."""
         if greedy:
-            return sampling_ops.greedy_triton(logits)
+            return sampling_ops.greedy_triton(logits, out=out)
         key_t = on_device(list(keys), torch.int64, logits.device) if any(keys) else None
-        return sampling_ops.sample_triton(logits, temps, seed, keys=key_t)
+        return sampling_ops.sample_triton(logits, temps, seed, out=out, keys=key_t)
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Logits after the requests' processing (a copy in fp32 when any row is processed)."""
@@ -887,7 +906,9 @@ class ModelRunner:
             else:
                 logits = self._process(logits, sampling)
                 tokens = self._sample(logits, sampling, d["temperatures"], finish)
-            self._last_tokens = tokens  # the next step's placeholders read these
+            kept = self._sampled[: len(sampling)]  # the next step's placeholders read these
+            if tokens.data_ptr() != kept.data_ptr():  # (the fused sampler draws straight into it)
+                kept.copy_(tokens)
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(sampling)}
             step.logprob_rows, step.logprobs = self._logprobs(logits, sampling, tokens, d["temperatures"])
             step.token_ids = tokens

@@ -158,11 +158,12 @@ def _rows_argmax_kernel(Vals, Idx, Out, Best, num_chunks, col0, BLOCK_C: tl.cons
         tl.store(Best + row, top)
 
 
-def greedy_triton(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """argmax over the vocabulary (N,) int64, ties to the first index as `torch.argmax` (NaN aside:
-    never chosen here). Two launches that spread a row over many programs: one 128k row (batch 1)
-    is ~32 programs, not the one block torch gives a row. Reference: chatengine.engine.sampler.greedy."""
-    return _greedy(logits, chunk)[0]
+def greedy_triton(logits: torch.Tensor, chunk: int = 4096, out: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax over the vocabulary (N,) int64 (into `out` if given), ties to the first index as
+    `torch.argmax` (NaN aside: never chosen here). Two launches that spread a row over many
+    programs: one 128k row (batch 1) is ~32 programs, not the one block torch gives a row.
+    Reference: chatengine.engine.sampler.greedy."""
+    return _greedy(logits, chunk, out=out)[0]
 
 
 def greedy_slice_triton(logits: torch.Tensor, col0: int, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,11 +173,12 @@ def greedy_slice_triton(logits: torch.Tensor, col0: int, chunk: int = 4096) -> t
     return vals, ids
 
 
-def _greedy(logits, chunk, col0=0, best=False):
+def _greedy(logits, chunk, col0=0, best=False, out=None):
     check_device(logits)
     N, V = logits.shape
     assert logits.stride(1) == 1
-    out = torch.empty(N, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(N, dtype=torch.int64, device=logits.device)
     top = torch.empty(N if best else 0, dtype=torch.float32, device=logits.device)
     if N == 0:
         return out, top
