@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chatengine import LLM, SamplingParams
-from chatengine.engine.logprobs import row_logprobs
+from chatengine.engine.logprobs import HostLogprobs, row_logprobs
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
 
@@ -63,6 +63,23 @@ def test_flat_rows_of_a_step_with_several_ks_read_as_their_dicts():
         flat.frombytes(data)
         assert len(flat) == 2 + 2 * k and TokenLogprobs(flat, k, 1)[0] == want
         assert logprob == want[int(flat[0])]
+
+
+def test_rows_copied_into_a_given_buffer_read_as_views_of_it():
+    """HostLogprobs.of(into=...) copies a step's packed rows into the front of a reused buffer (the
+    runner's pinned ring); a step of one k reads its rows as views of it, the same bytes as rows
+    cut one by one."""
+    torch.manual_seed(1)
+    lp = row_logprobs(torch.randn(4, 50), torch.tensor([1, 2, 3, 49]), 3)
+    packed = lp.to_host(pin=False).packed
+    into = torch.full((4 * 8 + 5,), -1.0)
+    host = HostLogprobs.of(packed, 3, pin=False, into=into)
+    assert host.packed.data_ptr() == into.data_ptr() and torch.equal(host.packed, packed)
+    assert into[32:].tolist() == [-1.0] * 5  # nothing past the rows written
+    rows = host.flat_rows([3, 3, 3, 3])
+    assert all(isinstance(data, memoryview) for data, _ in rows)
+    assert [bytes(data) for data, _ in rows] == [packed[r].numpy().tobytes() for r in range(4)]
+    assert [logprob for _, logprob in rows] == packed[:, 1].tolist()
 
 
 @pytest.mark.parametrize("k", [0, 5])

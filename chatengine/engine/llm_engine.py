@@ -369,7 +369,7 @@ class LLMEngine:
         """The rest of a received step: logprobs, fork n > 1 requests, check stops, and build outputs."""
         now = time.monotonic()
         if launched.logprob_rows or launched.prompt_rows:
-            self._record_logprobs(out.seqs, sampled, *self.runner.collected_logprobs(launched))
+            self._record_logprobs(out.seqs, sampled, launched)
         if self.transfers is not None:
             self.transfers.write_behind()
         self.num_steps += 1
@@ -426,12 +426,15 @@ class LLMEngine:
         req.held_steps = 0
         return True
 
-    def _record_logprobs(self, seqs: list[Sequence], sampled: list, logprobs: dict, prompt: dict) -> None:
-        for seq, _, _ in sampled:
-            row = logprobs.get(seq.seq_id)
-            if row is not None:
-                seq.logprob_rows.frombytes(row[0])
-                seq.cumulative_logprob += row[1]
+    def _record_logprobs(self, seqs: list[Sequence], sampled: list, launched) -> None:
+        rows, prompt = self.runner.collected_logprobs(launched)
+        # a row whose sequence finished before its token came (an abort, a stop seen late) is not
+        # its output; usually none did, and every row is taken without a lookup
+        kept = None if not rows or len(sampled) == len(launched.token_ids) else {id(seq) for seq, _, _ in sampled}
+        for seq, data, logprob in rows:
+            if kept is None or id(seq) in kept:
+                seq.logprob_rows.frombytes(data)
+                seq.cumulative_logprob += logprob
         for seq in seqs:
             if seq.seq_id not in prompt or seq.request_id not in self.requests:
                 continue

@@ -39,20 +39,30 @@ class HostLogprobs:
     k: int
 
     @staticmethod
-    def of(packed: torch.Tensor, k: int, pin: bool) -> "HostLogprobs":
-        """From a packed (R, 2 + 2k) float32 tensor of the device (logprob_ops): one copy."""
-        return HostLogprobs(_host_copy(packed, pin), k)
+    def of(packed: torch.Tensor, k: int, pin: bool, into: torch.Tensor | None = None) -> "HostLogprobs":
+        """From a packed (R, 2 + 2k) float32 tensor of the device (logprob_ops): one copy, into the
+        front of `into` (a flat float32 host buffer, pinned on CUDA, read before it is reused) if
+        given, else into memory of its own."""
+        if into is None:
+            return HostLogprobs(_host_copy(packed, pin), k)
+        host = into[: packed.numel()].view(packed.shape)
+        return HostLogprobs(host.copy_(packed, non_blocking=pin), k)
 
-    def flat_rows(self, ks: list[int]) -> list[tuple[bytes, float]]:
+    def flat_rows(self, ks: list[int]) -> list[tuple[bytes | memoryview, float]]:
         """Row r as TokenLogprobs stores it, float32 bytes (token, its logprob, its ks[r] best values,
-        their ids), and the token's logprob: appended to a sequence's array with one call."""
+        their ids), and the token's logprob: appended to a sequence's array with one call. Where
+        every row keeps all K, the rows are views of this buffer: read them before it is reused."""
         a = self.packed.numpy()
         K = self.k
+        chosen = a[:, 1].tolist()
+        if ks and a.flags.c_contiguous and all(k == K for k in ks):  # (a step's usual case) no copy, no numpy a row
+            data, width = a.data.cast("B"), 4 * (2 + 2 * K)
+            return list(zip([data[at : at + width] for at in range(0, len(data), width)], chosen, strict=True))
         rows = [
             a[r].tobytes() if k == K else a[r, : 2 + k].tobytes() + a[r, 2 + K : 2 + K + k].tobytes()
             for r, k in enumerate(ks)
         ]
-        return list(zip(rows, a[:, 1].tolist(), strict=True))
+        return list(zip(rows, chosen, strict=True))
 
     def as_dicts(self, ks: list[int]) -> list[dict[int, float]]:
         """Row r: {token: logprob} of its ks[r] best, then its token if it is not among them."""

@@ -56,7 +56,7 @@ from chatengine.engine.sampler import Sampler, position_key
 from chatengine.engine.sequence import Sequence
 from chatengine.kernels import attention_warmup, cache_ops, cpu_quant, logprob_ops, paged_attention, placeholders
 from chatengine.kernels import sampling as sampling_ops
-from chatengine.sampling_params import SamplingParams
+from chatengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("chatengine")
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton kernel's (KV as the queries)
@@ -111,8 +111,8 @@ class LaunchedStep:
     samples: list[bool]
     token_ids: torch.Tensor | None = None  # (S,) int64 on the host (pinned on CUDA); None: nothing sampled
     done: Any = None  # CUDA event after the copy into token_ids
-    # the sampled rows that asked for logprobs: (seq_id, k) each, and their HostLogprobs on the host
-    logprob_rows: list[tuple[int, int]] | None = None
+    # the sampled rows that asked for logprobs: (sequence, k) each, and their HostLogprobs on the host
+    logprob_rows: list[tuple[Sequence, int]] | None = None
     logprobs: HostLogprobs | None = None
     # prompt logprobs: (seq_id, first position predicted, k, count) per sequence, their rows on the host
     prompt_rows: list[tuple[int, int, int, int]] | None = None
@@ -313,6 +313,9 @@ class ModelRunner:
         # engine reads the one before
         self._token_host = [torch.zeros(max_b, dtype=torch.int64, pin_memory=True) for _ in range(2)] if pin else None
         self._flip = 0
+        # the sampled rows' logprobs come back the same way (made at the first step that asks)
+        self._logprob_host: list[torch.Tensor] = []
+        self._logprob_flip = 0
         # the last launched step's samples on the device, which the next step's placeholders read
         self._sampled = torch.zeros(max_b, dtype=torch.int64, device=device)
         self._last_rows: dict[int, int] = {}  # seq_id -> its row in _sampled
@@ -850,22 +853,33 @@ class ModelRunner:
         process_logits(out, seqs, self.eos_token_ids)
         return out
 
-    def _logprobs(self, logits, seqs, tokens, temps) -> tuple[list[tuple[int, int]] | None, HostLogprobs | None]:
+    def _logprobs(self, logits, seqs, tokens, temps) -> tuple[list[tuple[Sequence, int]] | None, HostLogprobs | None]:
         """The logprobs of the rows that asked for them, copied to the host (non-blocking). On CUDA
         one kernel computes and packs them (logprob_ops); elsewhere the torch reference."""
-        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not rows:
+        meta = [(s, s.params.logprobs) for s in seqs if s.params.logprobs is not None]
+        if not meta:
             return None, None
-        idx = None if len(rows) == len(seqs) else on_device(rows, torch.long, logits.device)
-        sub, chosen = (logits, tokens) if idx is None else (logits[idx], tokens[idx])
-        k = max(seqs[i].params.logprobs for i in rows)
-        meta = [(seqs[i].seq_id, seqs[i].params.logprobs) for i in rows]
+        if len(meta) == len(seqs):
+            idx, sub, chosen = None, logits, tokens
+        else:
+            idx = on_device([i for i, s in enumerate(seqs) if s.params.logprobs is not None], torch.long, logits.device)
+            sub, chosen = logits[idx], tokens[idx]
+        k = max(k for _, k in meta)
         if self.fused_sampling:
             temps = temps.view(torch.float32)[: len(seqs)]  # staged with the step's inputs
             packed = logprob_ops.row_logprobs_triton(sub, chosen, k, temps if idx is None else temps[idx])
-            return meta, HostLogprobs.of(packed, k, pin=True)
-        lp = row_logprobs(sub, chosen, k, [seqs[i].params.temperature for i in rows])
+            return meta, HostLogprobs.of(packed, k, pin=True, into=self._next_logprob_host())
+        lp = row_logprobs(sub, chosen, k, [s.params.temperature for s, _ in meta])
         return meta, lp.to_host(self._token_host is not None)
+
+    def _next_logprob_host(self) -> torch.Tensor:
+        """Two pinned buffers in turn, as the sampled ids': the engine reads a step's logprobs (when
+        it advances the step) before the step after next copies over them."""
+        if not self._logprob_host:
+            size = self._sampled.numel() * (2 + 2 * MAX_LOGPROBS)
+            self._logprob_host = [torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        self._logprob_flip ^= 1
+        return self._logprob_host[self._logprob_flip]
 
     def _prompt_logprobs(self, prompt) -> tuple[list[tuple[int, int, int, int]] | None, HostLogprobs | None]:
         """Logprobs of prompt tokens from their predicting rows (raw log-softmax), copied to the host."""
@@ -933,14 +947,15 @@ class ModelRunner:
         return [next(token_ids) if s else None for s in step.samples]
 
     @staticmethod
-    def collected_logprobs(step: LaunchedStep) -> tuple[dict, dict]:
-        """After collect: {seq_id: (a TokenLogprobs row as float32 bytes, the token's logprob)} of the
-        sampled tokens that asked, and {seq_id: (first position, [{token: logprob}] per prompt token
-        from there)}."""
-        sampled, prompt = {}, {}
+    def collected_logprobs(step: LaunchedStep) -> tuple[list, dict]:
+        """After collect: [(sequence, a TokenLogprobs row as float32 bytes, the token's logprob)] of
+        the sampled tokens that asked (rows that may view a reused buffer: read them now), and
+        {seq_id: (first position, [{token: logprob}] per prompt token from there)}."""
+        sampled: list = []
+        prompt: dict = {}
         if step.logprobs is not None and step.logprob_rows:
             rows = step.logprobs.flat_rows([k for _, k in step.logprob_rows])
-            sampled = {seq_id: row for (seq_id, _), row in zip(step.logprob_rows, rows)}
+            sampled = [(seq, data, logprob) for (seq, _), (data, logprob) in zip(step.logprob_rows, rows)]
         if step.prompt_logprobs is not None and step.prompt_rows:
             dicts = step.prompt_logprobs.as_dicts([k for _, _, k, count in step.prompt_rows for _ in range(count)])
             at = 0
