@@ -58,11 +58,12 @@ class TokenLogprobs(ListView):
         d.setdefault(int(f[at]), f[at + 1])
         return d
 
-    def rows_from(self, i: int) -> tuple[int, array]:
-        """Rows i.. of this view as (k, their flat floats): what a replica sends of new tokens, to be
-        viewed again on the other end (no dicts made or pickled on either)."""
+    def rows_from(self, i: int) -> tuple[int, bytes]:
+        """Rows i.. of this view as (k, their flat float32s as bytes): what a replica sends of new
+        tokens, to be viewed again on the other end (no dicts made or pickled on either, and bytes
+        pickle as they are, where an array goes through a reconstructor call each way)."""
         width = 2 + 2 * self._k
-        return self._k, self._flat[i * width : self._n * width]
+        return self._k, memoryview(self._flat)[i * width : self._n * width].tobytes()
 
     def __repr__(self) -> str:
         return f"TokenLogprobs({list(self)!r})"

@@ -77,7 +77,7 @@ def test_an_assembler_makes_outputs_only_when_asked():
 
 def test_the_engines_flat_logprobs_travel_flat_and_read_the_same():
     # the engine's TokenLogprobs: rows of (token, logprob, k values, k ids); a delta carries new rows'
-    # floats (an array, pickled as bytes), and the assembled output reads the same dicts
+    # float32s as bytes, and the assembled output reads the same dicts
     from array import array
 
     from chatengine.outputs import TokenLogprobs
@@ -92,7 +92,7 @@ def test_the_engines_flat_logprobs_travel_flat_and_read_the_same():
         original.outputs[0].logprobs = TokenLogprobs(flat, 2, n)
         delta = pickle.loads(pickle.dumps(enc.encode(original)))
         k, new = delta[6][0][6]
-        assert k == 2 and type(new) is array and list(new) == list(row)  # only the new row
+        assert k == 2 and type(new) is bytes and list(array("f", new)) == list(row)  # only the new row
         got = asm.apply(delta)
         assert got == original and isinstance(got.outputs[0].logprobs, TokenLogprobs)
         kept.append(got.outputs[0].logprobs)

@@ -308,6 +308,7 @@ class ModelRunner:
         self._dev = torch.zeros(size, dtype=torch.int32, device=device) if pin else self._host
         self._uploaded = torch.cuda.Event() if pin else None
         self._stagings: dict[tuple[int, int, int, int], Staging] = {}  # (T, B, S, W) -> its Staging
+        self._iota = np.arange(max_t + max_b + 1, dtype=np.int32)  # aranges a step stages, sliced
         self._tables = BlockTableRows(2 * max_b, -(-self.max_num_pages // 16) * 16)
         # sampled ids come back through two pinned buffers in turn: one step is in flight while the
         # engine reads the one before
@@ -497,16 +498,21 @@ class ModelRunner:
         self._tables.gather(seqs, bt[:B])
         bt[B:] = -1
         cu = view("cu_seqlens_q")
-        cu[0] = 0
-        np.cumsum(n, out=cu[1 : B + 1])
-        token_seq = np.repeat(np.arange(B), n)  # (T,) the sequence of each token
+        iota = self._iota
+        decode = T == B  # one token each (a decode step): its token rows are its sequences
+        if decode:
+            cu[: B + 1] = iota[: B + 1]
+        else:
+            cu[0] = 0
+            np.cumsum(n, out=cu[1 : B + 1])
+        token_seq = iota[:B] if decode else np.repeat(iota[:B], n)  # (T,) the sequence of each token
         pending = np.flatnonzero(ids[:T] < 0)  # placeholders: sampled by the last step, on the device
         dst = view("pending_dst")
         if pending.size:
             self._stage_pending(seqs, token_seq[pending], pending, dst, view("pending_src"))
             ids[pending] = 0
         dst[pending.size :] = -1  # lanes without one (a decode graph's fill reads every lane)
-        p = start[token_seq] + (np.arange(T, dtype=np.int32) - cu[token_seq])
+        p = start if decode else start[token_seq] + (iota[:T] - cu[token_seq])
         pos[:T] = p
         slots[:T] = bt[token_seq, p // bs] * bs + p % bs
         view("seq_lens")[:B] = seq_lens
@@ -524,8 +530,8 @@ class ModelRunner:
         else:  # padded decode lanes
             ids[B:], pos[B:], slots[B:] = 0, 0, -1
             view("seq_lens")[B:] = 0
-            cu[B + 1 :] = np.arange(T + 1, T + 1 + Bp - B, dtype=np.int32)
-            view("logits_indices")[:] = np.arange(Bp, dtype=np.int32)
+            cu[B + 1 :] = iota[T + 1 : T + 1 + Bp - B]
+            view("logits_indices")[:] = iota[:Bp]
         if self.fused_sampling:
             temps = view("temperatures").view(np.float32)
             temps[: int(samples.sum())] = [s.params.temperature for s, m in zip(seqs, samples.tolist()) if m]

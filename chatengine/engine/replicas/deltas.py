@@ -17,8 +17,8 @@ from chatengine.outputs import CompletionOutput, ListView, RequestOutput, TokenL
 
 # (index, new token ids, characters of the text kept, text added, finish_reason, stop_reason,
 #  new logprobs or None, cumulative logprob); the engine's logprobs (TokenLogprobs) travel as
-#  (k, array of their flat floats): an array pickles as its bytes, where dicts cost ~2 us a token
-#  to build and pickle in the replica and as much to unpickle here
+#  (k, their flat float32s as bytes): dicts cost ~2 us a token to build and pickle in the replica
+#  and as much to unpickle here, and an array ~1 us a request (a reconstructor call each way)
 CompletionDelta = tuple
 # (request_id, finished, error, num_cached_tokens, arrival_time, first_token_time,
 #  [CompletionDelta], new prompt logprobs or None)
@@ -88,10 +88,10 @@ class OutputAssembler:
             else:  # a stop string's held-back text let go, or cut
                 c.text = c.text[:keep] + text
             c.finish_reason, c.stop_reason, c.cumulative_logprob = finish, stop, cumulative
-            if isinstance(logprobs, tuple):  # flat rows
+            if isinstance(logprobs, tuple):  # flat rows: float32 bytes
                 k, rows = logprobs
-                c.flat = c.flat if c.flat is not None else array(rows.typecode)
-                c.flat.extend(rows)
+                c.flat = c.flat if c.flat is not None else array("f")
+                c.flat.frombytes(rows)
                 c.k = k
             elif logprobs is not None:
                 if c.logprobs is None:
