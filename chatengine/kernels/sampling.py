@@ -109,7 +109,7 @@ def _sample(logits, temperatures, seed, keys, out=None, col0=0, row_width=None, 
     assert keys is None or (keys.shape == (N,) and keys.dtype == torch.int64)
     if out is None:
         out = torch.empty(N, dtype=torch.int64, device=logits.device)
-    best = torch.empty(N if vals else 0, dtype=torch.float32, device=logits.device)
+    best = torch.empty(N, dtype=torch.float32, device=logits.device) if vals else None
     if N == 0:
         return out, best
     _sample_kernel[(N,)](
@@ -117,7 +117,7 @@ def _sample(logits, temperatures, seed, keys, out=None, col0=0, row_width=None, 
         temperatures,
         temperatures if keys is None else keys,  # not read unless SEEDED
         out,
-        best if vals else out,  # not written unless WRITE_VALS
+        out if best is None else best,  # not written unless WRITE_VALS
         logits.stride(0),
         V,
         col0,
