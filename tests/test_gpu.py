@@ -254,6 +254,22 @@ def test_cuda_async_scheduling_equals_sync(model):
 
 
 @needs_cuda
+def test_cuda_forked_samples_beyond_max_num_seqs_come_back():
+    """n > 1 samples fork after admission, so a step may sample more rows than max_num_seqs (and
+    than the decode graphs hold): their ids come back whole, the same as with room for all."""
+    got = {}
+    for max_num_seqs in (2, 64):
+        llm = cuda_llm(default_model(), dtype="float32", max_num_seqs=max_num_seqs)
+        prompts = prompts_for(llm)[:2]
+        params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+        got[max_num_seqs] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        assert all(len(ids) == 12 for sample in got[max_num_seqs] for ids in sample)
+        del llm
+        gc.collect()
+    assert got[2] == got[64]
+
+
+@needs_cuda
 def test_cuda_seeded_samples_are_their_own_whatever_the_batch():
     """A seeded request on the fused sampler (its Philox key: seed, sample index, position) gives
     the same tokens alone, beside unseeded and top-p neighbours, and in another order; its n samples

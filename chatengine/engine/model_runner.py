@@ -311,14 +311,15 @@ class ModelRunner:
         self._iota = np.arange(max_t + max_b + 1, dtype=np.int32)  # aranges a step stages, sliced
         self._tables = BlockTableRows(2 * max_b, -(-self.max_num_pages // 16) * 16)
         # sampled ids come back through two pinned buffers in turn: one step is in flight while the
-        # engine reads the one before
-        self._token_host = [torch.zeros(max_b, dtype=torch.int64, pin_memory=True) for _ in range(2)] if pin else None
+        # engine reads the one before. A step samples at most one row per scheduled token (forked
+        # samples of n > 1 may run more sequences than max_num_seqs, never more than the budget)
+        self._token_host = [torch.zeros(max_t, dtype=torch.int64, pin_memory=True) for _ in range(2)] if pin else None
         self._flip = 0
         # the sampled rows' logprobs come back the same way (made at the first step that asks)
         self._logprob_host: list[torch.Tensor] = []
         self._logprob_flip = 0
         # the last launched step's samples on the device, which the next step's placeholders read
-        self._sampled = torch.zeros(max_b, dtype=torch.int64, device=device)
+        self._sampled = torch.zeros(max_t, dtype=torch.int64, device=device)
         self._last_rows: dict[int, int] = {}  # seq_id -> its row in _sampled
         # decode graphs fill their placeholders themselves (placeholders.py), so a decode step launches
         # nothing for them; with tensor parallelism rank 0 fills them before it broadcasts the inputs
