@@ -128,6 +128,25 @@ def test_n_samples_are_distinct_and_reproducible(either):
     assert [c.token_ids for c in either.generate("Name a colour.", sp)[0].outputs] == ids
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_forked_samples_beyond_max_num_seqs_run(either, async_scheduling):
+    """n > 1 samples fork after admission, so a step may run more sequences than max_num_seqs (here
+    8 beside max_num_seqs=2: more than the runner's block-table rows were sized for): they all run,
+    and each sample's tokens are those of an engine with room for all of them."""
+    prompts = ["Name a colour.", "Count to five."]
+    sp = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
+    small = LLM(
+        max_num_seqs=2, max_num_batched_tokens=512, kv_cache_gib=0.25, quantization="none",
+        async_scheduling=async_scheduling, register_personas=False,
+    )  # fmt: skip
+    try:
+        got = [[c.token_ids for c in o.outputs] for o in small.generate(prompts, sp)]
+    finally:
+        small.shutdown()
+    assert got == [[c.token_ids for c in o.outputs] for o in either.generate(prompts, sp)]
+    assert all(len(ids) == 12 for sample in got for ids in sample)
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy(either, prompt_ids, hf_reference):
     for sp in (
         SamplingParams(temperature=0.8, top_k=1, max_tokens=24, seed=3),

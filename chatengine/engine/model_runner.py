@@ -196,12 +196,19 @@ class BlockTableRows:
         self.step = 0
 
     def _row(self, seq_id: int) -> int:
-        if not self.free:  # forget every sequence not in this step (the batch fits by construction)
+        if not self.free:  # forget every sequence not in this step
             for sid, r in list(self.row_of.items()):
                 if self.last_step[r] < self.step:
                     del self.row_of[sid]
                     self.lists[r], self.lens[r] = None, 0
                     self.free.append(r)
+        if not self.free:  # a batch larger than the rows (forked samples of n > 1): twice the rows
+            n, width = self.rows.shape
+            self.rows = np.concatenate([self.rows, np.full((n, width), -1, np.int32)])
+            self.lists += [None] * n
+            self.lens += [0] * n
+            self.last_step += [0] * n
+            self.free = list(range(2 * n - 1, n - 1, -1))
         r = self.row_of[seq_id] = self.free.pop()
         return r
 
@@ -215,6 +222,7 @@ class BlockTableRows:
             r = self.row_of.get(s.seq_id)
             if r is None:
                 r = self._row(s.seq_id)
+                rows, lens, lists = self.rows, self.lens, self.lists  # (grown, maybe)
             n, m = len(table), lens[r]
             if n > width:
                 raise ValueError(f"block table of {n} pages is wider than {width} (max_model_len)")
