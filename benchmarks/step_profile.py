@@ -73,19 +73,21 @@ def decode_steps(llm: LLM, prompts, variant: str, steps: int) -> list[float]:
         engine.step()
     times = []
     TIMED[0] = True
-    for _ in range(steps):
-        if variant == "prefill":
-            turn = persona + [rng.randrange(100, vocab) for _ in range(PREFILL_NEW)]
-            engine.add_request(turn, SamplingParams(temperature=0.6, max_tokens=1))
+    try:
+        for _ in range(steps):
+            if variant == "prefill":
+                turn = persona + [rng.randrange(100, vocab) for _ in range(PREFILL_NEW)]
+                engine.add_request(turn, SamplingParams(temperature=0.6, max_tokens=1))
+                t0 = time.perf_counter()
+                engine.step()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+                continue
             t0 = time.perf_counter()
             engine.step()
-            engine.step()
             times.append(time.perf_counter() - t0)
-            continue
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    TIMED[0] = False
+    finally:
+        TIMED[0] = False
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     for request_id in list(engine.requests):
@@ -187,7 +189,7 @@ def phase_times(llm: LLM, prompts, variant: str, steps: int) -> dict[str, float]
         for obj, attr in saved:
             delattr(obj, attr)
         del engine.step
-    return {k: 1e6 * statistics.median(d[k] for d in per_step) for k in per_step[0]}
+    return {k: 1e6 * statistics.median(d[k] for d in per_step) for k in per_step[0]} if per_step else {}
 
 
 def sync_points(llm: LLM, prompts, variant: str, steps: int) -> list[str]:

@@ -130,9 +130,9 @@ def test_n_samples_are_distinct_and_reproducible(either):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_forked_samples_beyond_max_num_seqs_run(either, async_scheduling):
-    """n > 1 samples fork after admission, so a step may run more sequences than max_num_seqs (here
-    8 beside max_num_seqs=2: more than the runner's block-table rows were sized for): they all run,
-    and each sample's tokens are those of an engine with room for all of them."""
+    """n > 1 samples fork after admission, so more sequences run than max_num_seqs (here 8 beside
+    max_num_seqs=2): steps take max_num_seqs of them at a time, every sample runs to its end, and
+    each sample's tokens are those of an engine with room for all of them."""
     prompts = ["Name a colour.", "Count to five."]
     sp = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
     small = LLM(
@@ -145,6 +145,19 @@ def test_forked_samples_beyond_max_num_seqs_run(either, async_scheduling):
         small.shutdown()
     assert got == [[c.token_ids for c in o.outputs] for o in either.generate(prompts, sp)]
     assert all(len(ids) == 12 for sample in got for ids in sample)
+
+
+def test_many_forked_samples_of_long_prompts_fit_every_step():
+    """16 samples each of two 1500-token prompts beside max_num_seqs=2: a step of all 32 would
+    overflow the runner's staging buffer (sized for max_num_seqs block tables of this width), which
+    failed every request of the step."""
+    llm = LLM("dummy:tiny", device="cpu", max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=512)
+    try:
+        prompts = [[(7 * i + j) % 200 + 1 for j in range(1500)] for i in range(2)]
+        outs = llm.generate(prompts, SamplingParams(n=16, temperature=1.0, seed=2, max_tokens=4, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert [[(c.finish_reason, len(c.token_ids)) for c in o.outputs] for o in outs] == [[("length", 4)] * 16] * 2
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(either, prompt_ids, hf_reference):

@@ -255,8 +255,9 @@ def test_cuda_async_scheduling_equals_sync(model):
 
 @needs_cuda
 def test_cuda_forked_samples_beyond_max_num_seqs_come_back():
-    """n > 1 samples fork after admission, so a step may sample more rows than max_num_seqs (and
-    than the decode graphs hold): their ids come back whole, the same as with room for all."""
+    """n > 1 samples fork after admission, so more sequences run than max_num_seqs (and than the
+    decode graphs hold): steps take max_num_seqs of them at a time, and every sample's ids come
+    back whole, the same as with room for all."""
     got = {}
     for max_num_seqs in (2, 64):
         llm = cuda_llm(default_model(), dtype="float32", max_num_seqs=max_num_seqs)

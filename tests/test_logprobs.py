@@ -145,3 +145,18 @@ def test_logprobs_follow_temperature_and_n(llm):
 def test_no_logprobs_unless_asked(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3))[0]
     assert out.outputs[0].logprobs is None and out.prompt_logprobs is None
+
+
+def test_a_stop_found_a_step_late_adds_no_logprob_row(llm_async):
+    """Async scheduling finds a stop token one step late: the step after it ran the sequence on a
+    wasted lane, and that lane's logprobs are not the output's (one row per token, the cumulative
+    logprob their sum)."""
+    prompt = "Write a short poem about the sea."
+    greedy = llm_async.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop = greedy.outputs[0].token_ids[4]
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], logprobs=2, ignore_eos=True)
+    longer = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # keeps the steps going
+    c = llm_async.generate([prompt, "Hi"], [params, longer])[0].outputs[0]
+    assert c.finish_reason == "stop" and c.token_ids[-1] == stop and len(c.token_ids) <= 5
+    assert len(c.logprobs._flat) == len(c.token_ids) * (2 + 2 * 2)
+    assert c.cumulative_logprob == pytest.approx(sum(row[t] for row, t in zip(c.logprobs, c.token_ids)), abs=1e-5)

@@ -45,6 +45,28 @@ def test_prepare_builds_the_step_tensors():
     assert logits_idx.tolist() == [5, 6] and samples == [True, True]
 
 
+def test_placeholders_take_the_last_steps_samples_and_other_lanes_read_minus_one():
+    """A decode row whose token is still on the device (a placeholder, async scheduling) takes the
+    id the last step sampled for it, filled on the device; every lane without one reads -1 in
+    pending_dst (a decode graph's fill reads all its lanes), also after a step of the same shape
+    that had more placeholders."""
+    from chatengine.engine.sequence import PLACEHOLDER
+
+    r = runner()
+    a, b, c = (seq([1, 2, 3, 4], table=[i], computed=3) for i in range(3))
+    r._last_rows = {a.seq_id: 2, b.seq_id: 0, c.seq_id: 1}  # their rows in the last step's samples
+    r._sampled[:3] = torch.tensor([70, 71, 72])
+    for s in (a, b, c):
+        s.token_ids[-1] = PLACEHOLDER
+        s.num_pending = 1
+    ids, *_, d = r.prepare([a, b, c], [1, 1, 1])
+    assert ids.tolist() == [72, 70, 71] and d["pending_dst"].tolist() == [0, 1, 2]
+    b.token_ids[-1], c.token_ids[-1] = 9, 10  # the same shape, one placeholder left
+    b.num_pending = c.num_pending = 0
+    ids, *_, d = r.prepare([a, b, c], [1, 1, 1])
+    assert ids.tolist() == [72, 9, 10] and d["pending_dst"].tolist() == [0, -1, -1]
+
+
 def test_a_chunk_short_of_the_prompt_does_not_sample():
     r = runner()
     a = seq(list(range(1, 11)), table=[0, 1, 2])

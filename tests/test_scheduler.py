@@ -61,6 +61,23 @@ def test_max_num_seqs():
     assert [i for i, _ in got] == [seqs[0].seq_id, seqs[1].seq_id]
 
 
+def test_a_step_runs_at_most_max_num_seqs_of_the_running_ones():
+    # forked samples of n > 1 join the running set beyond max_num_seqs (engine: add_running); a
+    # step takes the oldest max_num_seqs of them, and one that sits out leaves its place to the next
+    sched = make(num_blocks=32, budget=64, max_seqs=2)
+    seqs = [seq(2, 10 * i) for i in range(4)]
+    sched.add(seqs[0])
+    step(sched)
+    for s in seqs[1:]:  # as forks: running without admission
+        sched.block_manager.allocate(s, s.num_tokens)
+        sched.add_running(s)
+    got, _ = step(sched)
+    assert [i for i, _ in got] == [seqs[0].seq_id, seqs[1].seq_id]
+    sched.finish(seqs[0])
+    got, _ = step(sched)
+    assert [i for i, _ in got] == [seqs[1].seq_id, seqs[2].seq_id]
+
+
 def test_preempts_the_newest_and_recomputes_it():
     sched = make(num_blocks=5, budget=64)
     a, b = seq(7), seq(7, 100)  # 2 blocks each, 1 left (the watermark)

@@ -55,7 +55,8 @@ class HostLogprobs:
         a = self.packed.numpy()
         K = self.k
         chosen = a[:, 1].tolist()
-        if ks and a.flags.c_contiguous and all(k == K for k in ks):  # (a step's usual case) no copy, no numpy a row
+        # a step's usual case, one k for every row: no copy and no numpy call a row
+        if ks and a.flags.c_contiguous and all(k == K for k in ks):
             data, width = a.data.cast("B"), 4 * (2 + 2 * K)
             return list(zip([data[at : at + width] for at in range(0, len(data), width)], chosen, strict=True))
         rows = [

@@ -826,7 +826,8 @@ class ModelRunner:
         self._draw(self._finish_logits(self._run(mode, key, lay.views, max_q, max_k), finish), lay.views, finish)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor, finish: Finish) -> torch.Tensor:
-        """Sampled ids (len(seqs),) int64 on the device, without a host sync. logits: processed.
+        """Sampled ids (len(seqs),) int64 on the device, without a host sync (maybe a view of
+        `_sampled`, which the next step's sampling overwrites). logits: processed.
         On CUDA the rows without top-k / top-p take the fused sampler (seeded ones too), the others
         the torch sampler; each row's draw depends only on its own request, never on its neighbours."""
         params = [s.params for s in seqs]
@@ -888,8 +889,8 @@ class ModelRunner:
         return meta, lp.to_host(self._token_host is not None)
 
     def _next_logprob_host(self) -> torch.Tensor:
-        """Two pinned buffers in turn, as the sampled ids': the engine reads a step's logprobs (when
-        it advances the step) before the step after next copies over them."""
+        """Two pinned buffers in turn, as the sampled ids': the engine advances step N (reading its
+        logprobs) in the step() call that launches N + 1, before N + 2 can copy over N's buffer."""
         if not self._logprob_host:
             size = self._sampled.numel() * (2 + 2 * MAX_LOGPROBS)
             self._logprob_host = [torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2)]

@@ -68,10 +68,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
-        # running first: a decode token, or the next chunk of an unfinished prefill
+        # running first: a decode token, or the next chunk of an unfinished prefill. At most
+        # max_num_seqs of them a step: forked samples of n > 1 join the running set beyond it, and
+        # the model runner's per-sequence buffers (and CUDA graphs) hold max_num_seqs rows
         others_overlap = any(not seq.params.needs_history for seq in self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.seqs) < self.max_num_seqs:
             seq = self.running[i]
             if (
                 seq.params.needs_history

@@ -11,10 +11,13 @@ import torch
 
 from .paged_attention import check_device, jit, tl, triton
 
+BLOCK = 128  # lanes a program fills: one compiled variant serves every step (lanes not specialized)
+_jit_lanes = triton.jit(do_not_specialize=["lanes"]) if triton is not None else jit
 
-@jit
+
+@_jit_lanes
 def _fill_kernel(Ids, Sampled, Dst, Src, lanes, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     dst = tl.load(Dst + i, mask=i < lanes, other=-1)
     live = dst >= 0
     src = tl.load(Src + i, mask=live, other=0)
@@ -24,12 +27,12 @@ def _fill_kernel(Ids, Sampled, Dst, Src, lanes, BLOCK: tl.constexpr):
 
 def fill_placeholders_triton(ids: torch.Tensor, sampled: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
     """In place: ids[dst[i]] = sampled[src[i]] for every lane i with dst[i] >= 0. ids int32; sampled
-    int64; dst and src int32 of the same length (one program: at most a few thousand lanes)."""
+    int64; dst and src int32 of the same length."""
     check_device(ids)
     lanes = dst.numel()
     if lanes == 0:
         return
-    _fill_kernel[(1,)](ids, sampled, dst, src, lanes, BLOCK=max(16, triton.next_power_of_2(lanes)))
+    _fill_kernel[(triton.cdiv(lanes, BLOCK),)](ids, sampled, dst, src, lanes, BLOCK=BLOCK)
 
 
 def fill_placeholders_ref(ids: torch.Tensor, sampled: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
