@@ -432,7 +432,7 @@ class ModelRunner:
         self.mixed_graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            for name in ("kv_cache", "model", "_dev", "_tables"):  # (close may run twice)
+            for name in ("kv_cache", "model", "_dev", "_tables", "_sampled", "_logprob_host"):  # (close may run twice)
                 self.__dict__.pop(name, None)
             gc.collect()
             torch.cuda.empty_cache()
