@@ -127,8 +127,9 @@ def test_forward_failure_fails_exactly_that_steps_requests():
         ["length"],
         ["length"],
     ]
-    # steps 1-2 ran: the parents have 2 tokens, r1's forked sample (first token in step 2) has 1
-    assert [[len(c.token_ids) for c in o.outputs] for o in outs[:2]] == [[2], [2, 1]]
+    # steps 1-2 ran: the parents have 2 tokens; r1's forked sample (running from step 2, a third
+    # sequence beside max_num_seqs=2) waits for a place among a step's two, so it has none
+    assert [[len(c.token_ids) for c in o.outputs] for o in outs[:2]] == [[2], [2, 0]]
     for i, o in enumerate(outs[:2]):
         assert o.finished and o.error == "RuntimeError: injected forward failure"
         for c in o.outputs:  # what was streamed before the failure is correct

@@ -70,7 +70,8 @@ class Scheduler:
 
         # running first: a decode token, or the next chunk of an unfinished prefill. At most
         # max_num_seqs of them a step: forked samples of n > 1 join the running set beyond it, and
-        # the model runner's per-sequence buffers (and CUDA graphs) hold max_num_seqs rows
+        # the model runner's per-sequence buffers (and CUDA graphs) hold max_num_seqs rows. Those
+        # beyond wait, oldest first, until an older sequence finishes
         others_overlap = any(not seq.params.needs_history for seq in self.running)
         i = 0
         while i < len(self.running) and budget > 0 and len(out.seqs) < self.max_num_seqs:
