@@ -1,6 +1,7 @@
 """ModelRunner: the batch tensors of a step (slots, lengths, tables, sampled rows), and a paged
 forward over chunks equal to one forward over the whole prompt."""
 
+import numpy as np
 import torch
 
 from chatengine.config import EngineConfig
@@ -65,6 +66,19 @@ def test_placeholders_take_the_last_steps_samples_and_other_lanes_read_minus_one
     b.num_pending = c.num_pending = 0
     ids, *_, d = r.prepare([a, b, c], [1, 1, 1])
     assert ids.tolist() == [72, 9, 10] and d["pending_dst"].tolist() == [0, -1, -1]
+
+
+def test_block_table_rows_grow_for_a_step_larger_than_them():
+    from chatengine.engine.model_runner import BlockTableRows
+
+    rows = BlockTableRows(2, 4)
+    seqs = [seq([1, 2], table=[i, 10 + i]) for i in range(5)]
+    out = np.zeros((5, 4), np.int32)
+    rows.gather(seqs, out)
+    assert out.tolist() == [[i, 10 + i, -1, -1] for i in range(5)] and rows.rows.shape == (8, 4)
+    seqs[4].block_table.append(20)  # a later step: the grown rows keep what they mirror
+    rows.gather(seqs[3:], out[:2])
+    assert out[:2].tolist() == [[3, 13, -1, -1], [4, 14, 20, -1]]
 
 
 def test_a_chunk_short_of_the_prompt_does_not_sample():

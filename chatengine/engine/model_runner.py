@@ -202,7 +202,7 @@ class BlockTableRows:
                     del self.row_of[sid]
                     self.lists[r], self.lens[r] = None, 0
                     self.free.append(r)
-        if not self.free:  # a batch larger than the rows (forked samples of n > 1): twice the rows
+        if not self.free:  # a step of more sequences than rows (the scheduler keeps it to half): grow
             n, width = self.rows.shape
             self.rows = np.concatenate([self.rows, np.full((n, width), -1, np.int32)])
             self.lists += [None] * n
@@ -319,8 +319,8 @@ class ModelRunner:
         self._iota = np.arange(max_t + max_b + 1, dtype=np.int32)  # aranges a step stages, sliced
         self._tables = BlockTableRows(2 * max_b, -(-self.max_num_pages // 16) * 16)
         # sampled ids come back through two pinned buffers in turn: one step is in flight while the
-        # engine reads the one before. A step samples at most one row per scheduled token (forked
-        # samples of n > 1 may run more sequences than max_num_seqs, never more than the budget)
+        # engine reads the one before. Rows for a whole token budget: a step samples at most one a
+        # token, whatever its number of sequences
         self._token_host = [torch.zeros(max_t, dtype=torch.int64, pin_memory=True) for _ in range(2)] if pin else None
         self._flip = 0
         # the sampled rows' logprobs come back the same way (made at the first step that asks)
