@@ -79,6 +79,7 @@ def assert_drained(engine) -> None:
     stats = engine.stats()
     assert (stats["kv_blocks_used"], stats["num_running"], stats["num_waiting"]) == (0, 0, 0), stats
     assert not engine.block_manager.pending_restores and not engine.block_manager.pending_evictions
+    assert engine.scheduler.num_reserved == 0, "places kept for forks that never came"
     if engine.tiers is not None and engine.tiers.host is not None:
         assert engine.tiers.host.pinned == {}, "host pages left pinned"
     engine.check_invariants()
@@ -111,11 +112,12 @@ GREEDY8 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 # ---- F8: a forward pass that raises -------------------------------------------------------------------
 def test_forward_failure_fails_exactly_that_steps_requests():
-    """max_num_seqs=2: the 3rd forward runs r0 and r1 (n=2) only; they end with finish_reason
-    "error" and a clean message, r2 and r3 (still waiting) finish exactly as in an unfailed run."""
+    """max_num_seqs=3: r0 and r1 (n=2, admitted with room for its fork) fill it, and the 3rd forward
+    runs them only; they end with finish_reason "error" and a clean message, r2 and r3 (still
+    waiting) finish exactly as in an unfailed run."""
     prompts = make_prompts(4, seed=1)
     ref = reference(prompts, 8)
-    llm = sharp_tiny(num_kv_blocks=64, max_num_seqs=2)
+    llm = sharp_tiny(num_kv_blocks=64, max_num_seqs=3)
     runner = llm.engine.runner
     runner.launch = FailOn(runner.launch, {3}, "injected forward failure")
     params = [GREEDY8, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), GREEDY8, GREEDY8]
@@ -127,9 +129,8 @@ def test_forward_failure_fails_exactly_that_steps_requests():
         ["length"],
         ["length"],
     ]
-    # steps 1-2 ran: the parents have 2 tokens; r1's forked sample (running from step 2, a third
-    # sequence beside max_num_seqs=2) waits for a place among a step's two, so it has none
-    assert [[len(c.token_ids) for c in o.outputs] for o in outs[:2]] == [[2], [2, 0]]
+    # steps 1-2 ran: the parents have 2 tokens, r1's forked sample (first token in step 2) has 1
+    assert [[len(c.token_ids) for c in o.outputs] for o in outs[:2]] == [[2], [2, 1]]
     for i, o in enumerate(outs[:2]):
         assert o.finished and o.error == "RuntimeError: injected forward failure"
         for c in o.outputs:  # what was streamed before the failure is correct
@@ -148,7 +149,7 @@ def test_failure_collecting_an_in_flight_step_fails_only_its_requests():
     in an unfailed run, the wasted lanes of the 4th step change nothing, and every block drains."""
     prompts = make_prompts(4, seed=1)
     ref = reference(prompts, 8)
-    llm = sharp_tiny(num_kv_blocks=64, max_num_seqs=2, async_scheduling=True)
+    llm = sharp_tiny(num_kv_blocks=64, max_num_seqs=3, async_scheduling=True)  # r0, r1 and its fork
     runner = llm.engine.runner
     runner.collect = FailOn(runner.collect, {3}, "injected copy failure")
     params = [GREEDY8, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), GREEDY8, GREEDY8]

@@ -78,6 +78,31 @@ def test_a_step_runs_at_most_max_num_seqs_of_the_running_ones():
     assert [i for i, _ in got] == [seqs[1].seq_id, seqs[2].seq_id]
 
 
+def test_a_request_of_n_samples_is_admitted_with_room_for_its_forks():
+    sched = make(num_blocks=32, budget=64, max_seqs=4)
+    a = Sequence(list(range(4)), SamplingParams(n=3), block_size=BS)  # forks 2 more after its prompt
+    b, c = seq(2, 10), seq(2, 20)
+    for s in (a, b, c):
+        sched.add(s)
+    got, _ = step(sched)
+    assert [i for i, _ in got] == [a.seq_id, b.seq_id]  # a, its 2 forks to come and b: 4
+    assert c.status == SequenceStatus.WAITING and sched.num_reserved == 2
+    assert [i for i, _ in step(sched)[0]] == [a.seq_id, b.seq_id]  # kept until a forks
+    sched.forked(a)  # (the engine, once a's first token is drawn; its samples join running)
+    assert sched.num_reserved == 0
+    assert [i for i, _ in step(sched)[0]] == [a.seq_id, b.seq_id, c.seq_id]
+    sched.finish(a)
+    d = Sequence(list(range(4)), SamplingParams(n=2), block_size=BS)
+    sched.add(d)
+    step(sched)
+    sched._preempt(d)  # preempted before it forked: its place is given back, and kept again later
+    assert sched.num_reserved == 0 and d.num_reserved == 0
+    big = Sequence(list(range(4)), SamplingParams(n=8), block_size=BS)  # more samples than max_num_seqs
+    alone = make(num_blocks=32, budget=64, max_seqs=4)
+    alone.add(big)
+    assert [i for i, _ in step(alone)[0]] == [big.seq_id]  # alone: admitted (its forks take turns)
+
+
 def test_preempts_the_newest_and_recomputes_it():
     sched = make(num_blocks=5, budget=64)
     a, b = seq(7), seq(7, 100)  # 2 blocks each, 1 left (the watermark)

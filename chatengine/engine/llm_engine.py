@@ -243,6 +243,7 @@ class LLMEngine:
         """Samples 1..n-1 of a request: share the parent's prompt blocks, copy its partial tail, and
         recompute only the last prompt token (to draw their own first token from their own RNG)."""
         num_tokens = req.num_prompt_tokens - 1
+        self.scheduler.forked(parent)  # its kept places: taken by the samples now
         copies = []
         while len(req.seqs) < req.params.n:
             child = self._new_seq(req)

@@ -49,6 +49,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0
         self.wait_for_masks = False  # a grammar row sits out while its next mask is being made (engine)
+        self.num_reserved = 0  # places kept for the samples that running sequences will fork
         # keep ~1% of the pool free at admission so a new prompt does not force a preemption at once
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -106,10 +107,15 @@ class Scheduler:
                 i += 1
 
         # then admit waiting sequences, first come first served; one whose cached prefix is still
-        # coming from disk waits at the head without holding up the others
+        # coming from disk waits at the head without holding up the others. A request of n > 1
+        # samples is admitted with room kept for the n - 1 it forks once its first token is drawn
+        # (`forked` gives it back), so its samples do not wait behind the step's cap above
         loading = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
+            will_fork = seq.params.n - 1 if seq.index == 0 and seq.num_tokens == seq.num_prompt_tokens else 0
+            if self.running and len(self.running) + self.num_reserved + 1 + will_fork > self.max_num_seqs:
+                break
             cached, num_restore, from_disk = bm.lookup(seq)
             if from_disk:
                 loading.append(self.waiting.popleft())
@@ -128,10 +134,19 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new
+            seq.num_reserved = will_fork
+            self.num_reserved += will_fork
         self.waiting.extendleft(reversed(loading))
         return out
 
+    def forked(self, seq: Sequence) -> None:
+        """seq's samples have forked (or it will never fork: preempted, finished): the places kept
+        for them at its admission are free again."""
+        self.num_reserved -= seq.num_reserved
+        seq.num_reserved = 0
+
     def _preempt(self, seq: Sequence) -> None:
+        self.forked(seq)  # admitted again, it keeps room again if it has not forked by then
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -159,6 +174,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        self.forked(seq)
         self.block_manager.free(seq)
         seq.drop_placeholders()
         seq.status = SequenceStatus.FINISHED

@@ -37,6 +37,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.num_preemptions = 0
+        self.num_reserved = 0  # n > 1: places the scheduler keeps for the samples it will fork
         self.salt = b""  # per-user salt for prefix hashing (set by the engine)
         self.public_prefix_len = 0  # leading tokens shared with everyone (a public persona)
         self.block_hashes: list[bytes] = []  # hashes of full blocks, computed lazily by the block manager
