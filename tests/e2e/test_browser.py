@@ -230,7 +230,7 @@ def set_setting(page, elem_id, value):
 def test_chat_stream_alternatives_edit_stop(server, chat_page):
     page = chat_page
     login(page, server.url, "alice", "pw-alice")
-    set_setting(page, "max-tokens", 24)
+    set_setting(page, "max-tokens", 160)  # long enough to see it stream (24 tokens took 0.2 s here)
     send(page, "Tell me about the moon.")
     # the reply streams: the cursor shows while tokens arrive, then the stats line
     expect(page.locator("#chat")).to_contain_text("Tell me about the moon.")
@@ -240,6 +240,7 @@ def test_chat_stream_alternatives_edit_stop(server, chat_page):
     expect(last_bot(page)).to_contain_text("TTFT")
     expect(page.locator("#conv-list")).to_contain_text("Tell me about the moon.")
     page.screenshot(path=str(ARTIFACTS / "01-reply.png"))
+    set_setting(page, "max-tokens", 24)
 
     # regenerate -> alternative 2/2, stepped in place by the reply's own ‹ 2/2 ›
     first_reply = last_bot(page).inner_text()
