@@ -78,29 +78,73 @@ def test_a_step_runs_at_most_max_num_seqs_of_the_running_ones():
     assert [i for i, _ in got] == [seqs[1].seq_id, seqs[2].seq_id]
 
 
-def test_a_request_of_n_samples_is_admitted_with_room_for_its_forks():
-    sched = make(num_blocks=32, budget=64, max_seqs=4)
-    a = Sequence(list(range(4)), SamplingParams(n=3), block_size=BS)  # forks 2 more after its prompt
+def fork(sched, parent, count):
+    """What the engine does once parent's first token is drawn: its samples join running."""
+    sched.forked(parent)
+    children = []
+    for i in range(1, count + 1):
+        child = Sequence(list(parent.token_ids), parent.params, index=i, block_size=BS)
+        child.num_computed_tokens = parent.num_computed_tokens
+        assert sched.block_manager.allocate(child, child.num_tokens - child.num_computed_tokens)
+        sched.add_running(child)
+        children.append(child)
+    return children
+
+
+def test_a_request_of_n_samples_keeps_room_for_its_forks():
+    sched = make(num_blocks=64, budget=64, max_seqs=4)
+    a = Sequence(list(range(4)), SamplingParams(n=3), block_size=BS)  # forks 2 more after its first token
     b, c = seq(2, 10), seq(2, 20)
     for s in (a, b, c):
         sched.add(s)
     got, _ = step(sched)
-    assert [i for i, _ in got] == [a.seq_id, b.seq_id]  # a, its 2 forks to come and b: 4
+    assert [i for i, _ in got] == [a.seq_id, b.seq_id]  # a, b and 2 places kept for a's samples
     assert c.status == SequenceStatus.WAITING and sched.num_reserved == 2
-    assert [i for i, _ in step(sched)[0]] == [a.seq_id, b.seq_id]  # kept until a forks
-    sched.forked(a)  # (the engine, once a's first token is drawn; its samples join running)
+    a1, a2 = fork(sched, a, 2)
     assert sched.num_reserved == 0
-    assert [i for i, _ in step(sched)[0]] == [a.seq_id, b.seq_id, c.seq_id]
-    sched.finish(a)
-    d = Sequence(list(range(4)), SamplingParams(n=2), block_size=BS)
-    sched.add(d)
+    got, _ = step(sched)
+    assert [i for i, _ in got] == [a.seq_id, b.seq_id, a1.seq_id, a2.seq_id]  # c still waits: 4 run
+    assert c.status == SequenceStatus.WAITING
+    sched.check_invariants()
+
+
+def test_a_request_of_n_samples_is_admitted_whenever_it_fits_alone():
+    # no head-of-line blocking: with 2 of 4 places taken, a request of 3 samples is admitted at once
+    # and keeps the 1 place left for one of its samples; the other waits its turn in the steps
+    sched = make(num_blocks=64, budget=64, max_seqs=4)
+    x, y = seq(2), seq(2, 10)
+    sched.add(x)
+    sched.add(y)
     step(sched)
-    sched._preempt(d)  # preempted before it forked: its place is given back, and kept again later
-    assert sched.num_reserved == 0 and d.num_reserved == 0
-    big = Sequence(list(range(4)), SamplingParams(n=8), block_size=BS)  # more samples than max_num_seqs
-    alone = make(num_blocks=32, budget=64, max_seqs=4)
+    b = Sequence(list(range(30, 34)), SamplingParams(n=3), block_size=BS)
+    c = seq(2, 40)
+    sched.add(b)
+    sched.add(c)
+    got, _ = step(sched)
+    assert b.seq_id in [i for i, _ in got] and sched.num_reserved == 1 and c.status == SequenceStatus.WAITING
+    # more samples than max_num_seqs, alone: admitted, keeping what there is (3 places)
+    alone = make(num_blocks=64, budget=64, max_seqs=4)
+    big, after = Sequence(list(range(4)), SamplingParams(n=8), block_size=BS), seq(2, 50)
     alone.add(big)
-    assert [i for i, _ in step(alone)[0]] == [big.seq_id]  # alone: admitted (its forks take turns)
+    alone.add(after)
+    assert [i for i, _ in step(alone)[0]] == [big.seq_id]
+    assert alone.num_reserved == 3 and after.status == SequenceStatus.WAITING
+    alone.check_invariants()
+
+
+def test_a_request_preempted_before_it_forks_gives_its_room_back_and_keeps_it_again():
+    sched = make(num_blocks=64, budget=8, max_seqs=4)
+    d = Sequence(list(range(20)), SamplingParams(n=2), block_size=BS)  # 20 tokens: chunks of 8
+    sched.add(d)
+    step(sched)  # its first chunk: no token drawn yet
+    assert sched.num_reserved == 1 and d.num_reserved == 1
+    sched.running.remove(d)  # as the scheduler preempts: out of running, then back to wait
+    sched._preempt(d)
+    assert sched.num_reserved == 0 and d.num_reserved == 0 and d.status == SequenceStatus.WAITING
+    sched.check_invariants()
+    step(sched)  # admitted again: it has not forked, so it keeps its room again
+    assert sched.num_reserved == 1 and d.num_reserved == 1
+    sched.check_invariants()
 
 
 def test_preempts_the_newest_and_recomputes_it():

@@ -244,21 +244,23 @@ class LLMEngine:
         recompute only the last prompt token (to draw their own first token from their own RNG)."""
         num_tokens = req.num_prompt_tokens - 1
         self.scheduler.forked(parent)  # its kept places: taken by the samples now
-        copies = []
+        copies, queued = [], []
         while len(req.seqs) < req.params.n:
             child = self._new_seq(req)
             if parent.num_computed_tokens < num_tokens:  # preempted meanwhile: prefill from the cache
-                self.scheduler.add(child)
+                queued.append(child)
                 continue
             try:
                 copy = self.block_manager.fork(parent, child, num_tokens)
             except MemoryError:  # no room now: it queues and finds the prompt in the prefix cache
-                self.scheduler.add(child)
+                queued.append(child)
                 continue
             if copy is not None:
                 copies.append(copy)
             self.scheduler.add_running(child)
             self.num_forks += 1
+        for child in reversed(queued):  # ahead of later requests: their request was admitted first
+            self.scheduler.add(child, first=True)
         if copies:
             if self.transfers is not None:  # a tail may land on a block evicted just now: save its page first
                 self.transfers.copy_evictions()
@@ -548,6 +550,7 @@ class LLMEngine:
     def check_invariants(self) -> None:
         live = [seq for req in self.requests.values() for seq in req.seqs if not seq.is_finished]
         self.block_manager.check_invariants(live)
+        self.scheduler.check_invariants()
 
     def stats(self) -> dict:
         tiers = (
@@ -561,6 +564,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "stream_interval": self.stream_interval(),
             "num_waiting": len(self.scheduler.waiting),
+            "num_reserved": self.scheduler.num_reserved,  # places kept for samples still to fork
             "num_preemptions": self.scheduler.num_preemptions,
             "num_forks": self.num_forks,
             "num_generated_tokens": self.num_generated_tokens,

@@ -3,7 +3,9 @@
 Each step has one budget of `max_num_batched_tokens`. Running sequences go first, oldest first:
 each gets one decode token or its next prefill chunk. Then waiting sequences are admitted FCFS,
 with a prefix-cache lookup, while budget, `max_num_seqs` and free blocks last. Prefill chunks and
-decodes share a step, so one user's long prompt never freezes everyone else's stream. When blocks
+decodes share a step, so one user's long prompt never freezes everyone else's stream. A step runs at
+most `max_num_seqs` sequences; a request of n > 1 samples, one sequence until its first token, keeps
+room at admission for the samples it then forks (as far as there is room). When blocks
 run out, the newest running sequence is preempted: its blocks are freed (they keep their hashes,
 so it usually hits them again) and it goes back to the head of the queue to be recomputed.
 
@@ -53,8 +55,12 @@ class Scheduler:
         # keep ~1% of the pool free at admission so a new prompt does not force a preemption at once
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queue seq: last, or (`first`) ahead of every other (a forked sample of a running request)."""
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sequence that already holds its blocks joins the running set directly."""
@@ -108,14 +114,17 @@ class Scheduler:
 
         # then admit waiting sequences, first come first served; one whose cached prefix is still
         # coming from disk waits at the head without holding up the others. A request of n > 1
-        # samples is admitted with room kept for the n - 1 it forks once its first token is drawn
-        # (`forked` gives it back), so its samples do not wait behind the step's cap above
+        # samples keeps room, as far as there is some, for the n - 1 it forks once its first token
+        # is drawn (`forked` gives it back), so its samples seldom wait behind the step's cap above
+        # and later requests do not take their places; it is admitted whenever it fits alone
         loading = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
-            will_fork = seq.params.n - 1 if seq.index == 0 and seq.num_tokens == seq.num_prompt_tokens else 0
-            if self.running and len(self.running) + self.num_reserved + 1 + will_fork > self.max_num_seqs:
+            free = self.max_num_seqs - len(self.running) - self.num_reserved
+            if self.running and free < 1:
                 break
+            will_fork = seq.params.n - 1 if seq.index == 0 and seq.num_tokens == seq.num_prompt_tokens else 0
+            will_fork = min(will_fork, free - 1)
             cached, num_restore, from_disk = bm.lookup(seq)
             if from_disk:
                 loading.append(self.waiting.popleft())
@@ -138,6 +147,11 @@ class Scheduler:
             self.num_reserved += will_fork
         self.waiting.extendleft(reversed(loading))
         return out
+
+    def check_invariants(self) -> None:
+        """The kept places are those of running sequences (debug_checks: every step)."""
+        assert self.num_reserved == sum(s.num_reserved for s in self.running), "kept places out of step"
+        assert not any(s.num_reserved for s in self.waiting), "a waiting sequence keeps places"
 
     def forked(self, seq: Sequence) -> None:
         """seq's samples have forked (or it will never fork: preempted, finished): the places kept
