@@ -85,7 +85,10 @@ def row_exact_dot(monkeypatch):
     from triton.runtime import interpreter
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        out = np.einsum("mk,kn->mn", a.data, b.data, optimize=False).astype(d.data.dtype)
+        # one memory layout: einsum's inner loop sums in an order that depends on the strides (a
+        # transposed tile, w.T, would round otherwise than the same values laid out plainly)
+        a, b = np.ascontiguousarray(a.data), np.ascontiguousarray(b.data)
+        out = np.einsum("mk,kn->mn", a, b, optimize=False).astype(d.data.dtype)
         return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

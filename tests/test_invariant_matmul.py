@@ -118,6 +118,39 @@ def test_segments_in_programs_of_their_own_give_the_one_programs_bits(device, dt
     torch.testing.assert_close(got["apart"][0].float(), im.linear_ref(x, w, b).float(), **CLOSE[dtype])
 
 
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        pytest.param("cpu", torch.float32, marks=DEVICES[0].marks),
+        pytest.param("cuda", torch.float32, marks=DEVICES[1].marks),
+        pytest.param("cuda", torch.bfloat16, marks=DEVICES[1].marks),
+    ],
+)
+@pytest.mark.parametrize("segments, below", [(1, 0), (2, 0), (2, 10**9)])
+def test_tma_kernel_gives_the_pointer_kernels_bits(device, dtype, segments, below, request, monkeypatch):
+    """Tiles loaded by the TMA (rows past M zero-filled by it) and by pointer loads: the same
+    products in the same order, so the same bits -- segments in one program or apart, with a bias
+    and without. (K steps that do not divide a segment take the pointer kernel's masked loads: the
+    tests above, whose K is no multiple of the tiles.)"""
+    if device == "cpu":
+        request.getfixturevalue("row_exact_dot")
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before sm_90")
+    monkeypatch.setattr(im, "split_below", lambda device: below)
+    torch.manual_seed(3)
+    M, K, N = (300, 2048, 1000) if device == "cuda" else (70, 256, 80)  # M, N not whole tiles
+    x = torch.randn(M, K, device=device).to(dtype)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    b = torch.randn(N, device=device).to(dtype)
+    assert im.tma_fits(x, w, 64, K // segments)
+    for bias in (None, b):
+        tma = im.linear_triton(x, w, bias, config=im.NARROW, segments=segments, tma=True)
+        pointer = im.linear_triton(x, w, bias, config=im.NARROW, segments=segments, tma=False)
+        assert torch.equal(tma, pointer)
+    torch.testing.assert_close(tma.float(), im.linear_ref(x, w, b).float(), **CLOSE[dtype])
+    assert not im.tma_fits(x[:, 1:], w[:, 1:], 64, K - 1)  # an unaligned base and row stride
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_torch_two_segments_are_the_sum_of_the_halves_in_fp32(dtype):
     """The CPU path: each half in x's dtype, the two added in fp32, rounded once."""

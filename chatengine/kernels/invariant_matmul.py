@@ -27,6 +27,11 @@ import torch.nn.functional as F
 
 from .paged_attention import check_device, jit, tl, triton
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # no triton, or one without host-side tensor descriptors
+    TensorDescriptor = None  # type: ignore[assignment,misc]
+
 # A layer's one configuration, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), chosen by its
 # output width N: any rule of (N, K) keeps rows invariant, as long as M never enters it. Narrow
 # layers (q/k/v, o, down) take small tiles, so that a decode step of a few hundred rows still makes
@@ -37,6 +42,7 @@ NARROW = (64, 64, 64, 4, 4)
 WIDE = (128, 128, 64, 8, 3)
 WIDE_FROM = 8192  # output features
 TILE_ROWS = 16  # CPU: rows per BLAS call
+USE_TMA = True  # load tiles with the tensor memory accelerator where the device has one
 
 
 def config_for(N: int) -> tuple[int, int, int, int, int]:
@@ -48,6 +54,16 @@ def config_for(N: int) -> tuple[int, int, int, int, int]:
 # segmented layer, its segments in one program or apart (with CUDA graphs both compile at start, in
 # the captures of small batches and the full-budget profile forward; eager, the second at first use)
 _jit_rows = triton.jit(do_not_specialize=["M", "stride_ys"]) if triton is not None else jit
+
+
+@jit
+def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid in grouped order (as the Triton matmul tutorial):
+    GROUP_M row tiles share a column tile of W in L2. The order moves no arithmetic."""
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * num_n) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * num_n)) % size_m, (pid % (GROUP_M * num_n)) // size_m
 
 
 @_jit_rows
@@ -70,19 +86,11 @@ def _matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # SEG_K % BLOCK_K == 0: no step runs past its segment, loads need no K mask
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # grouped order (as the Triton matmul tutorial): GROUP_M row tiles share a column tile of W in L2;
-    # the order moves no arithmetic
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
-
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # a second grid axis when segments run apart (linear_triton): this program's segment of K, its
@@ -97,9 +105,13 @@ def _matmul_kernel(
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         end = (s + 1) * SEG_K
         for k0 in range(s * SEG_K, end, BLOCK_K):  # from the segment's start, never split
-            k_ok = k0 + ks < end
-            x = tl.load(x_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if EVEN_K:
+                x = tl.load(x_ptr + k0, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptr + k0, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = k0 + ks < end
+                x = tl.load(x_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptr + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             part = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), part, input_precision=DOT_PRECISION)
         if s == 0:
             acc = part
@@ -111,6 +123,79 @@ def _matmul_kernel(
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@_jit_rows
+def _matmul_tma_kernel(
+    XD,  # descriptors: x (M, K) in (BLOCK_M, BLOCK_K) blocks, W (N, K) in (BLOCK_N, BLOCK_K)
+    WD,
+    B,
+    Y,
+    M,
+    N,
+    stride_ym,
+    stride_ys,
+    SEG_K,
+    HAS_BIAS: tl.constexpr,
+    SEGMENTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_matmul_kernel` with its tiles loaded by the tensor memory accelerator (sm_90+): the same
+    products added in the same order (so the same bits), the rows past M zero-filled by the copy
+    engine instead of masked loads. Needs SEG_K % BLOCK_K == 0 (a block never crosses a segment)."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    row0, col0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    seg = tl.program_id(1)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s in tl.static_range(SEGMENTS):
+        part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        start = (seg + s) * SEG_K  # one of seg and s is 0 (segments apart, or in one program)
+        for k0 in range(start, start + SEG_K, BLOCK_K):
+            x = XD.load([row0, k0]).to(DOT_DTYPE)
+            w = WD.load([col0, k0]).to(DOT_DTYPE)
+            part = tl.dot(x, w.T, part, input_precision=DOT_PRECISION)
+        if s == 0:
+            acc = part
+        else:
+            acc += part
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptr = Y + seg.to(tl.int64) * stride_ys + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
+
+
+@_jit_rows
+def _sum_segments_kernel(
+    P,  # (PARTS, M, N) fp32: each segment's sums
+    B,
+    Y,
+    M,
+    N,
+    stride_ys,  # M * N
+    stride_ym,
+    PARTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Y = P[0] + P[1] + ... (+ bias) in fp32, in that order, rounded once to Y's dtype: the
+    additions `_matmul_kernel` makes when one program walks every segment."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.load(P + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, PARTS):
+        acc += tl.load(P + s * stride_ys + offs, mask=ok, other=0.0)
+    col = offs % N
+    if HAS_BIAS:
+        acc += tl.load(B + col, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + (offs // N) * stride_ym + col, acc.to(Y.dtype.element_ty), mask=ok)
+
+
 def linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -118,11 +203,13 @@ def linear_triton(
     config=None,
     segments: int = 1,
     out_dtype: torch.dtype | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T (+ bias (N,)) with one tile configuration for every M (`config_for`
     N). `config`: another (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for benchmarks or a
     split layer's whole width. `segments`: K in that many equal parts (module docstring). `out_dtype`:
-    the result's (float32: the sums before their rounding to x's dtype)."""
+    the result's (float32: the sums before their rounding to x's dtype). `tma`: load tiles with the
+    TMA where it fits (default USE_TMA); the pointer kernel otherwise (the same bits)."""
     check_device(x)
     *lead, K = x.shape
     N = weight.shape[0]
@@ -145,19 +232,8 @@ def linear_triton(
     # (its segments each from zero, then acc += part), so the same bits for any M, either way.
     parts = segments if segments > 1 and tiles < split_below(x.device) else 1
     out = torch.empty(parts, M, N, dtype=torch.float32, device=x.device) if parts > 1 else y
-    _matmul_kernel[(tiles, parts)](
-        x2,
-        weight,
-        bias if bias is not None else weight,
-        out,
-        M,
-        N,
-        K,
-        x2.stride(0),
-        weight.stride(0),
-        out.stride(-2),
-        M * N,
-        K // segments,
+    seg_k = K // segments
+    common = dict(
         HAS_BIAS=bias is not None and parts == 1,
         SEGMENTS=segments // parts,
         BLOCK_M=block_m,
@@ -169,14 +245,36 @@ def linear_triton(
         num_warps=warps,
         num_stages=stages,
     )
+    b = bias if bias is not None else weight
+    if (tma if tma is not None else USE_TMA) and tma_fits(x2, weight, block_k, seg_k):
+        xd = TensorDescriptor.from_tensor(x2, [block_m, block_k])
+        wd = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+        _matmul_tma_kernel[(tiles, parts)](xd, wd, b, out, M, N, out.stride(-2), M * N, seg_k, **common)
+    else:
+        _matmul_kernel[(tiles, parts)](
+            x2, weight, b, out, M, N, K, x2.stride(0), weight.stride(0), out.stride(-2), M * N, seg_k,
+            EVEN_K=seg_k % block_k == 0, **common,
+        )  # fmt: skip
     if parts > 1:
-        total = out[0] + out[1]
-        for s in range(2, parts):
-            total += out[s]
-        if bias is not None:
-            total += bias.float()
-        y.copy_(total)  # one rounding, to y's dtype
+        _sum_segments_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
+            out, b, y, M, N, M * N, y.stride(0), PARTS=parts, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK
+        )
     return y.view(*lead, N)
+
+
+SUM_BLOCK = 1024  # elements per program of the segments' sum
+
+
+def tma_fits(x2: torch.Tensor, weight: torch.Tensor, block_k: int, seg_k: int) -> bool:
+    """Whether the TMA kernel can take this call: a GPU with the tensor memory accelerator (sm_90+;
+    the interpreter emulates it), 16-byte aligned bases and row strides, whole BLOCK_K steps per
+    segment. Elsewhere the pointer kernel computes the same bits."""
+    if TensorDescriptor is None or seg_k % block_k:
+        return False
+    if x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] < 9:
+        return False
+    size = x2.element_size()
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 for t in (x2, weight))
 
 
 @functools.lru_cache(maxsize=16)
