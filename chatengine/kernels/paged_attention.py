@@ -146,7 +146,14 @@ def _paged_attention_kernel(
     else:
         split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     kv_start = lo + split * split_len
-    kv_end = tl.minimum(tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q), kv_start + split_len)
+    block_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)  # past the block's last query
+    kv_end = tl.minimum(block_end, kv_start + split_len)
+    # invariant mode: a block whose keys all fall in its first split writes its rows itself, as the
+    # in-order merge would (weight 1 for that split, exactly 0 for the empty ones after it), and
+    # marks them merged; its other splits have nothing to do
+    direct = (SPLIT_KEYS > 0) & (block_end <= lo + SPLIT_KEYS)
+    if direct & (split > 0):
+        return
     q_low = tl.where(window > 0, q_pos - window, -1)  # keys must be past it
 
     # finite start for the running max: fully masked rows then give p = 0, never NaN
@@ -183,7 +190,11 @@ def _paged_attention_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
-    if not SPLIT:
+    if not SPLIT or direct:
+        if direct:  # the merge's first addition, 0 + x, turns -0.0 into 0.0: so does this
+            acc = tl.where(acc == 0.0, 0.0, acc)
+            row = ((t * num_kv_heads * GROUP + head) * num_splits).to(tl.int64)
+            tl.store(PartialLse + row, tl.full([BLOCK_M], float("inf"), tl.float32), mask=row_ok)  # merged
         tl.store(
             Out + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             acc.to(Out.dtype.element_ty),
@@ -258,13 +269,15 @@ def _merge_splits_in_order_kernel(
 ):
     """`_merge_splits_kernel`'s sum for token t, added split after split in order: an empty split
     (weight 0) adds exactly 0 wherever it stands, so the result does not depend on how many
-    trailing splits a launch had (invariant mode)."""
+    trailing splits a launch had (invariant mode). Rows the attention kernel wrote itself (split
+    0's lse +inf: all their keys in that split) are left as they are."""
     t = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    h_ok = offs_h < num_q_heads
-    hd_ok = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = (t * num_q_heads + offs_h).to(tl.int64) * num_splits  # (H,) split 0 of each head
+    h_ok = offs_h < num_q_heads
+    h_ok = h_ok & (tl.load(PartialLse + rows, mask=h_ok, other=0.0) != float("inf"))
+    hd_ok = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for s in range(num_splits):
         m = tl.maximum(m, tl.load(PartialLse + rows + s, mask=h_ok, other=float("-inf")))
