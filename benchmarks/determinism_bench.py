@@ -73,7 +73,10 @@ def compare(ref, got) -> dict:
     }
 
 
-def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_kw) -> dict:
+def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_kw, indices=None) -> dict:
+    """Every case for one model and mode. `indices`: the targets' places among all --prompts (a
+    shard's), which seed their samples."""
+    indices = indices or list(range(len(targets)))
     store = tempfile.mkdtemp(prefix="det-kv-")
     kw = dict(engine_kw, deterministic=deterministic, kv_store_dir=store)
     kinds = {
@@ -81,7 +84,7 @@ def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_
         * len(targets),
         "seeded": [
             SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=args.new_tokens, logprobs=5, ignore_eos=True)
-            for i in range(len(targets))
+            for i in indices
         ],
     }
     out: dict = {}
@@ -159,38 +162,54 @@ GEMM_CONFIGS = [
     (128, 128, 64, 8, 3),  # WIDE
     (128, 256, 64, 8, 3),
 ]
+GEMM_ROWS = (1, 64, 256, 1024, 4096, 16384)
 
 
-def gemm_table(model: str) -> list[str]:
-    """us per call of the invariant matmul in each tile config against cuBLAS (F.linear), on the
-    model's projection shapes at decode and prefill sizes (CUDA)."""
+def gemm_table(model: str, configs: bool = False) -> list[str]:
+    """us per call of the invariant matmul against cuBLAS (F.linear) on the model's projection shapes
+    at decode and prefill sizes (CUDA): its committed tiles loaded by pointers and by the TMA (and
+    whether the two give the same bits), or with `configs` every tile config of GEMM_CONFIGS."""
     import triton.testing
 
     from chatengine.kernels import invariant_matmul as im
 
     c = DUMMY_SHAPES[model.removeprefix("dummy:")]
     H, D, I = c["hidden_size"], c["head_dim"], c["intermediate_size"]
-    shapes = {
-        "qkv": (H, (c["num_heads"] + 2 * c["num_kv_heads"]) * D),
-        "o": (c["num_heads"] * D, H),
-        "gate_up": (H, 2 * I),
-        "down": (I, H),
-        "lm_head": (H, c["vocab_size"]),
+    shapes = {  # (K, N, segments)
+        "qkv": (H, (c["num_heads"] + 2 * c["num_kv_heads"]) * D, 1),
+        "o": (c["num_heads"] * D, H, 2),
+        "gate_up": (H, 2 * I, 1),
+        "down": (I, H, 2),
+        "lm_head": (H, c["vocab_size"], 1),
     }
+    if configs:
+        variants = {str(cfg): dict(config=cfg) for cfg in GEMM_CONFIGS}
+    else:
+        variants = {"pointer": dict(tma=False), "tma": dict(tma=True)}
     lines = [
-        f"## {model}: invariant matmul, us per call (cuBLAS, then each (BM, BN, BK, warps, stages))",
+        f"## {model}: invariant matmul, us per call (committed tiles unless named; cuBLAS is F.linear)",
         "",
-        "| layer | M | cuBLAS | " + " | ".join(str(cfg) for cfg in GEMM_CONFIGS) + " |",
-        "|---|---:|---:|" + "---:|" * len(GEMM_CONFIGS),
+        "| layer | M | cuBLAS | " + " | ".join(variants) + " | cuBLAS / best | same bits |",
+        "|---|---:|---:|" + "---:|" * len(variants) + "---:|---|",
     ]
-    for name, (K, N) in shapes.items():
+    bench = triton.testing.do_bench
+    for name, (K, N, segments) in shapes.items():
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
-        for M in (1, 64, 256, 2048, 8192):
+        for M in GEMM_ROWS:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            bench = triton.testing.do_bench
             times = [bench(lambda: torch.nn.functional.linear(x, w))]
-            times += [bench(lambda cfg=cfg: im.linear_triton(x, w, config=cfg)) for cfg in GEMM_CONFIGS]
-            lines.append(f"| {name} | {M} | " + " | ".join(f"{1e3 * t:.1f}" for t in times) + " |")
+            outs = []
+            for kw in variants.values():
+                kw = {"config": im.config_for(N), "segments": segments, **kw}
+
+                def call(kw=kw):
+                    return im.linear_triton(x, w, **kw)
+
+                outs.append(call())
+                times.append(bench(call))
+            same = all(torch.equal(o, outs[0]) for o in outs[1:])
+            cells = " | ".join(f"{1e3 * t:.1f}" for t in times)
+            lines.append(f"| {name} | {M} | {cells} | {times[0] / min(times[1:]):.2f} | {same} |")
             print(lines[-1], flush=True)
     return lines
 
@@ -246,12 +265,18 @@ def main(argv=None):
     ap.add_argument("--budget-f", type=int, default=1000 if cuda else 40, help="case f's token budget")
     ap.add_argument("--alone", action="store_true", help="cases c-f one target at a time (slower)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--gemm", action="store_true", help="only time the invariant matmul's configs (CUDA)")
+    ap.add_argument("--gemm", action="store_true", help="only time the invariant matmul's kernels (CUDA)")
+    ap.add_argument("--gemm-configs", action="store_true", help="with --gemm: every tile config instead")
+    ap.add_argument("--num-kv-blocks", type=int, default=0, help="fixed KV pages (several runs on one GPU)")
+    ap.add_argument("--shard", default="", help="K/N: only targets K, K+N, K+2N, ... (all N shards: --merge)")
+    ap.add_argument("--merge", nargs="+", default=[], help="JSON results of shards to add up into one table")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.gemm:
         for model in args.models:
-            print("\n".join(gemm_table(model)), flush=True)
+            print("\n".join(gemm_table(model, args.gemm_configs)), flush=True)
         return
 
     rng = random.Random(0)
@@ -262,6 +287,11 @@ def main(argv=None):
 
     targets = [prompt() for _ in range(args.prompts)]
     neighbours = [prompt() for _ in range(args.neighbours)]
+    indices = list(range(args.prompts))
+    if args.shard:  # the neighbours stay whole: each shard's targets sit among all of them in case b
+        k, n = map(int, args.shard.split("/"))
+        indices = indices[k::n]
+        targets = [targets[i] for i in indices]
     results: dict = {}
     for model in args.models:
         tokens = sum(map(len, targets)) + len(targets) * args.new_tokens
@@ -274,10 +304,11 @@ def main(argv=None):
             cpu_offload_gib=2 * kv_gib(model, tokens) + 0.5,  # every target's pages, with room
             kv_store_gib=2 * kv_gib(model, tokens) + 0.5,
             **({} if cuda else {"num_kv_blocks": 4096}),
+            **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}),
         )
         for mode in args.modes:
             try:
-                r = run_mode(model, mode == "deterministic", targets, neighbours, args, engine_kw)
+                r = run_mode(model, mode == "deterministic", targets, neighbours, args, engine_kw, indices)
             except Exception as e:  # report the others
                 r = {"error": f"{type(e).__name__}: {e}"}
             results.setdefault(model, {})[mode] = r
@@ -295,9 +326,51 @@ def main(argv=None):
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"determinism-{'cuda' if cuda else 'cpu'}-{meta['date'][:10]}-{meta['commit']}"
+    shard = f"-shard{args.shard.replace('/', 'of')}-{'-'.join(args.modes)}" if args.shard else ""
+    stem = out / f"determinism-{'cuda' if cuda else 'cpu'}-{meta['date'][:10]}-{meta['commit']}{shard}"
+    meta["indices"] = indices
     stem.with_suffix(".json").write_text(json.dumps({**meta, "args": vars(args), "results": results}, indent=1))
     md = markdown(meta, results, args)
+    stem.with_suffix(".md").write_text(md + "\n")
+    print(md)
+
+
+def merge(files: list[str], out_dir: str) -> None:
+    """Add up shards' counts per model, mode, sampling and case into one table. Shards run side by
+    side (several GPUs, or several runs on one), so a mode's seconds are its slowest shard's."""
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    results: dict = {}
+    covered: dict = {}
+    for run in runs:
+        for model, modes in run["results"].items():
+            for mode, r in modes.items():
+                covered.setdefault((model, mode), []).extend(run["indices"])
+                if "error" in r:
+                    results.setdefault(model, {})[mode] = r
+                    continue
+                into = results.setdefault(model, {}).setdefault(mode, {"seconds": 0.0})
+                if "error" in into:
+                    continue
+                into["seconds"] = max(into["seconds"], r["seconds"])
+                for kind in ("greedy", "seeded"):
+                    for case, counts in r[kind].items():
+                        cell = into.setdefault(kind, {}).setdefault(case, {})
+                        for key, value in counts.items():
+                            cell[key] = cell.get(key, [] if isinstance(value, list) else 0) + value
+    prompts = {key: sorted(v) for key, v in covered.items()}
+    first = runs[0]
+    assert all(v == list(range(first["args"]["prompts"])) for v in prompts.values()), (
+        "the shards do not cover every target exactly once for every model and mode"
+    )
+    args = argparse.Namespace(**first["args"])
+    commits = sorted({run["commit"] for run in runs})
+    meta = {k: first[k] for k in ("benchmark", "device", "date", "torch")}
+    meta.update(commit=",".join(commits), shards=[run["command"] for run in runs])
+    out = Path(out_dir)
+    where = Path(files[0]).name.split("-")[1]  # cuda or cpu, as the shards named it
+    stem = out / f"determinism-{where}-{meta['date'][:10]}-{meta['commit']}"
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "args": vars(args), "results": results}, indent=1))
+    md = markdown(meta, results, args) + f"\n\nAdded up from {len(runs)} shards run side by side (`--merge`)."
     stem.with_suffix(".md").write_text(md + "\n")
     print(md)
 
