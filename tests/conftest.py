@@ -78,18 +78,20 @@ def tiny():
 
 @pytest.fixture
 def row_exact_dot(monkeypatch):
-    """Under Triton's interpreter, tl.dot as one dot product per output element in k order (numpy's
-    einsum loops, no BLAS), as a GPU's tensor cores compute every row of a tile alike: numpy's
-    BLAS matmul may round a row by its place in the tile, which the compiled kernels do not."""
+    """Under Triton's interpreter, tl.dot as the compiled kernels compute it, row-exact and in k
+    order: each output element one accumulator, the products added one k after another. numpy's
+    BLAS matmul may round a row by its place in the tile, and one einsum over a whole BLOCK_K step
+    would make the bits depend on BLOCK_K, which on the GPU they do not (k16 tensor-core steps into
+    one fp32 accumulator, or fp32 FMAs, whatever the step)."""
     import numpy as np
     from triton.runtime import interpreter
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        # one memory layout: einsum's inner loop sums in an order that depends on the strides (a
-        # transposed tile, w.T, would round otherwise than the same values laid out plainly)
-        a, b = np.ascontiguousarray(a.data), np.ascontiguousarray(b.data)
-        out = np.einsum("mk,kn->mn", a, b, optimize=False).astype(d.data.dtype)
-        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+        a, b = a.data, b.data
+        out = d.data.copy()
+        for k in range(a.shape[-1]):
+            out += (a[..., :, k, None] * b[..., None, k, :]).astype(out.dtype)
+        return interpreter.TensorHandle(out, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 

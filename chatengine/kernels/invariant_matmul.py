@@ -4,10 +4,13 @@ on how many rows share the call (deterministic mode, EngineConfig.deterministic)
 cuBLAS picks its algorithm by the shape: a decode step of 3 rows and a prefill of 2048 may reduce
 the same row's dot products in different orders (split-K, other tiles, other instructions), and in
 bf16 a near-tie between two tokens then flips. Here every call of a layer runs one configuration:
-- CUDA: one Triton kernel with fixed tiles per layer (BLOCK_M x BLOCK_N by the layer's width, K
-  walked in order in BLOCK_K steps, never split across programs), the same compiled code for every M: a row's sums
-  are the same instructions in the same order whatever its tile's other rows hold (zeros past M
-  included).
+- CUDA: a Triton kernel that walks K in order in BLOCK_K steps, never split across programs (but
+  at the fixed segments below): a row's sums are the same instructions in the same order whatever
+  its tile's other rows hold (zeros past M included). The tile shape follows M and N
+  (`config_for`): it moves the work between programs, not the arithmetic -- each output element is
+  still one fp32 accumulator fed k16 tensor-core products in K order, and every tile shape, BLOCK_K
+  and load path (pointers or the TMA) gives the same bits (`benchmarks/determinism_bench.py --gemm`
+  and `--gemm-configs` check that on every layer shape, tests/test_invariant_matmul.py across M).
 - CPU: `linear_tiled_torch`, the rows in tiles of TILE_ROWS (the last one padded with zeros), one
   BLAS call of that fixed shape per tile: BLAS chooses by shape, so every call chooses the same.
 `linear_ref` (F.linear) is what both compute, up to the summation order.
@@ -32,21 +35,35 @@ try:
 except ImportError:  # no triton, or one without host-side tensor descriptors
     TensorDescriptor = None  # type: ignore[assignment,misc]
 
-# A layer's one configuration, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), chosen by its
-# output width N: any rule of (N, K) keeps rows invariant, as long as M never enters it. Narrow
-# layers (q/k/v, o, down) take small tiles, so that a decode step of a few hundred rows still makes
-# enough programs (N / 64 per 64 rows); wide ones (gate/up, the LM head) have programs enough with
-# large tiles, which reuse each loaded tile twice as often in a long prefill.
-# `benchmarks/determinism_bench.py --gemm` times others against cuBLAS.
+# Tile configurations, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), by the call's rows M and
+# the layer's output width N. Narrow layers (q/k/v, o, down) take small tiles, so that a decode step
+# still makes enough programs; wide ones (gate/up, the LM head) have programs enough with large
+# tiles, which reuse each loaded tile twice as often in a long prefill. Decode-sized calls take
+# deeper K steps. Measured on an H200 (`determinism_bench.py --gemm-configs`, CUDA graph replay, us,
+# Llama-1B shapes), against the tiles of long calls: 64 rows, SMALL_NARROW qkv 5.6 vs 7.7, o 5.9 vs
+# 6.8, down 11.7 vs 16.2, SMALL_WIDE gate/up 19.5 vs 27.6, LM head 134 vs 192 (cuBLAS 139); 256 rows,
+# MID_NARROW qkv 9.8 vs 10.2, o 9.1 vs 9.3, down 22.6 vs 25.1.
 NARROW = (64, 64, 64, 4, 4)
 WIDE = (128, 128, 64, 8, 3)
+SMALL_NARROW = (64, 32, 128, 4, 4)
+SMALL_WIDE = MID_NARROW = (64, 64, 128, 4, 3)
+SMALL_ROWS, MID_ROWS = 64, 256  # the largest M of each
 WIDE_FROM = 8192  # output features
 TILE_ROWS = 16  # CPU: rows per BLAS call
-USE_TMA = True  # load tiles with the tensor memory accelerator where the device has one
+# Load tiles with the tensor memory accelerator where the device has one, from this many rows: a
+# 64-row box for one row cost more than masked loads (LM head at M=1: 233 us vs 137), from 64 rows
+# the TMA is ahead (o at 64: 6.6 vs 7.4; LM head at 16k: 14.7 ms vs 17.8)
+USE_TMA = True
+TMA_FROM_ROWS = 33
 
 
-def config_for(N: int) -> tuple[int, int, int, int, int]:
-    return WIDE if N >= WIDE_FROM else NARROW
+def config_for(N: int, M: int) -> tuple[int, int, int, int, int]:
+    wide = N >= WIDE_FROM
+    if M <= SMALL_ROWS:
+        return SMALL_WIDE if wide else SMALL_NARROW
+    if M <= MID_ROWS:
+        return WIDE if wide else MID_NARROW
+    return WIDE if wide else NARROW
 
 
 # M (and M * N, the stride between segments) is never specialized (Triton compiles a variant for 1
@@ -205,9 +222,9 @@ def linear_triton(
     out_dtype: torch.dtype | None = None,
     tma: bool | None = None,
 ) -> torch.Tensor:
-    """x (..., K) @ weight (N, K)^T (+ bias (N,)) with one tile configuration for every M (`config_for`
-    N). `config`: another (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for benchmarks or a
-    split layer's whole width. `segments`: K in that many equal parts (module docstring). `out_dtype`:
+    """x (..., K) @ weight (N, K)^T (+ bias (N,)) in the tiles of `config_for` (N, M), or `config`:
+    another (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for benchmarks or a split layer's
+    whole width. `segments`: K in that many equal parts (module docstring). `out_dtype`:
     the result's (float32: the sums before their rounding to x's dtype). `tma`: load tiles with the
     TMA where it fits (default USE_TMA); the pointer kernel otherwise (the same bits)."""
     check_device(x)
@@ -222,7 +239,7 @@ def linear_triton(
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    block_m, block_n, block_k, warps, stages = config or config_for(N)
+    block_m, block_n, block_k, warps, stages = config or config_for(N, M)
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
     if x.device.type != "cuda" and x.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # the interpreter multiplies bf16 bit patterns
@@ -246,7 +263,7 @@ def linear_triton(
         num_stages=stages,
     )
     b = bias if bias is not None else weight
-    if (tma if tma is not None else USE_TMA) and tma_fits(x2, weight, block_k, seg_k):
+    if (tma if tma is not None else USE_TMA and M >= TMA_FROM_ROWS) and tma_fits(x2, weight, block_k, seg_k):
         xd = TensorDescriptor.from_tensor(x2, [block_m, block_k])
         wd = TensorDescriptor.from_tensor(weight, [block_n, block_k])
         _matmul_tma_kernel[(tiles, parts)](xd, wd, b, out, M, N, out.stride(-2), M * N, seg_k, **common)
@@ -332,6 +349,6 @@ def linear(
     """The batch-invariant linear of x's device: Triton on CUDA, fixed tiles elsewhere. `width`: the
     output width that picks the tiles (a rank's share of a split layer tiles as the whole layer)."""
     if x.device.type == "cuda":
-        config = config_for(width or weight.shape[0])
+        config = config_for(width or weight.shape[0], x.numel() // x.shape[-1])
         return linear_triton(x, weight, bias, config, segments, out_dtype)
     return linear_tiled_torch(x, weight, bias, segments, out_dtype)
