@@ -368,7 +368,12 @@ def _prefill_splits(B: int, max_seqlen_q: int, group: int, num_kv_heads: int, ma
 
 
 MAX_PREFILL_SPLITS = 16
-INVARIANT_SPLIT_KEYS = 1024  # invariant mode: keys per split, a multiple of every launch's BLOCK_N
+# Invariant mode: keys per split, a multiple of every launch's BLOCK_N. Splits are fixed, so they
+# cannot follow the batch: they cost a busy step (a second program per sequence past them, partials
+# and the merge; a block within the first split writes its rows itself) and they give a lone long
+# decode its parallelism. 2048: the nano-vllm workload's contexts (up to 2048) never split; one
+# sequence at 32k keys still makes 16 splits x its KV heads of programs.
+INVARIANT_SPLIT_KEYS = 2048
 MIN_SPLIT_KEYS = 128
 MAX_SPLITS = 64
 # Launch parameters, (BLOCK_N, num_warps, num_stages) by kind and padded head_dim; BLOCK_N keys per
