@@ -309,8 +309,7 @@ def main(argv=None):
             register_personas=False,
             cpu_offload_gib=2 * kv_gib(model, tokens) + 0.5,  # every target's pages, with room
             kv_store_gib=2 * kv_gib(model, tokens) + 0.5,
-            **({} if cuda else {"num_kv_blocks": 4096}),
-            **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}),
+            num_kv_blocks=args.num_kv_blocks or (None if cuda else 4096),
         )
         for mode in args.modes:
             try:

@@ -83,7 +83,6 @@ def row_exact_dot(monkeypatch):
     BLAS matmul may round a row by its place in the tile, and one einsum over a whole BLOCK_K step
     would make the bits depend on BLOCK_K, which on the GPU they do not (k16 tensor-core steps into
     one fp32 accumulator, or fp32 FMAs, whatever the step)."""
-    import numpy as np
     from triton.runtime import interpreter
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):

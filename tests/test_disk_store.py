@@ -137,3 +137,30 @@ def test_drop_owner_files_reaches_every_root(tmp_path):
     assert drop_owner_files(tmp_path, b"u" * 8) == 2
     left = [DiskStore(tmp_path, r, 1 << 20, SHAPE, torch.float32) for r in (b"a" * 16, b"b" * 16)]
     assert all(sorted(m[2].owner for m in d.index.values()) == [b"", b"v" * 8] for d in left)
+
+
+def test_the_byte_count_follows_writes_evictions_drops_and_a_restart(tmp_path):
+    """num_bytes is kept as a running total (a sum per write made a flush quadratic): it stays the
+    size of the files on disk through the budget's evictions, a drop and a rescan, within budget."""
+    scratch = store(tmp_path / "scratch")
+    scratch.write_behind(META, torch.zeros(SHAPE), block=True)
+    scratch.close()
+    one = scratch.num_bytes  # one block file's size
+    directory = tmp_path / "store"
+
+    def on_disk():
+        return sum(p.stat().st_size for p in (directory / ROOT.hex()).glob("*/*.kv"))
+
+    disk = DiskStore(directory, ROOT, 5 * one, SHAPE, torch.float32)
+    metas = [BlockMeta(bytes([i]) * 16, b"p" * 16, (i,), b"o" * 8) for i in range(12)]
+    for meta in metas:
+        disk.write_behind(meta, torch.randn(SHAPE), block=True)
+    disk.flush()
+    assert disk.num_bytes == on_disk() == 5 * one  # the 7 oldest evicted
+    assert list(disk.index) == [m.hash for m in metas[7:]]
+    disk.drop(metas[9].hash)
+    assert disk.num_bytes == on_disk() == 4 * one
+    disk.close()
+    again = DiskStore(directory, ROOT, 5 * one, SHAPE, torch.float32)
+    assert again.num_bytes == on_disk() == 4 * one and len(again.index) == 4
+    again.close()

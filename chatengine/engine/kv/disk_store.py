@@ -45,6 +45,7 @@ class DiskStore:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
         self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()  # LRU: head evicted first
+        self._bytes = 0  # the index's file sizes, kept as entries come and go (under self.lock)
         self.lock = threading.Lock()
         self.num_dropped = self.num_write_errors = self.num_damaged = self.num_stale = 0
         self._scan()
@@ -67,7 +68,7 @@ class DiskStore:
                 self.num_damaged += 1
                 self._delete(path)
         for _, meta, path in sorted(found, key=lambda x: x[0]):
-            self.index[meta.hash] = (path, path.stat().st_size, meta)
+            self._add(meta, path)
         for tmp in self.dir.glob("*/.*.tmp"):  # a crash mid-write leaves only temp files behind
             self._delete(tmp)
 
@@ -92,8 +93,21 @@ class DiskStore:
 
     @property
     def num_bytes(self) -> int:
-        # list() first: stats() reads this on other threads while the writer thread adds entries
-        return sum(size for _, size, _ in list(self.index.values()))
+        # a running total: summing the index per write made a flush of n blocks O(n^2), its writer
+        # thread holding the GIL against the engine's
+        return self._bytes
+
+    def _add(self, meta: BlockMeta, path: Path) -> None:
+        self._pop(meta.hash)
+        size = path.stat().st_size
+        self.index[meta.hash] = (path, size, meta)
+        self._bytes += size
+
+    def _pop(self, h: bytes) -> tuple[Path, int, BlockMeta] | None:
+        entry = self.index.pop(h, None)
+        if entry is not None:
+            self._bytes -= entry[1]
+        return entry
 
     def __contains__(self, h: bytes) -> bool:
         return h in self.index
@@ -165,15 +179,13 @@ class DiskStore:
             self._delete(tmp)
             return
         with self.lock:
-            self.index[meta.hash] = (path, path.stat().st_size, meta)
+            self._add(meta, path)
             self._enforce_budget()
 
     def _enforce_budget(self) -> None:
-        total = self.num_bytes
-        while total > self.budget and len(self.index) > 1:
-            _, (path, size, _) = self.index.popitem(last=False)
+        while self._bytes > self.budget and len(self.index) > 1:
+            path = self._pop(next(iter(self.index)))[0]  # type: ignore[index]
             self._delete(path)
-            total -= size
 
     # ---- reading ----------------------------------------------------------------------------------
     def _read_header(self, f, path: Path) -> tuple[BlockMeta, int, int]:
@@ -250,7 +262,7 @@ class DiskStore:
 
     def drop(self, h: bytes) -> None:
         with self.lock:
-            entry = self.index.pop(h, None)
+            entry = self._pop(h)
         self._delete(entry[0] if entry else self.path(h))
 
     @staticmethod
