@@ -67,15 +67,28 @@ def compare(ref, got) -> dict:
     logprobs = sum(a[1] != b[1] for a, b in zip(ref, got))
     first = [next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), None) for a, b in zip(ref, got)]
     return {
+        "targets": len(ref),
         "tokens_differ": tokens,
         "logprobs_differ": logprobs,
         "first_token_diffs": [f for f in first if f is not None],
     }
 
 
-def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_kw, indices=None) -> dict:
+def counts(runs: dict, cached: dict) -> dict:
+    """compare() of every case run so far against its kind's case a."""
+    out: dict = {}
+    for kind, got in runs.items():
+        if "a" in got:
+            out[kind] = {case: compare(got["a"], got[case]) for case in CASES if case in got}
+            for case, hit in cached[kind].items():
+                out[kind][case]["cached_tokens"] = hit
+    return out
+
+
+def run_mode(model, deterministic, targets, neighbours, args, engine_kw, indices=None, save=None) -> dict:
     """Every case for one model and mode. `indices`: the targets' places among all --prompts (a
-    shard's), which seed their samples."""
+    shard's), which seed their samples. `save`: called with the counts so far after each step, so
+    that a run cut short still leaves what it measured."""
     indices = indices or list(range(len(targets)))
     store = tempfile.mkdtemp(prefix="det-kv-")
     kw = dict(engine_kw, deterministic=deterministic, kv_store_dir=store)
@@ -107,6 +120,8 @@ def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_
 
     def done(what: str) -> None:  # progress, so that a run cut short still says where its time went
         print(f"  [{model} {mode}] {what}: {time.perf_counter() - t0:.0f} s", flush=True)
+        if save is not None:
+            save({**counts(runs, cached), "seconds": time.perf_counter() - t0, "partial": what})
 
     done("started")
     for kind, params in kinds.items():
@@ -145,11 +160,7 @@ def run_mode(model: str, deterministic: bool, targets, neighbours, args, engine_
         runs[kind]["e"], cached[kind]["e"] = answers(outs), sum(o.num_cached_tokens for o in outs)
     llm.shutdown()
     shutil.rmtree(store, ignore_errors=True)
-    for kind in kinds:
-        ref = runs[kind]["a"]
-        out[kind] = {case: compare(ref, runs[kind][case]) for case in CASES}
-        for case, hit in cached[kind].items():
-            out[kind][case]["cached_tokens"] = hit
+    out.update(counts(runs, cached))
     out["seconds"] = time.perf_counter() - t0
     out["startup_s"] = startup
     return out
@@ -224,10 +235,19 @@ def summary(r: dict) -> str:
         return r["error"]
     parts = []
     for kind in ("greedy", "seeded"):
-        cells = " ".join(f"{c}:{r[kind][c]['tokens_differ']}/{r[kind][c]['logprobs_differ']}" for c in CASES)
-        hits = "/".join(str(r[kind][c].get("cached_tokens", 0)) for c in "cde")
+        got = r.get(kind, {})
+        cells = " ".join(f"{c}:{got[c]['tokens_differ']}/{got[c]['logprobs_differ']}" for c in CASES if c in got)
+        hits = "/".join(str(got[c].get("cached_tokens", 0)) for c in "cde" if c in got)
         parts.append(f"{kind} {cells} (cached tokens c/d/e {hits})")
     return "; ".join(parts) + f"; {r['seconds']:.0f} s"
+
+
+def cell(c: dict | None, prompts: int) -> str:
+    """'tokens differ (logprobs differ)', and of how many targets when a run cut short compared fewer."""
+    if c is None:
+        return "not run"
+    of = f" of {c['targets']}" if c.get("targets", prompts) != prompts else ""
+    return f"{c['tokens_differ']} ({c['logprobs_differ']}){of}"
 
 
 def markdown(meta, results, args) -> str:
@@ -248,9 +268,8 @@ def markdown(meta, results, args) -> str:
                 lines.append(f"| {model} | {mode} | error: {r['error'][:80]} |")
                 continue
             for kind in ("greedy", "seeded"):
-                cells = [f"{r[kind][c]['tokens_differ']} ({r[kind][c]['logprobs_differ']})" for c in CASES]
-                short = f" ({r['targets']} targets)" if "targets" in r else ""
-                lines.append(f"| {model} | {mode}{short} | {kind} | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
+                cells = [cell(r.get(kind, {}).get(c), args.prompts) for c in CASES]
+                lines.append(f"| {model} | {mode} | {kind} | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -298,7 +317,25 @@ def main(argv=None):
         k, n = map(int, args.shard.split("/"))
         indices = indices[k::n]
         targets = [targets[i] for i in indices]
+    device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
+    meta = {
+        "benchmark": "determinism",
+        "device": device,
+        "commit": commit(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "command": "python benchmarks/determinism_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "indices": indices,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shard = f"-shard{args.shard.replace('/', 'of')}-{'-'.join(args.modes)}" if args.shard else ""
+    stem = out / f"determinism-{'cuda' if cuda else 'cpu'}-{meta['date'][:10]}-{meta['commit']}{shard}"
     results: dict = {}
+
+    def write() -> None:  # after every step: a run cut short leaves its counts so far
+        stem.with_suffix(".json").write_text(json.dumps({**meta, "args": vars(args), "results": results}, indent=1))
+
     for model in args.models:
         tokens = sum(map(len, targets)) + len(targets) * args.new_tokens
         engine_kw = dict(
@@ -312,29 +349,20 @@ def main(argv=None):
             num_kv_blocks=args.num_kv_blocks or (None if cuda else 4096),
         )
         for mode in args.modes:
+
+            def save(partial, model=model, mode=mode):
+                results.setdefault(model, {})[mode] = partial
+                write()
+
             try:
-                r = run_mode(model, mode == "deterministic", targets, neighbours, args, engine_kw, indices)
+                r = run_mode(model, mode == "deterministic", targets, neighbours, args, engine_kw, indices, save)
             except Exception as e:  # report the others
                 r = {"error": f"{type(e).__name__}: {e}"}
             results.setdefault(model, {})[mode] = r
+            write()
             print(f"[determinism] {model} {mode}: {summary(r)}", flush=True)
             if cuda:
                 torch.cuda.empty_cache()
-    device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
-    meta = {
-        "benchmark": "determinism",
-        "device": device,
-        "commit": commit(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "command": "python benchmarks/determinism_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    shard = f"-shard{args.shard.replace('/', 'of')}-{'-'.join(args.modes)}" if args.shard else ""
-    stem = out / f"determinism-{'cuda' if cuda else 'cpu'}-{meta['date'][:10]}-{meta['commit']}{shard}"
-    meta["indices"] = indices
-    stem.with_suffix(".json").write_text(json.dumps({**meta, "args": vars(args), "results": results}, indent=1))
     md = markdown(meta, results, args)
     stem.with_suffix(".md").write_text(md + "\n")
     print(md)
@@ -357,16 +385,17 @@ def merge(files: list[str], out_dir: str) -> None:
                 if "error" in into:
                     continue
                 into["seconds"] = max(into["seconds"], r["seconds"])
+                if "partial" in r:  # a shard cut short: the step it had got to
+                    into.setdefault("partial", []).append(r["partial"])
                 for kind in ("greedy", "seeded"):
-                    for case, counts in r[kind].items():
+                    for case, counts in r.get(kind, {}).items():
                         cell = into.setdefault(kind, {}).setdefault(case, {})
                         for key, value in counts.items():
                             cell[key] = cell.get(key, [] if isinstance(value, list) else 0) + value
     first = runs[0]
-    for (model, mode), got in covered.items():  # a shard cut short leaves its targets out: say so
+    for (model, mode), got in covered.items():  # shards missing: their targets are left out (cell())
         if sorted(got) != list(range(first["args"]["prompts"])):
-            results[model][mode]["targets"] = len(got)
-            print(f"[determinism] {model} {mode}: {len(got)} of {first['args']['prompts']} targets", flush=True)
+            print(f"[determinism] {model} {mode}: shards of {len(got)} of {first['args']['prompts']} targets")
     args = argparse.Namespace(**first["args"])
     commits = sorted({run["commit"] for run in runs})
     meta = {k: first[k] for k in ("benchmark", "device", "date", "torch")}
