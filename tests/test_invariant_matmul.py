@@ -53,15 +53,16 @@ def test_triton_linear_rows_do_not_depend_on_the_batch(device, dtype, bias, conf
 @pytest.mark.parametrize("N", [1000, 9000])  # narrow and wide tiles
 def test_tiles_chosen_by_the_rows_keep_rows_invariant(device, N, request):
     """The tiles (and the load path) change with M (config_for); a row's bits do not, across every
-    boundary of the rules: 1..SMALL_ROWS, ..MID_ROWS, beyond, below and from TMA_FROM_ROWS."""
+    boundary of the rules: 1..SMALL_ROWS, ..MID_ROWS, ..LARGE_ROWS (CUDA), beyond, below and from
+    TMA_FROM_ROWS."""
     if device == "cpu":
         request.getfixturevalue("row_exact_dot")
     torch.manual_seed(4)
-    M, K = (700, 1024) if device == "cuda" else (300, 128)
+    M, K = (2100, 1024) if device == "cuda" else (300, 128)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(M, K, device=device).to(dtype)
     w = (torch.randn(N if device == "cuda" else N // 50, K, device=device) / K**0.5).to(dtype)
-    counts = [1, 2, 31, 32, 33, 64, 65, 200, 256, 257]
+    counts = [1, 2, 31, 32, 33, 64, 65, 200, 256, 257] + ([2047] if device == "cuda" else [])
     width = w.shape[0] * (50 if device == "cpu" else 1)  # CPU: the rules of the full width, small shapes
     assert len({im.config_for(width, m) for m in counts + [M]}) >= 2
 
@@ -185,6 +186,7 @@ def test_tiled_torch_two_segments_are_the_sum_of_the_halves_in_fp32(dtype):
 def test_linear_keeps_leading_dims():
     x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
     assert im.linear(x, w).shape == (2, 5, 3)
-    assert im.config_for(2048, 4096) == im.NARROW and im.config_for(128256, 4096) == im.WIDE
+    assert im.config_for(2048, 1000) == im.NARROW and im.config_for(128256, 1000) == im.WIDE
+    assert im.config_for(2048, 2048) == im.WIDE
     assert im.config_for(2048, 64) == im.SMALL_NARROW and im.config_for(2048, 65) == im.MID_NARROW
     torch.testing.assert_close(im.linear(x, w), im.linear_ref(x, w))

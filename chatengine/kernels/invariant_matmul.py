@@ -42,12 +42,15 @@ except ImportError:  # no triton, or one without host-side tensor descriptors
 # deeper K steps. Measured on an H200 (`determinism_bench.py --gemm-configs`, CUDA graph replay, us,
 # Llama-1B shapes), against the tiles of long calls: 64 rows, SMALL_NARROW qkv 5.6 vs 7.7, o 5.9 vs
 # 6.8, down 11.7 vs 16.2, SMALL_WIDE gate/up 19.5 vs 27.6, LM head 134 vs 192 (cuBLAS 139); 256 rows,
-# MID_NARROW qkv 9.8 vs 10.2, o 9.1 vs 9.3, down 22.6 vs 25.1.
+# MID_NARROW qkv 9.8 vs 10.2, o 9.1 vs 9.3, down 22.6 vs 25.1. From LARGE_ROWS every layer has
+# tiles enough for WIDE (qkv at 2048 rows: 384), whose loads serve twice the products: at 16k rows
+# NARROW ran at 0.50-0.55 of cuBLAS (qkv 555 us vs 305, o 361 vs 198, down 1631 vs 817), WIDE on
+# gate/up at 0.84.
 NARROW = (64, 64, 64, 4, 4)
 WIDE = (128, 128, 64, 8, 3)
 SMALL_NARROW = (64, 32, 128, 4, 4)
 SMALL_WIDE = MID_NARROW = (64, 64, 128, 4, 3)
-SMALL_ROWS, MID_ROWS = 64, 256  # the largest M of each
+SMALL_ROWS, MID_ROWS, LARGE_ROWS = 64, 256, 2048  # the largest M of the first two, the least of the last
 WIDE_FROM = 8192  # output features
 TILE_ROWS = 16  # CPU: rows per BLAS call
 # Load tiles with the tensor memory accelerator where the device has one, from this many rows: a
@@ -63,7 +66,7 @@ def config_for(N: int, M: int) -> tuple[int, int, int, int, int]:
         return SMALL_WIDE if wide else SMALL_NARROW
     if M <= MID_ROWS:
         return WIDE if wide else MID_NARROW
-    return WIDE if wide else NARROW
+    return WIDE if wide or M >= LARGE_ROWS else NARROW
 
 
 # M (and M * N, the stride between segments) is never specialized (Triton compiles a variant for 1
