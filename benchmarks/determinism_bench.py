@@ -17,7 +17,14 @@ together in one batch; --alone runs them one at a time too.
     python benchmarks/determinism_bench.py [--models dummy:llama-3.2-1b dummy:qwen2.5-0.5b]
         [--modes default deterministic] [--prompts 200] [--neighbours 255] [--new-tokens 64]
 
-Saves JSON + markdown under --out (device and commit named) and prints the table last.
+Saves JSON + markdown under --out (device and commit named) and prints the table last; the JSON
+after every step too, so that a run cut short keeps its counts. The issue's 200 x 255 per model and
+mode takes longer than one device call: run it in shards side by side (each shard's targets still
+sit among all the neighbours in case b), then add them up:
+
+    CUDA_VISIBLE_DEVICES=g python benchmarks/determinism_bench.py --models M --modes MODE \
+        --shard k/4 --num-kv-blocks 20000 --out DIR      # k = 0..3, several to a GPU
+    python benchmarks/determinism_bench.py --merge DIR/*.json --out benchmarks/results
 
     python benchmarks/determinism_bench.py --gemm   # CUDA: the invariant matmul's tile configs vs cuBLAS
 """
