@@ -79,17 +79,19 @@ def tiny():
 @pytest.fixture
 def row_exact_dot(monkeypatch):
     """Under Triton's interpreter, tl.dot as the compiled kernels compute it, row-exact and in k
-    order: each output element one accumulator, the products added one k after another. numpy's
-    BLAS matmul may round a row by its place in the tile, and one einsum over a whole BLOCK_K step
-    would make the bits depend on BLOCK_K, which on the GPU they do not (k16 tensor-core steps into
-    one fp32 accumulator, or fp32 FMAs, whatever the step)."""
+    order: each output element one accumulator, fed k16 steps one after another (numpy's einsum
+    loops, no BLAS, one memory layout). numpy's BLAS matmul may round a row by its place in the
+    tile, and one einsum over a whole BLOCK_K step would make the bits depend on BLOCK_K, which on
+    the GPU they do not (k16 tensor-core steps into one fp32 accumulator whatever the step)."""
+    import numpy as np
     from triton.runtime import interpreter
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         a, b = a.data, b.data
         out = d.data.copy()
-        for k in range(a.shape[-1]):
-            out += (a[..., :, k, None] * b[..., None, k, :]).astype(out.dtype)
+        for k in range(0, a.shape[-1], 16):  # k16 steps, each a contiguous einsum (its sum order)
+            x, y = np.ascontiguousarray(a[..., k : k + 16]), np.ascontiguousarray(b[..., k : k + 16, :])
+            out += np.einsum("...mk,...kn->...mn", x, y, optimize=False).astype(out.dtype)
         return interpreter.TensorHandle(out, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
