@@ -31,6 +31,7 @@ sit among all the neighbours in case b), then add them up:
 
 import argparse
 import json
+import os
 import platform
 import random
 import shutil
@@ -229,7 +230,7 @@ def gemm_table(model: str, configs: bool = False, rows=GEMM_ROWS) -> list[str]:
 
                 outs.append(call())
                 times.append(bench(call))
-            same = all(torch.equal(o, outs[0]) for o in outs[1:])
+            same = all(im.same_bits(o, outs[0]) for o in outs[1:])
             cells = " | ".join(f"{1e3 * t:.1f}" for t in times)
             lines.append(f"| {name} | {M} | {cells} | {times[0] / min(times[1:]):.2f} | {same} |")
             print(lines[-1], flush=True)
@@ -273,6 +274,7 @@ def markdown(meta, results, args) -> str:
         for mode, r in modes.items():
             if "error" in r:
                 lines.append(f"| {model} | {mode} | error: {r['error'][:80]} |")
+            if not any(kind in r for kind in ("greedy", "seeded")):
                 continue
             for kind in ("greedy", "seeded"):
                 cells = [cell(r.get(kind, {}).get(c), args.prompts) for c in CASES]
@@ -322,6 +324,8 @@ def main(argv=None):
     indices = list(range(args.prompts))
     if args.shard:  # the neighbours stay whole: each shard's targets sit among all of them in case b
         k, n = map(int, args.shard.split("/"))
+        if not 0 <= k < n <= args.prompts:
+            ap.error(f"--shard {args.shard}: K/N with 0 <= K < N <= --prompts")
         indices = indices[k::n]
         targets = [targets[i] for i in indices]
     device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
@@ -336,12 +340,13 @@ def main(argv=None):
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shard = f"-shard{args.shard.replace('/', 'of')}-{'-'.join(args.modes)}" if args.shard else ""
+    models = "-".join(m.removeprefix("dummy:").replace("/", "_") for m in args.models)
+    shard = f"-{models}-{'-'.join(args.modes)}-shard{args.shard.replace('/', 'of')}" if args.shard else ""
     stem = out / f"determinism-{'cuda' if cuda else 'cpu'}-{meta['date'][:10]}-{meta['commit']}{shard}"
     results: dict = {}
 
     def write() -> None:  # after every step: a run cut short leaves its counts so far
-        stem.with_suffix(".json").write_text(json.dumps({**meta, "args": vars(args), "results": results}, indent=1))
+        save_json(stem.with_suffix(".json"), {**meta, "args": vars(args), "results": results})
 
     for model in args.models:
         tokens = sum(map(len, targets)) + len(targets) * args.new_tokens
@@ -363,8 +368,8 @@ def main(argv=None):
 
             try:
                 r = run_mode(model, mode == "deterministic", targets, neighbours, args, engine_kw, indices, save)
-            except Exception as e:  # report the others
-                r = {"error": f"{type(e).__name__}: {e}"}
+            except Exception as e:  # report the others, and keep what this one had counted
+                r = {**results.get(model, {}).get(mode, {}), "error": f"{type(e).__name__}: {e}"}
             results.setdefault(model, {})[mode] = r
             write()
             print(f"[determinism] {model} {mode}: {summary(r)}", flush=True)
@@ -375,23 +380,33 @@ def main(argv=None):
     print(md)
 
 
+def save_json(path: Path, data: dict) -> None:
+    """Written whole or not at all (a run killed at its limit mid-write leaves the last save)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
 def merge(files: list[str], out_dir: str) -> None:
     """Add up shards' counts per model, mode, sampling and case into one table. Shards run side by
     side (several GPUs, or several runs on one), so a mode's seconds are its slowest shard's."""
-    runs = [json.loads(Path(f).read_text()) for f in files]
+    runs = []
+    for f in files:
+        run = json.loads(Path(f).read_text())
+        if "indices" in run:
+            runs.append(run)
+        else:  # e.g. an earlier merge's output caught by the same glob
+            print(f"[determinism] {f}: not a shard's results (no indices), left out")
     results: dict = {}
     covered: dict = {}
     for run in runs:
         for model, modes in run["results"].items():
             for mode, r in modes.items():
                 covered.setdefault((model, mode), []).extend(run["indices"])
-                if "error" in r:
-                    results.setdefault(model, {})[mode] = r
-                    continue
                 into = results.setdefault(model, {}).setdefault(mode, {"seconds": 0.0})
-                if "error" in into:
-                    continue
-                into["seconds"] = max(into["seconds"], r["seconds"])
+                if "error" in r:  # its counts up to the error still add up
+                    into["error"] = "; ".join(filter(None, [into.get("error"), r["error"]]))
+                into["seconds"] = max(into["seconds"], r.get("seconds", 0.0))
                 if "partial" in r:  # a shard cut short: the step it had got to
                     into.setdefault("partial", []).append(r["partial"])
                 for kind in ("greedy", "seeded"):
@@ -408,9 +423,10 @@ def merge(files: list[str], out_dir: str) -> None:
     meta = {k: first[k] for k in ("benchmark", "device", "date", "torch")}
     meta.update(commit=",".join(commits), shards=[run["command"] for run in runs])
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     where = Path(files[0]).name.split("-")[1]  # cuda or cpu, as the shards named it
     stem = out / f"determinism-{where}-{meta['date'][:10]}-{meta['commit']}"
-    stem.with_suffix(".json").write_text(json.dumps({**meta, "args": vars(args), "results": results}, indent=1))
+    save_json(stem.with_suffix(".json"), {**meta, "args": vars(args), "results": results})
     md = markdown(meta, results, args) + f"\n\nAdded up from {len(runs)} shards run side by side (`--merge`)."
     stem.with_suffix(".md").write_text(md + "\n")
     print(md)

@@ -164,3 +164,31 @@ def test_the_byte_count_follows_writes_evictions_drops_and_a_restart(tmp_path):
     again = DiskStore(directory, ROOT, 5 * one, SHAPE, torch.float32)
     assert again.num_bytes == on_disk() == 4 * one and len(again.index) == 4
     again.close()
+
+
+def test_the_writer_lives_on_after_a_failed_write(tmp_path, monkeypatch):
+    """An unexpected error in one write (here: its file gone before it is indexed) counts as a
+    write error; the writer thread keeps serving, so flush() and close() still return."""
+    disk = store(tmp_path)
+    real_add = disk._add
+    calls = []
+
+    def vanishing(meta, path):  # the first file is deleted between its rename and its index entry
+        calls.append(meta.hash)
+        if len(calls) == 1:
+            path.unlink()
+        return real_add(meta, path)
+
+    monkeypatch.setattr(disk, "_add", vanishing)
+    disk.write_behind(META, torch.randn(SHAPE), block=True)
+    disk.flush()
+    assert META.hash not in disk and disk.num_bytes == 0  # a miss, nothing counted
+    monkeypatch.setattr(disk, "_write", lambda *a: 1 / 0)
+    disk.write_behind(BlockMeta(b"x" * 16, b"p" * 16, (1,), b"o" * 8), torch.randn(SHAPE), block=True)
+    disk.flush()
+    assert disk.num_write_errors == 1
+    monkeypatch.undo()
+    other = BlockMeta(b"y" * 16, b"p" * 16, (2,), b"o" * 8)
+    disk.write_behind(other, torch.randn(SHAPE), block=True)
+    disk.close()
+    assert other.hash in disk and disk.num_bytes > 0

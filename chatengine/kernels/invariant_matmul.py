@@ -3,14 +3,17 @@ on how many rows share the call (deterministic mode, EngineConfig.deterministic)
 
 cuBLAS picks its algorithm by the shape: a decode step of 3 rows and a prefill of 2048 may reduce
 the same row's dot products in different orders (split-K, other tiles, other instructions), and in
-bf16 a near-tie between two tokens then flips. Here every call of a layer runs one configuration:
+bf16 a near-tie between two tokens then flips. Here a row's reduction never depends on M:
 - CUDA: a Triton kernel that walks K in order in BLOCK_K steps, never split across programs (but
   at the fixed segments below): a row's sums are the same instructions in the same order whatever
   its tile's other rows hold (zeros past M included). The tile shape follows M and N
   (`config_for`): it moves the work between programs, not the arithmetic -- each output element is
-  still one fp32 accumulator fed k16 tensor-core products in K order, and every tile shape, BLOCK_K
-  and load path (pointers or the TMA) gives the same bits (`benchmarks/determinism_bench.py --gemm`
-  and `--gemm-configs` check that on every layer shape, tests/test_invariant_matmul.py across M).
+  still one fp32 accumulator fed k16 tensor-core products in K order. That every tile shape,
+  BLOCK_K and load path (pointers or the TMA) gives the same bits is measured, not built in: on an
+  H200 for every Llama-1B layer shape (`benchmarks/determinism_bench.py --gemm`, `--gemm-configs`),
+  in the CUDA tests across M, and by `check_tiles` on each deterministic engine's own layers at
+  start, which pins one configuration per layer for every M (invariant by construction, slower)
+  on a device where it does not hold.
 - CPU: `linear_tiled_torch`, the rows in tiles of TILE_ROWS (the last one padded with zeros), one
   BLAS call of that fixed shape per tile: BLAS chooses by shape, so every call chooses the same.
 `linear_ref` (F.linear) is what both compute, up to the summation order.
@@ -24,11 +27,14 @@ bits, whichever way M sends it.
 """
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from .paged_attention import check_device, jit, tl, triton
+
+log = logging.getLogger("chatengine.kernels")
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -60,8 +66,15 @@ USE_TMA = True
 TMA_FROM_ROWS = 33
 
 
+# Whether tiles (and the load path) follow M: check_tiles turns both off on a device where they would
+# move a row's bits, leaving one configuration per layer for every M (invariant by construction).
+TILES_BY_ROWS = True
+
+
 def config_for(N: int, M: int) -> tuple[int, int, int, int, int]:
     wide = N >= WIDE_FROM
+    if not TILES_BY_ROWS:
+        return WIDE if wide else NARROW
     if M <= SMALL_ROWS:
         return SMALL_WIDE if wide else SMALL_NARROW
     if M <= MID_ROWS:
@@ -70,9 +83,9 @@ def config_for(N: int, M: int) -> tuple[int, int, int, int, int]:
 
 
 # M (and M * N, the stride between segments) is never specialized (Triton compiles a variant for 1
-# and for multiples of 16 otherwise): one compiled kernel per layer for every batch size -- two for a
-# segmented layer, its segments in one program or apart (with CUDA graphs both compile at start, in
-# the captures of small batches and the full-budget profile forward; eager, the second at first use)
+# and for multiples of 16 otherwise): one compiled kernel per tile configuration, load path and
+# segment layout, whatever M (with CUDA graphs they compile at start, in the captures and the
+# full-budget profile forward; eager, at first use)
 _jit_rows = triton.jit(do_not_specialize=["M", "stride_ys"]) if triton is not None else jit
 
 
@@ -94,7 +107,6 @@ def _matmul_kernel(
     Y,
     M,
     N,
-    K,
     stride_xm,
     stride_wn,
     stride_ym,
@@ -266,13 +278,14 @@ def linear_triton(
         num_stages=stages,
     )
     b = bias if bias is not None else weight
-    if (tma if tma is not None else USE_TMA and M >= TMA_FROM_ROWS) and tma_fits(x2, weight, block_k, seg_k):
+    use_tma = USE_TMA and TILES_BY_ROWS and M >= TMA_FROM_ROWS
+    if (tma if tma is not None else use_tma) and tma_fits(x2, weight, block_k, seg_k):
         xd = TensorDescriptor.from_tensor(x2, [block_m, block_k])
         wd = TensorDescriptor.from_tensor(weight, [block_n, block_k])
         _matmul_tma_kernel[(tiles, parts)](xd, wd, b, out, M, N, out.stride(-2), M * N, seg_k, **common)
     else:
         _matmul_kernel[(tiles, parts)](
-            x2, weight, b, out, M, N, K, x2.stride(0), weight.stride(0), out.stride(-2), M * N, seg_k,
+            x2, weight, b, out, M, N, x2.stride(0), weight.stride(0), out.stride(-2), M * N, seg_k,
             EVEN_K=seg_k % block_k == 0, **common,
         )  # fmt: skip
     if parts > 1:
@@ -295,6 +308,45 @@ def tma_fits(x2: torch.Tensor, weight: torch.Tensor, block_k: int, seg_k: int) -
         return False
     size = x2.element_size()
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 for t in (x2, weight))
+
+
+CHECK_ROWS = (1, 17, 33, 65, 257, 2048)  # M on each side of every boundary of config_for's rules
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (torch.equal takes -0.0 for 0.0)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+
+
+@torch.no_grad()
+def check_tiles(layers, devices=("cuda",)) -> bool:
+    """Deterministic mode on CUDA, once at start: does row 0 keep its bits across the tiles and load
+    paths that config_for picks by M (CHECK_ROWS), for each (weight (N, K), width, segments) of the
+    model? Measured so on an H200 for every Llama-1B shape; a device where it does not hold gets
+    one configuration per layer for every M instead (TILES_BY_ROWS off): slower, still invariant."""
+    global TILES_BY_ROWS
+    seen = set()
+    for weight, width, segments in layers:
+        width = width or weight.shape[0]
+        key = (tuple(weight.shape), weight.dtype, width, segments)
+        if key in seen or weight.device.type not in devices:
+            continue
+        seen.add(key)
+        gen = torch.Generator(device=weight.device).manual_seed(0)
+        x = torch.randn(max(CHECK_ROWS), weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+        first = None
+        for m in CHECK_ROWS:
+            row = linear_triton(x[:m], weight, None, config_for(width, m), segments)[:1]
+            first = row if first is None else first
+            if not same_bits(row, first):
+                log.warning(
+                    "deterministic mode: a %s-row call changed row 0's bits on layer %s (%s segments): "
+                    "tiles no longer follow the batch size (slower)", m, key[0], segments,
+                )  # fmt: skip
+                TILES_BY_ROWS = False
+                return False
+    return True
 
 
 @functools.lru_cache(maxsize=16)

@@ -151,7 +151,7 @@ def _paged_attention_kernel(
     # invariant mode: a block whose keys all fall in its first split writes its rows itself, as the
     # in-order merge would (weight 1 for that split, exactly 0 for the empty ones after it), and
     # marks them merged; its other splits have nothing to do
-    direct = (SPLIT_KEYS > 0) & (block_end <= lo + SPLIT_KEYS)
+    direct = (SPLIT_KEYS > 0) & (block_end <= lo + SPLIT_KEYS)  # (a constant False without SPLIT_KEYS)
     if direct & (split > 0):
         return
     q_low = tl.where(window > 0, q_pos - window, -1)  # keys must be past it

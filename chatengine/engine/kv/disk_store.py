@@ -99,7 +99,10 @@ class DiskStore:
 
     def _add(self, meta: BlockMeta, path: Path) -> None:
         self._pop(meta.hash)
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size
+        except OSError:  # dropped meanwhile (a reader found the hash damaged): not indexed, a miss
+            return
         self.index[meta.hash] = (path, size, meta)
         self._bytes += size
 
@@ -143,6 +146,9 @@ class DiskStore:
                 if item is None:
                     return
                 self._write(*item)
+            except Exception:  # the thread must live on: flush() and close() wait for its queue
+                self.num_write_errors += 1
+                log.exception("KV disk store write failed; the block stays recomputable")
             finally:
                 self.queue.task_done()
 

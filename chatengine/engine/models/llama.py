@@ -29,7 +29,7 @@ from chatengine.engine.models.parallel_layers import (
     split,
 )
 from chatengine.engine.parallel.group import TPGroup
-from chatengine.kernels import cpu_fused, cpu_quant
+from chatengine.kernels import cpu_fused, cpu_quant, invariant_matmul
 
 
 @dataclass
@@ -316,10 +316,13 @@ class LlamaModel(nn.Module):
             linear.quantize_fp8()
 
     def make_invariant(self) -> None:
-        """Deterministic mode: every projection and the LM head through the batch-invariant matmul."""
-        for linear in self.modules():
-            if isinstance(linear, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-                linear.invariant = True
+        """Deterministic mode: every projection and the LM head through the batch-invariant matmul,
+        whose tiles follow the batch size where this device keeps a row's bits across them."""
+        kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+        linears = [m for m in self.modules() if isinstance(m, kinds)]
+        for linear in linears:
+            linear.invariant = True
+        invariant_matmul.check_tiles([(m.weight, m.width, m.invariant_segments()) for m in linears])
 
     def quantize_blocks(self, fmt: str) -> None:
         """CPU: the attention and MLP projections to GGML-style blocks in `fmt` (q8_0, q4_0, q4_1), the

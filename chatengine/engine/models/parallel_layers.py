@@ -72,6 +72,10 @@ class _QuantizableWeight:
     weight_scale: torch.Tensor
     qweight: cpu_quant.QuantWeight | None = None
 
+    def invariant_segments(self) -> int:
+        """Equal parts of K the invariant matmul reduces apart (deterministic mode)."""
+        return 1
+
     @torch.no_grad()
     def quantize_blocks(self, fmt: str, source: torch.Tensor | None = None) -> None:
         """Replace the loaded weight (N, K) by its blocks in `fmt` (its planes become buffers); from
@@ -173,11 +177,14 @@ class RowParallelLinear(_QuantizableWeight, nn.Linear):
         """Deterministic mode: the two halves of the inputs (module docstring). One rank sums them in
         the kernel; two ranks each hold one and all-reduce its fp32 sums."""
         if not self.group.is_parallel:
-            segments = 2 if self.in_features % 2 == 0 else 1  # an odd width never splits over two ranks
-            return invariant_matmul.linear(x, self.weight, None, self.width, segments)
+            return invariant_matmul.linear(x, self.weight, None, self.width, self.invariant_segments())
         assert self.group.size == 2, "deterministic mode runs on one or two ranks"
         partial = invariant_matmul.linear(x, self.weight, None, self.width, out_dtype=torch.float32)
         return self.group.all_reduce(partial).to(x.dtype)
+
+    def invariant_segments(self) -> int:
+        """One rank: the two halves two ranks would each hold (an odd width never splits over two)."""
+        return 2 if not self.group.is_parallel and self.in_features % 2 == 0 else 1
 
     @torch.no_grad()
     def load(self, full: torch.Tensor) -> None:
