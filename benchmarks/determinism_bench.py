@@ -26,6 +26,8 @@ sit among all the neighbours in case b), then add them up:
         --shard k/4 --num-kv-blocks 20000 --out DIR      # k = 0..3, several to a GPU
     python benchmarks/determinism_bench.py --merge DIR/*.json --out benchmarks/results
 
+(`bash benchmarks/determinism_shards.sh` does both for the issue's two models and two modes.)
+
     python benchmarks/determinism_bench.py --gemm   # CUDA: the invariant matmul's tile configs vs cuBLAS
 """
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# #22's determinism counts -- 200 targets among 255 neighbours, dummy:llama-3.2-1b and
+# dummy:qwen2.5-0.5b, default and deterministic mode -- over the GPUs of one host, within one device
+# call: each model and mode on a GPU of its own (round-robin over fewer GPUs), in SHARDS processes side
+# by side (`determinism_bench.py --shard k/SHARDS`, fixed KV pools so that they share the GPU), each
+# cut at LIMIT_S seconds with its counts so far kept, then added up (`--merge`) into OUT.
+#
+#   bash benchmarks/determinism_shards.sh [OUT=benchmarks/results] [SHARDS=4] [LIMIT_S=540]
+#
+# Four processes of a model and mode take ~15 GB of an 80 GB GPU each (20000 pages of Llama-1B KV).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-benchmarks/results}
+shards=${2:-4}
+limit=${3:-540}
+gpus=$(nvidia-smi -L | wc -l)
+tmp=$(mktemp -d /tmp/det-shards.XXXX)
+i=0
+for combo in "dummy:llama-3.2-1b deterministic 20000" "dummy:llama-3.2-1b default 20000" \
+  "dummy:qwen2.5-0.5b deterministic 30000" "dummy:qwen2.5-0.5b default 30000"; do
+  read -r model mode pages <<< "$combo"
+  for ((k = 0; k < shards; k++)); do
+    CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout "$limit" python benchmarks/determinism_bench.py --models "$model" \
+      --modes "$mode" --num-kv-blocks "$pages" --shard "$k/$shards" --out "$tmp" > "$tmp/log-$i-$k.txt" 2>&1 &
+  done
+  i=$((i + 1))
+done
+wait
+for f in "$tmp"/log-*.txt; do echo "$(basename "$f"): $(grep '\[dummy' "$f" | tail -1)"; done
+grep -h "Error" "$tmp"/log-*.txt | head -8
+python benchmarks/determinism_bench.py --merge "$tmp"/*.json --out "$out"
