@@ -384,20 +384,8 @@ DECODE_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}  # 64: H200 s
 PREFILL_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}  # 64: H200 prefill sweep (6 configs)
 # Invariant mode: one tile for decodes and prefill chunks alike (a row's sums must not depend on
 # which kind of launch computes it): rows per program (query tokens x the GQA group) and the launch.
-# The launch is the model's, never the batch's: a model with so few KV heads that even a full decode
-# step (INVARIANT_FULL_BATCH sequences) makes under 4 programs per multiprocessor runs the pipelined
-# 128-key tiles that default mode gives such decodes (NOTES.md v14: Qwen-0.5B's 2 KV heads at 256 x
-# 1k, 15% faster than 64-key tiles); the others DECODE_LAUNCH's busy-step tiles.
 INVARIANT_BLOCK_M = 16
 INVARIANT_LAUNCH = PREFILL_LAUNCH
-INVARIANT_FEW_HEADS_LAUNCH = (128, 4, 3)  # head_dim 64
-INVARIANT_FULL_BATCH = 256
-
-
-def _invariant_launch(H_kv: int, block_d: int, sms: int) -> tuple[int, int, int]:
-    if block_d == 64 and INVARIANT_FULL_BATCH * H_kv < 4 * sms:
-        return INVARIANT_FEW_HEADS_LAUNCH
-    return _launch(INVARIANT_LAUNCH, block_d)
 
 
 def _launch(table: dict, block_d: int) -> tuple[int, int, int]:
@@ -480,7 +468,7 @@ def launch_plan(
     group = H_q // H_kv
     block_d = triton.next_power_of_2(D)
     if split_keys:  # invariant: one tile for every launch, splits at fixed key positions
-        launch = _invariant_launch(H_kv, block_d, sms)
+        launch = _launch(INVARIANT_LAUNCH, block_d)
         assert split_keys % launch[0] == 0, "split_keys must be a multiple of BLOCK_N"
         block_m = max(INVARIANT_BLOCK_M, triton.next_power_of_2(group))
         if num_splits is None:
