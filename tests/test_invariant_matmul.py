@@ -74,36 +74,44 @@ def test_tiles_chosen_by_the_rows_keep_rows_invariant(device, N, request):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_start_check_keeps_tiles_by_rows_where_rows_keep_their_bits(device, request, monkeypatch):
-    """check_tiles (deterministic engines at start) finds row 0's bits the same at every M of its
-    rules, so the tiles keep following M."""
+def test_the_start_check_finds_rows_keep_their_bits_on_every_path(device, request):
+    """check_tiles (deterministic engines at start) runs each layer every way linear_triton would
+    across M (tiles, load path, segments apart) and finds the first rows' fp32 sums the same."""
     if device == "cpu":
         request.getfixturevalue("row_exact_dot")
-    monkeypatch.setattr(im, "TILES_BY_ROWS", True)
     torch.manual_seed(5)
     K, N = (2048, 3072) if device == "cuda" else (64, 32)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
-    assert im.check_tiles([(w, N, 1), (w, N, 2), (w, 9000, 1)], devices=(device,))
-    assert im.TILES_BY_ROWS
+    b = torch.randn(N, device=device).to(dtype)
+    ms = im.paths(N, N, 2, torch.device(device))
+    assert len(ms) >= 3 and ms[0] == 1  # tiles by M, the TMA from TMA_FROM_ROWS, segments apart and not
+    assert im.paths(N, N, 2, torch.device(device), by_rows=False) == [1]
+    assert im.check_tiles([(w, None, N, 1), (w, None, N, 2), (w, b, 9000, 1)], devices=(device,))
 
 
-def test_a_failed_start_check_pins_one_configuration_per_layer(monkeypatch):
-    """A device where a larger call moves row 0's bits: tiles stop following M and the TMA goes
-    unused, every M of a layer then runs the same configuration (invariant by construction)."""
-    monkeypatch.setattr(im, "TILES_BY_ROWS", True)
-    real = im.linear_triton
+def drifting(real, when):
+    """linear_triton on a device whose sums move with the batch size where `when`(M, by_rows)."""
 
-    def drifting(x, *args, **kw):  # a device whose 65-row tiles round otherwise
-        y = real(x, *args, **kw)
-        return y + 1e-3 if x.shape[0] >= 65 else y
+    def call(x, *args, by_rows=True, **kw):
+        y = real(x, *args, by_rows=by_rows, **kw)
+        return y + 1e-3 if when(x.shape[0], by_rows) else y
 
-    monkeypatch.setattr(im, "linear_triton", drifting)
+    return call
+
+
+def test_a_failed_start_check_runs_the_layers_one_way_for_every_m(monkeypatch):
+    """A device where a larger call moves a row's sums: check_tiles says so, and with by_rows False
+    the layer runs one configuration, the pointer kernel and its segments in one program for every
+    M (invariant by construction); where even that moves, deterministic mode refuses to start."""
+    monkeypatch.setattr(im, "linear_triton", drifting(im.linear_triton, lambda m, by_rows: by_rows and m >= 65))
     w = torch.randn(32, 64)
-    assert not im.check_tiles([(w, 32, 1)], devices=("cpu",))
-    assert not im.TILES_BY_ROWS
-    assert {im.config_for(3000, m) for m in (1, 64, 65, 256, 4096)} == {im.NARROW}
-    assert {im.config_for(9000, m) for m in (1, 64, 65, 256, 4096)} == {im.WIDE}
+    assert not im.check_tiles([(w, None, 32, 1)], devices=("cpu",))
+    assert {im.config_for(3000, m, by_rows=False) for m in (1, 64, 65, 256, 4096)} == {im.NARROW}
+    assert {im.config_for(9000, m, by_rows=False) for m in (1, 64, 65, 256, 4096)} == {im.WIDE}
+    monkeypatch.setattr(im, "linear_triton", drifting(im.linear_triton, lambda m, by_rows: m >= 2))
+    with pytest.raises(RuntimeError, match="rows move with M"):
+        im.check_tiles([(w, None, 32, 1)], devices=("cpu",))
 
 
 def test_same_bits_tells_minus_zero_from_zero():

@@ -66,14 +66,11 @@ USE_TMA = True
 TMA_FROM_ROWS = 33
 
 
-# Whether tiles (and the load path) follow M: check_tiles turns both off on a device where they would
-# move a row's bits, leaving one configuration per layer for every M (invariant by construction).
-TILES_BY_ROWS = True
-
-
-def config_for(N: int, M: int) -> tuple[int, int, int, int, int]:
+def config_for(N: int, M: int, by_rows: bool = True) -> tuple[int, int, int, int, int]:
+    """The tiles of a call of M rows on a layer N wide. `by_rows` False (a device where check_tiles
+    found tiles moving a row's bits): one configuration for every M, invariant by construction."""
     wide = N >= WIDE_FROM
-    if not TILES_BY_ROWS:
+    if not by_rows:
         return WIDE if wide else NARROW
     if M <= SMALL_ROWS:
         return SMALL_WIDE if wide else SMALL_NARROW
@@ -236,12 +233,14 @@ def linear_triton(
     segments: int = 1,
     out_dtype: torch.dtype | None = None,
     tma: bool | None = None,
+    by_rows: bool = True,
 ) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T (+ bias (N,)) in the tiles of `config_for` (N, M), or `config`:
     another (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for benchmarks or a split layer's
     whole width. `segments`: K in that many equal parts (module docstring). `out_dtype`:
     the result's (float32: the sums before their rounding to x's dtype). `tma`: load tiles with the
-    TMA where it fits (default USE_TMA); the pointer kernel otherwise (the same bits)."""
+    TMA where it fits (default USE_TMA); the pointer kernel otherwise (the same bits). `by_rows`
+    False: nothing follows M -- the default tiles, the load path, segments in one program."""
     check_device(x)
     *lead, K = x.shape
     N = weight.shape[0]
@@ -254,7 +253,7 @@ def linear_triton(
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    block_m, block_n, block_k, warps, stages = config or config_for(N, M)
+    block_m, block_n, block_k, warps, stages = config or config_for(N, M, by_rows)
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
     if x.device.type != "cuda" and x.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # the interpreter multiplies bf16 bit patterns
@@ -262,7 +261,7 @@ def linear_triton(
     # Too few tiles to fill the device (a decode step): each segment of K in programs of its own, its
     # fp32 sums stored, then added in order in fp32 -- the very additions the one-program path makes
     # (its segments each from zero, then acc += part), so the same bits for any M, either way.
-    parts = segments if segments > 1 and tiles < split_below(x.device) else 1
+    parts = segments if by_rows and segments > 1 and tiles < split_below(x.device) else 1
     out = torch.empty(parts, M, N, dtype=torch.float32, device=x.device) if parts > 1 else y
     seg_k = K // segments
     common = dict(
@@ -278,7 +277,7 @@ def linear_triton(
         num_stages=stages,
     )
     b = bias if bias is not None else weight
-    use_tma = USE_TMA and TILES_BY_ROWS and M >= TMA_FROM_ROWS
+    use_tma = USE_TMA and by_rows and M >= TMA_FROM_ROWS
     if (tma if tma is not None else use_tma) and tma_fits(x2, weight, block_k, seg_k):
         xd = TensorDescriptor.from_tensor(x2, [block_m, block_k])
         wd = TensorDescriptor.from_tensor(weight, [block_n, block_k])
@@ -310,7 +309,9 @@ def tma_fits(x2: torch.Tensor, weight: torch.Tensor, block_k: int, seg_k: int) -
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 for t in (x2, weight))
 
 
-CHECK_ROWS = (1, 17, 33, 65, 257, 2048)  # M on each side of every boundary of config_for's rules
+CHECK_MAX_ROWS = 16384  # the calls check_tiles considers: 1..this many rows
+CHECK_MAX_N = 4096  # output features it computes of a one-segment layer (the tiles follow `width`)
+CHECK_REF_ROWS = 16  # rows compared in every call
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -319,34 +320,62 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
 
 
+def paths(N: int, width: int, segments: int, device: torch.device, by_rows: bool = True) -> list[int]:
+    """The least M of every distinct way linear_triton runs a layer (N of `width` output features
+    here) over 1..CHECK_MAX_ROWS rows: its tiles, whether the TMA may load them, its segments in one
+    program or apart."""
+    seen, ms = set(), []
+    for M in range(1, CHECK_MAX_ROWS + 1):
+        block_m, block_n, *_ = config = config_for(width, M, by_rows)
+        tiles = -(-M // block_m) * -(-N // block_n)
+        apart = by_rows and segments > 1 and tiles < split_below(device)
+        key = (config, by_rows and USE_TMA and M >= TMA_FROM_ROWS, apart)
+        if key not in seen:
+            seen.add(key)
+            ms.append(M)
+    return ms
+
+
 @torch.no_grad()
 def check_tiles(layers, devices=("cuda",)) -> bool:
-    """Deterministic mode on CUDA, once at start: does row 0 keep its bits across the tiles and load
-    paths that config_for picks by M (CHECK_ROWS), for each (weight (N, K), width, segments) of the
-    model? Measured so on an H200 for every Llama-1B shape; a device where it does not hold gets
-    one configuration per layer for every M instead (TILES_BY_ROWS off): slower, still invariant."""
-    global TILES_BY_ROWS
-    seen = set()
-    for weight, width, segments in layers:
-        width = width or weight.shape[0]
-        key = (tuple(weight.shape), weight.dtype, width, segments)
-        if key in seen or weight.device.type not in devices:
-            continue
-        seen.add(key)
-        gen = torch.Generator(device=weight.device).manual_seed(0)
-        x = torch.randn(max(CHECK_ROWS), weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
-        first = None
-        for m in CHECK_ROWS:
-            row = linear_triton(x[:m], weight, None, config_for(width, m), segments)[:1]
-            first = row if first is None else first
-            if not same_bits(row, first):
+    """Deterministic mode on CUDA, once at start: for each (weight (N, K), bias, width, segments) of
+    the model, does every way linear_triton runs it across M (`paths`) give the first rows the same
+    fp32 sums, bit for bit? Measured so on an H200 for every Llama-1B shape; where it does not hold
+    the caller runs the layers with by_rows False (one configuration for every M: slower, invariant
+    by construction, which a second check confirms -- else this raises)."""
+    ok = True
+    for by_rows in (True, False):
+        for weight, bias, width, segments in layers:
+            if weight.device.type in devices and not _rows_keep_their_bits(weight, bias, width, segments, by_rows):
+                if not by_rows:
+                    raise RuntimeError("deterministic mode: the invariant matmul's rows move with M on this device")
                 log.warning(
-                    "deterministic mode: a %s-row call changed row 0's bits on layer %s (%s segments): "
-                    "tiles no longer follow the batch size (slower)", m, key[0], segments,
+                    "deterministic mode: a layer of %s (%s segments) changed a row's bits with the batch size: "
+                    "its tiles no longer follow it (slower)", tuple(weight.shape), segments,
                 )  # fmt: skip
-                TILES_BY_ROWS = False
-                return False
-    return True
+                ok = False
+                break
+        if ok:
+            return True
+    return False
+
+
+def _rows_keep_their_bits(weight, bias, width, segments, by_rows) -> bool:
+    width = width or weight.shape[0]
+    if segments == 1:  # the tiles follow width, not N: a slice of the outputs computes the same way
+        weight = weight[:CHECK_MAX_N]
+        bias = None if bias is None else bias[:CHECK_MAX_N]
+    ms = paths(weight.shape[0], width, segments, weight.device, by_rows)
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    rows = max(*ms, CHECK_REF_ROWS)
+    x = torch.randn(rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+
+    def call(m):
+        config = config_for(width, m, by_rows)
+        return linear_triton(x[:m], weight, bias, config, segments, torch.float32, by_rows=by_rows)
+
+    ref = call(CHECK_REF_ROWS)
+    return all(same_bits(call(m)[:CHECK_REF_ROWS], ref[: min(m, CHECK_REF_ROWS)]) for m in ms)
 
 
 @functools.lru_cache(maxsize=16)
@@ -400,10 +429,12 @@ def linear(
     width: int | None = None,
     segments: int = 1,
     out_dtype: torch.dtype | None = None,
+    by_rows: bool = True,
 ) -> torch.Tensor:
     """The batch-invariant linear of x's device: Triton on CUDA, fixed tiles elsewhere. `width`: the
-    output width that picks the tiles (a rank's share of a split layer tiles as the whole layer)."""
+    output width that picks the tiles (a rank's share of a split layer tiles as the whole layer).
+    `by_rows`: the layer's check_tiles verdict."""
     if x.device.type == "cuda":
-        config = config_for(width or weight.shape[0], x.numel() // x.shape[-1])
-        return linear_triton(x, weight, bias, config, segments, out_dtype)
+        config = config_for(width or weight.shape[0], x.numel() // x.shape[-1], by_rows)
+        return linear_triton(x, weight, bias, config, segments, out_dtype, by_rows=by_rows)
     return linear_tiled_torch(x, weight, bias, segments, out_dtype)

@@ -320,9 +320,12 @@ class LlamaModel(nn.Module):
         whose tiles follow the batch size where this device keeps a row's bits across them."""
         kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
         linears = [m for m in self.modules() if isinstance(m, kinds)]
+        layers = [(m.weight, m.bias, m.width, m.invariant_segments()) for m in linears]
+        by_rows = invariant_matmul.check_tiles(layers)
+        if linears and linears[0].group.is_parallel:  # every rank the same way (each checked its shards)
+            by_rows = bool(linears[0].group.min_int(int(by_rows)))
         for linear in linears:
-            linear.invariant = True
-        invariant_matmul.check_tiles([(m.weight, m.width, m.invariant_segments()) for m in linears])
+            linear.invariant, linear.invariant_by_rows = True, by_rows
 
     def quantize_blocks(self, fmt: str) -> None:
         """CPU: the attention and MLP projections to GGML-style blocks in `fmt` (q8_0, q4_0, q4_1), the

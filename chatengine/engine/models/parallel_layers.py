@@ -68,6 +68,7 @@ class _QuantizableWeight:
     fp8 = False
     invariant = False  # deterministic mode: the batch-invariant matmul (kernels/invariant_matmul.py)
     width = 0  # the whole layer's output features (over every rank): what picks the invariant tiles
+    invariant_by_rows = True  # its tiles may follow the batch size (invariant_matmul.check_tiles)
     weight_fp8: torch.Tensor  # buffers once quantized (annotations only: register_buffer makes them)
     weight_scale: torch.Tensor
     qweight: cpu_quant.QuantWeight | None = None
@@ -98,7 +99,8 @@ class _QuantizableWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.invariant:
-            return invariant_matmul.linear(x, self.weight, bias, self.width)  # type: ignore[attr-defined]
+            w = self.weight  # type: ignore[attr-defined]
+            return invariant_matmul.linear(x, w, bias, self.width, by_rows=self.invariant_by_rows)
         if self.qweight is not None:
             return cpu_quant.linear(x, self.qweight, bias)
         if self.fp8:
@@ -177,9 +179,11 @@ class RowParallelLinear(_QuantizableWeight, nn.Linear):
         """Deterministic mode: the two halves of the inputs (module docstring). One rank sums them in
         the kernel; two ranks each hold one and all-reduce its fp32 sums."""
         if not self.group.is_parallel:
-            return invariant_matmul.linear(x, self.weight, None, self.width, self.invariant_segments())
+            segments, by_rows = self.invariant_segments(), self.invariant_by_rows
+            return invariant_matmul.linear(x, self.weight, None, self.width, segments, by_rows=by_rows)
         assert self.group.size == 2, "deterministic mode runs on one or two ranks"
-        partial = invariant_matmul.linear(x, self.weight, None, self.width, out_dtype=torch.float32)
+        by_rows = self.invariant_by_rows
+        partial = invariant_matmul.linear(x, self.weight, None, self.width, out_dtype=torch.float32, by_rows=by_rows)
         return self.group.all_reduce(partial).to(x.dtype)
 
     def invariant_segments(self) -> int:
