@@ -416,6 +416,8 @@ def merge(files: list[str], out_dir: str) -> None:
                         cell = into.setdefault(kind, {}).setdefault(case, {})
                         for key, value in counts.items():
                             cell[key] = cell.get(key, [] if isinstance(value, list) else 0) + value
+    if not runs:
+        raise SystemExit("--merge: no shard results among the files")
     first = runs[0]
     for (model, mode), got in covered.items():  # shards missing: their targets are left out (cell())
         if sorted(got) != list(range(first["args"]["prompts"])):
@@ -427,7 +429,7 @@ def merge(files: list[str], out_dir: str) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     where = Path(files[0]).name.split("-")[1]  # cuda or cpu, as the shards named it
-    stem = out / f"determinism-{where}-{meta['date'][:10]}-{meta['commit']}"
+    stem = out / f"determinism-{where}-{meta['date'][:10]}-{meta['commit']}-merged"
     save_json(stem.with_suffix(".json"), {**meta, "args": vars(args), "results": results})
     md = markdown(meta, results, args) + f"\n\nAdded up from {len(runs)} shards run side by side (`--merge`)."
     stem.with_suffix(".md").write_text(md + "\n")

@@ -7,20 +7,25 @@
 #
 #   bash benchmarks/determinism_shards.sh [OUT=benchmarks/results] [SHARDS=4] [LIMIT_S=540]
 #
-# Four processes of a model and mode take ~15 GB of an 80 GB GPU each (20000 pages of Llama-1B KV).
+# A process takes ~15 GB of GPU memory (20000 pages of Llama-1B KV): SHARDS of them share a GPU when
+# there are 4 GPUs (of 80 GB); with fewer, lower SHARDS or run the models one after another.
 set -uo pipefail
+out=$(realpath -m "${1:-benchmarks/results}")
 cd "$(dirname "$0")/.."
-out=${1:-benchmarks/results}
 shards=${2:-4}
 limit=${3:-540}
-gpus=$(nvidia-smi -L | wc -l)
+gpus=(${CUDA_VISIBLE_DEVICES:-})
+gpus=(${gpus[@]//,/ })
+[ ${#gpus[@]} -gt 0 ] || mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null)
+[ ${#gpus[@]} -gt 0 ] || { echo "no GPU" >&2; exit 1; }
 tmp=$(mktemp -d /tmp/det-shards.XXXX)
+export TMPDIR=$tmp  # the shards' disk stores: removed below, also those of shards cut at the limit
 i=0
 for combo in "dummy:llama-3.2-1b deterministic 20000" "dummy:llama-3.2-1b default 20000" \
   "dummy:qwen2.5-0.5b deterministic 30000" "dummy:qwen2.5-0.5b default 30000"; do
   read -r model mode pages <<< "$combo"
   for ((k = 0; k < shards; k++)); do
-    CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout "$limit" python benchmarks/determinism_bench.py --models "$model" \
+    CUDA_VISIBLE_DEVICES=${gpus[$((i % ${#gpus[@]}))]} timeout "$limit" python benchmarks/determinism_bench.py --models "$model" \
       --modes "$mode" --num-kv-blocks "$pages" --shard "$k/$shards" --out "$tmp" > "$tmp/log-$i-$k.txt" 2>&1 &
   done
   i=$((i + 1))
@@ -28,4 +33,5 @@ done
 wait
 for f in "$tmp"/log-*.txt; do echo "$(basename "$f"): $(grep '\[dummy' "$f" | tail -1)"; done
 grep -h "Error" "$tmp"/log-*.txt | head -8
+rm -rf "$tmp"/det-kv-*
 python benchmarks/determinism_bench.py --merge "$tmp"/*.json --out "$out"
