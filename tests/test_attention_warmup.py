@@ -91,3 +91,18 @@ def test_invariant_mode_has_one_variant():
     plans = [pa.launch_plan(T, B, 32, 8, 64, q, k, None, 132, 1024) for T, B, q, k in shapes]
     assert len({(p.attention_variant(), p.merge_variant()) for p in plans}) == 1
     assert [p.num_splits for p in plans] == [1, 4, 3, 1]
+    # a model of few KV heads: 128-key tiles for every launch too (the whole model's heads decide)
+    few = [pa.launch_plan(T, B, 14, 2, 64, q, k, None, 132, 1024, 128) for T, B, q, k in shapes]
+    assert len({(p.attention_variant(), p.merge_variant()) for p in few}) == 1
+    assert few[0].launch == pa.INVARIANT_FEW_HEADS_LAUNCH and plans[0].launch == pa.PREFILL_LAUNCH[64]
+
+
+def test_the_invariant_key_tile_is_the_whole_models():
+    """Qwen-0.5B's 2 KV heads at head_dim 64 take 128-key tiles, Llama-1B's 8 the table's; a rank's
+    share of the heads never enters (TP=2 gives each rank 1 of Qwen's 2), nor the device."""
+    from chatengine.engine.attention import get_backend
+
+    assert pa.invariant_key_tile(2, 64) == 128 and pa.invariant_key_tile(8, 64) == 0
+    assert pa.invariant_key_tile(2, 128) == 0  # 128 keys at head_dim 128 spill (DECODE_LAUNCH)
+    assert get_backend("triton", "cuda", True, 2, 64).key_tile == 128
+    assert get_backend("triton", "cuda", False, 2, 64).key_tile == 0

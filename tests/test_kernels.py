@@ -539,7 +539,7 @@ def test_copy_pages_from_host_pool_equals_scatter(device):
 
 
 # ---------------------------------------------------------------------------- invariant mode
-def invariant_launches(device, dtype, L, H_q, H_kv, split_keys, chunk, decode_at):
+def invariant_launches(device, dtype, L, H_q, H_kv, split_keys, chunk, decode_at, key_tile=0):
     """One sequence of L keys attended in several launches with `split_keys`: cold (all L queries),
     the queries `chunk` on their cached prefix, one decode, the chunk beside another sequence, and
     with a graph's larger split count. Returns (cold output, [(rows, output)] of the others)."""
@@ -550,7 +550,16 @@ def invariant_launches(device, dtype, L, H_q, H_kv, split_keys, chunk, decode_at
         cu_q = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
         sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         return pa.paged_attention_triton(
-            q_rows, k_cache, v_cache, cu_q, sl, tables, scale, num_splits=num_splits, split_keys=split_keys
+            q_rows,
+            k_cache,
+            v_cache,
+            cu_q,
+            sl,
+            tables,
+            scale,
+            num_splits=num_splits,
+            split_keys=split_keys,
+            key_tile=key_tile,
         )
 
     cold = attend(q, [L], [L], table)
@@ -574,19 +583,22 @@ def invariant_launches(device, dtype, L, H_q, H_kv, split_keys, chunk, decode_at
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("key_tile", [0, 128])  # 64 keys a step (INVARIANT_LAUNCH), and few KV heads' 128
 @pytest.mark.parametrize(
     "H_q, H_kv, dtype",
     [(8, 2, torch.float32), (14, 2, torch.bfloat16), (32, 8, torch.bfloat16)],
 )
-def test_invariant_attention_rows_do_not_depend_on_the_launch(device, dtype, H_q, H_kv, request):
+def test_invariant_attention_rows_do_not_depend_on_the_launch(device, dtype, H_q, H_kv, key_tile, request):
     """split_keys: a query row's output is bit for bit the same in a cold prefill, a chunk on its
     cached prefix (starting mid-tile), a decode, beside another sequence, and with more (empty)
     splits; rows a launch writes in place (all their keys in its first split) as the merge gives them."""
     interpreted_subset(device, H_q == 8 and H_kv == 2)
     if device == "cpu":
         request.getfixturevalue("row_exact_dot")
-    L, chunk = (1100, (333, 470)) if device == "cuda" else (150, (37, 83))
-    cold, runs = invariant_launches(device, dtype, L, H_q, H_kv, 128 if device == "cuda" else 64, chunk, L - 1)
+    assert pa.launch_plan(1, 1, H_q, H_kv, 64, 1, 1, None, 132, 128, key_tile).launch[0] == (key_tile or 64)
+    split_keys = 128 if device == "cuda" else key_tile or 64
+    L, chunk = (1100, (333, 470)) if device == "cuda" else (split_keys + 86, (37, 83))
+    cold, runs = invariant_launches(device, dtype, L, H_q, H_kv, split_keys, chunk, L - 1, key_tile)
     for rows, out in runs:
         assert same_bits(out, cold[rows.start : rows.stop]), f"rows {rows} differ from the cold prefill"
 

@@ -179,10 +179,12 @@ class TorchBackend:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, deterministic: bool = False):
+    def __init__(self, deterministic: bool = False, num_kv_heads: int = 0, head_dim: int = 0):
         self.deterministic = deterministic
-        # invariant mode: attention splits at fixed key positions (paged_attention_triton's split_keys)
+        # invariant mode: attention splits at fixed key positions (paged_attention_triton's split_keys),
+        # in the model's key tiles (the whole model's KV heads: every tensor-parallel rank alike)
         self.split_keys = paged_attention.INVARIANT_SPLIT_KEYS if deterministic else 0
+        self.key_tile = paged_attention.invariant_key_tile(num_kv_heads, head_dim) if deterministic else 0
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         cache_ops.store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -202,6 +204,7 @@ class TritonBackend:
             getattr(meta, "num_splits", None),
             window=window,
             split_keys=self.split_keys,
+            key_tile=self.key_tile,
         )
 
     def rms_norm(self, x, weight, eps, residual=None):
@@ -220,7 +223,10 @@ class TritonBackend:
         return fused_ops.gelu_tanh_mul_triton(gate_up)
 
 
-def get_backend(name: str, device_type: str, deterministic: bool = False):
+def get_backend(name: str, device_type: str, deterministic: bool = False, num_kv_heads: int = 0, head_dim: int = 0):
+    """`num_kv_heads`, `head_dim`: the whole model's (the Triton backend's invariant key tile)."""
     if name == "auto":
         name = "triton" if device_type == "cuda" else "torch"
-    return {"torch": TorchBackend, "triton": TritonBackend}[name](deterministic)
+    if name == "triton":
+        return TritonBackend(deterministic, num_kv_heads, head_dim)
+    return TorchBackend(deterministic)

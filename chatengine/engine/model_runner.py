@@ -278,7 +278,9 @@ class ModelRunner:
         mc = self.model_config = loaded.config
         self.num_heads = split(mc.num_heads, self.group, "num_heads")  # this rank's
         self.num_kv_heads = kv_heads_per_rank(mc.num_kv_heads, self.group)
-        self.backend = get_backend(config.attention_backend, device.type, config.deterministic)
+        self.backend = get_backend(
+            config.attention_backend, device.type, config.deterministic, mc.num_kv_heads, mc.head_dim
+        )
         with torch.device("meta"):
             model = LlamaModel(mc, self.backend, max_model_len, self.group).to(dtype)
         model.to_empty(device=device)  # in the final dtype: no full-precision copy of the slice
@@ -381,6 +383,7 @@ class ModelRunner:
             self.config.max_num_batched_tokens,
             -(-self.max_num_pages // 16) * 16,  # an eager step's block-table width (_stage)
             getattr(self.backend, "split_keys", 0),
+            getattr(self.backend, "key_tile", 0),
         )
         log.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
 

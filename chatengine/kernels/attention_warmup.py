@@ -78,15 +78,16 @@ def warm_up(
     max_num_tokens: int,
     max_num_pages: int,
     split_keys: int = 0,
+    key_tile: int = 0,
 ) -> int:
     """Compile every reachable variant for one layer's cache views (N, block_size, H_kv, D) and
     each sliding window in use (0: none), with block tables max_num_pages wide as an eager step's
     (their row stride is a specialized int too). `split_keys` > 0 (invariant mode): every step has
-    the one variant. Returns the number of launches made."""
+    the one variant (in the model's `key_tile`). Returns the number of launches made."""
     _, _, H_kv, D = k_cache.shape
     device, sms = k_cache.device, pa.num_sms(k_cache.device)
     if split_keys:
-        plan = pa.launch_plan(2, 1, num_q_heads, H_kv, D, 2, 2, None, sms, split_keys)
+        plan = pa.launch_plan(2, 1, num_q_heads, H_kv, D, 2, 2, None, sms, split_keys, key_tile)
         plans = {(plan.attention_variant(), plan.merge_variant()): (2, 1, 2, 2, plan)}
     else:
         plans = reachable_plans(num_q_heads, H_kv, D, max_num_seqs, max_model_len, max_num_tokens, sms)
@@ -113,6 +114,7 @@ def warm_up(
                 plan.num_splits,
                 window=window,
                 split_keys=split_keys,
+                key_tile=key_tile,
             )
             n += 1
     if device.type == "cuda":

@@ -386,6 +386,19 @@ PREFILL_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}  # 64: H200 
 # which kind of launch computes it): rows per program (query tokens x the GQA group) and the launch.
 INVARIANT_BLOCK_M = 16
 INVARIANT_LAUNCH = PREFILL_LAUNCH
+# A model of at most INVARIANT_FEW_KV_HEADS KV heads (the whole model's, so that one rank and two tile
+# alike) at head_dim 64 makes under 4 programs per multiprocessor even in a full decode step (256
+# sequences on 132 multiprocessors): it takes default mode's tiles for such decodes, 128 keys a step,
+# pipelined (NOTES.md v14: Qwen-0.5B at 256 x 1k, 15% faster than 64-key tiles).
+INVARIANT_FEW_KV_HEADS = 2
+INVARIANT_FEW_HEADS_LAUNCH = (128, 4, 3)
+
+
+def invariant_key_tile(num_kv_heads: int, head_dim: int) -> int:
+    """Keys per step of a model's invariant attention: a function of the model alone (0: the
+    INVARIANT_LAUNCH table's)."""
+    few = num_kv_heads <= INVARIANT_FEW_KV_HEADS and triton is not None and triton.next_power_of_2(head_dim) == 64
+    return INVARIANT_FEW_HEADS_LAUNCH[0] if few else 0
 
 
 def _launch(table: dict, block_d: int) -> tuple[int, int, int]:
@@ -462,13 +475,14 @@ def launch_plan(
     num_splits: int | None,
     sms: int,
     split_keys: int = 0,
+    key_tile: int = 0,
 ) -> LaunchPlan:
     """The rules of `paged_attention_triton` for T query tokens of B sequences (max_seqlen_k may be
-    None only with num_splits given)."""
+    None only with num_splits given). `key_tile`: invariant mode's `invariant_key_tile`."""
     group = H_q // H_kv
     block_d = triton.next_power_of_2(D)
     if split_keys:  # invariant: one tile for every launch, splits at fixed key positions
-        launch = _launch(INVARIANT_LAUNCH, block_d)
+        launch = INVARIANT_FEW_HEADS_LAUNCH if key_tile == 128 else _launch(INVARIANT_LAUNCH, block_d)
         assert split_keys % launch[0] == 0, "split_keys must be a multiple of BLOCK_N"
         block_m = max(INVARIANT_BLOCK_M, triton.next_power_of_2(group))
         if num_splits is None:
@@ -508,14 +522,15 @@ def paged_attention_triton(
     pdl: bool | str | None = None,
     window: int = 0,
     split_keys: int = 0,
+    key_tile: int = 0,
 ) -> torch.Tensor:
     """Triton varlen paged attention, same contract as `paged_attention_ref`; writes `out` if given.
 
     `split_keys` > 0: the invariant mode (deterministic engines). Every launch, decode or prefill,
-    runs one tile configuration (the prefill one), and split s holds keys [s * split_keys,
-    (s + 1) * split_keys), merged in order: a query row reduces its keys tile by tile from key 0 in
-    the same order whatever the batch, its chunk, or the launch's split count (num_splits: enough
-    splits for max_seqlen_k; more only add empty ones).
+    runs one tile configuration (the model's: `key_tile`, from `invariant_key_tile`), and split s
+    holds keys [s * split_keys, (s + 1) * split_keys), merged in order: a query row reduces its keys
+    tile by tile from key 0 in the same order whatever the batch, its chunk, or the launch's split
+    count (num_splits: enough splits for max_seqlen_k; more only add empty ones).
 
     Decode-only batches (max_seqlen_q == 1) put the GQA group of one KV head in one program and
     split long contexts over `num_splits` programs (default: a heuristic on max_seqlen_k); other
@@ -542,7 +557,8 @@ def paged_attention_triton(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # host sync
     if num_splits is None and max_seqlen_k is None:
         max_seqlen_k = int(seq_lens.max())  # host sync
-    plan = launch_plan(T, B, H_q, H_kv, D, max_seqlen_q, max_seqlen_k, num_splits, num_sms(q.device), split_keys)
+    sms = num_sms(q.device)
+    plan = launch_plan(T, B, H_q, H_kv, D, max_seqlen_q, max_seqlen_k, num_splits, sms, split_keys, key_tile)
     group, block_d, num_splits = H_q // H_kv, plan.block_d, plan.num_splits
     block_m, block_q = plan.block_m, plan.block_q
     block_n, num_warps, num_stages = launch or plan.launch
