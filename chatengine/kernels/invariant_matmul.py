@@ -257,11 +257,7 @@ def linear_triton(
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
     if x.device.type != "cuda" and x.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # the interpreter multiplies bf16 bit patterns
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    # Too few tiles to fill the device (a decode step): each segment of K in programs of its own, its
-    # fp32 sums stored, then added in order in fp32 -- the very additions the one-program path makes
-    # (its segments each from zero, then acc += part), so the same bits for any M, either way.
-    parts = segments if by_rows and segments > 1 and tiles < split_below(x.device) else 1
+    tiles, parts, use_tma = route(M, N, (block_m, block_n), segments, x.device, by_rows)
     out = torch.empty(parts, M, N, dtype=torch.float32, device=x.device) if parts > 1 else y
     seg_k = K // segments
     common = dict(
@@ -277,7 +273,6 @@ def linear_triton(
         num_stages=stages,
     )
     b = bias if bias is not None else weight
-    use_tma = USE_TMA and by_rows and M >= TMA_FROM_ROWS
     if (tma if tma is not None else use_tma) and tma_fits(x2, weight, block_k, seg_k):
         xd = TensorDescriptor.from_tensor(x2, [block_m, block_k])
         wd = TensorDescriptor.from_tensor(weight, [block_n, block_k])
@@ -297,13 +292,24 @@ def linear_triton(
 SUM_BLOCK = 1024  # elements per program of the segments' sum
 
 
+def route(M: int, N: int, blocks: tuple[int, int], segments: int, device: torch.device, by_rows: bool):
+    """(tiles, programs per tile along K, whether the TMA may load them) of a call of M rows on N
+    outputs in (BLOCK_M, BLOCK_N) tiles. Too few tiles to fill the device (a decode step): each
+    segment of K in programs of its own, its fp32 sums stored, then added in order in fp32 -- the very
+    additions the one-program path makes (its segments each from zero, then acc += part), so the
+    same bits for any M, either way."""
+    tiles = -(-M // blocks[0]) * -(-N // blocks[1])
+    parts = segments if by_rows and segments > 1 and tiles < split_below(device) else 1
+    return tiles, parts, USE_TMA and by_rows and M >= TMA_FROM_ROWS
+
+
 def tma_fits(x2: torch.Tensor, weight: torch.Tensor, block_k: int, seg_k: int) -> bool:
     """Whether the TMA kernel can take this call: a GPU with the tensor memory accelerator (sm_90+;
     the interpreter emulates it), 16-byte aligned bases and row strides, whole BLOCK_K steps per
     segment. Elsewhere the pointer kernel computes the same bits."""
     if TensorDescriptor is None or seg_k % block_k:
         return False
-    if x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] < 9:
+    if x2.is_cuda and _sm_major(x2.device) < 9:
         return False
     size = x2.element_size()
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 for t in (x2, weight))
@@ -326,10 +332,8 @@ def paths(N: int, width: int, segments: int, device: torch.device, by_rows: bool
     program or apart."""
     seen, ms = set(), []
     for M in range(1, CHECK_MAX_ROWS + 1):
-        block_m, block_n, *_ = config = config_for(width, M, by_rows)
-        tiles = -(-M // block_m) * -(-N // block_n)
-        apart = by_rows and segments > 1 and tiles < split_below(device)
-        key = (config, by_rows and USE_TMA and M >= TMA_FROM_ROWS, apart)
+        config = config_for(width, M, by_rows)
+        key = (config, *route(M, N, config[:2], segments, device, by_rows)[1:])
         if key not in seen:
             seen.add(key)
             ms.append(M)
@@ -376,6 +380,12 @@ def _rows_keep_their_bits(weight, bias, width, segments, by_rows) -> bool:
 
     ref = call(CHECK_REF_ROWS)
     return all(same_bits(call(m)[:CHECK_REF_ROWS], ref[: min(m, CHECK_REF_ROWS)]) for m in ms)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_major(device: torch.device) -> int:
+    """The device's compute capability major (asked once: tma_fits runs on every eager call)."""
+    return torch.cuda.get_device_capability(device)[0]
 
 
 @functools.lru_cache(maxsize=16)
