@@ -84,17 +84,25 @@ def compiled() -> int:
     return n
 
 
-def test_invariant_mode_has_one_variant():
+def test_invariant_mode_has_two_variants_of_one_tile():
     """split_keys (deterministic engines): decodes, prefill chunks and mixed steps of any size launch
-    the same tiles, so the warm-up compiles one variant; only the split count differs."""
-    shapes = [(1, 1, 1, 5), (256, 256, 1, 4000), (2048, 3, 900, 3000), (16, 1, 16, 20)]
-    plans = [pa.launch_plan(T, B, 32, 8, 64, q, k, None, 132, 1024) for T, B, q, k in shapes]
-    assert len({(p.attention_variant(), p.merge_variant()) for p in plans}) == 1
-    assert [p.num_splits for p in plans] == [1, 4, 3, 1]
-    # a model of few KV heads: 128-key tiles for every launch too (the whole model's heads decide)
-    few = [pa.launch_plan(T, B, 14, 2, 64, q, k, None, 132, 1024, 128) for T, B, q, k in shapes]
-    assert len({(p.attention_variant(), p.merge_variant()) for p in few}) == 1
-    assert few[0].launch == pa.INVARIANT_FEW_HEADS_LAUNCH and plans[0].launch == pa.PREFILL_LAUNCH[64]
+    the same tiles; a launch whose keys all fall in the first split writes in place (no merge), a
+    longer one splits and merges: two variants, and the warm-up compiles both."""
+    shapes = [(1, 1, 1, 5), (256, 256, 1, 4000), (2048, 3, 900, 3000), (16, 1, 16, 20), (300, 2, 299, 1024)]
+    for H_q, H_kv, key_tile, launch in [(32, 8, 0, pa.PREFILL_LAUNCH[64]), (14, 2, 128, pa.INVARIANT_FEW_HEADS_LAUNCH)]:
+        plans = [pa.launch_plan(T, B, H_q, H_kv, 64, q, k, None, 132, 1024, key_tile) for T, B, q, k in shapes]
+        assert [p.num_splits for p in plans] == [1, 4, 3, 1, 1]
+        one = {(p.attention_variant(), p.merge_variant()) for p in plans if p.num_splits == 1}
+        several = {(p.attention_variant(), p.merge_variant()) for p in plans if p.num_splits > 1}
+        assert len(one) == len(several) == 1
+        assert next(iter(one))[1] is None and next(iter(several))[1] == ("in order", 64)
+        assert {(p.launch, p.block_m, p.block_q) for p in plans} == {(launch, 16, 16 // (H_q // H_kv) or 1)}
+        cache = torch.zeros(4, 16, H_kv, 64)
+        warmed = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pa, "paged_attention_triton", lambda *a, **kw: warmed.append((a[9], kw["split_keys"])))
+            attention_warmup.warm_up(cache, cache, H_q, {0}, 8, 4096, 64, 4, 1024, key_tile)
+        assert warmed == [(1, 1024), (4, 1024)]
 
 
 def test_the_invariant_key_tile_is_the_whole_models():

@@ -579,6 +579,9 @@ def invariant_launches(device, dtype, L, H_q, H_kv, split_keys, chunk, decode_at
     s = split_keys
     runs.append((range(s - 20, s + 30), attend(q[s - 20 : s + 30], [50], [s + 30], table)))  # straddles split 1
     runs.append((range(s // 2, s // 2 + 1), attend(q[s // 2 : s // 2 + 1], [1], [s // 2 + 1], table)))
+    # launches of one split (every key before split_keys): in place, no merge
+    runs.append((range(0, s - 10), attend(q[: s - 10], [s - 10], [s - 10], table)))
+    runs.append((range(9, s - 3), attend(q[9 : s - 3], [s - 12], [s - 3], table)))
     return cold, runs
 
 

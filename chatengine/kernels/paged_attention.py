@@ -191,10 +191,11 @@ def _paged_attention_kernel(
     acc = acc / l_safe[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT or direct:
-        if direct:  # the merge's first addition, 0 + x, turns -0.0 into 0.0: so does this
+        if SPLIT_KEYS > 0:  # as the in-order merge's first addition, 0 + x, would: -0.0 -> 0.0
             acc = tl.where(acc == 0.0, 0.0, acc)
+        if SPLIT:  # (direct) the merge skips rows marked merged
             row = ((t * num_kv_heads * GROUP + head) * num_splits).to(tl.int64)
-            tl.store(PartialLse + row, tl.full([BLOCK_M], float("inf"), tl.float32), mask=row_ok)  # merged
+            tl.store(PartialLse + row, tl.full([BLOCK_M], float("inf"), tl.float32), mask=row_ok)
         tl.store(
             Out + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             acc.to(Out.dtype.element_ty),
@@ -446,15 +447,15 @@ class LaunchPlan:
     split_keys: int = 0  # > 0: invariant mode (splits at fixed key positions, the in-order merge)
 
     def attention_variant(self) -> tuple:
-        split = self.num_splits > 1 or self.split_keys > 0
+        split = self.num_splits > 1
         return (self.block_d, self.block_m, self.block_q, self.launch, split, self.pdl, self.split_keys)
 
     def merge_variant(self) -> tuple | None:
         """None without a merge (the split count is a runtime argument there too: never a key)."""
-        if self.split_keys:
-            return ("in order", self.block_d)
         if self.num_splits == 1:
             return None
+        if self.split_keys:
+            return ("in order", self.block_d)
         return (
             self.block_d,
             triton.next_power_of_2(self.num_splits),
@@ -530,7 +531,8 @@ def paged_attention_triton(
     runs one tile configuration (the model's: `key_tile`, from `invariant_key_tile`), and split s
     holds keys [s * split_keys, (s + 1) * split_keys), merged in order: a query row reduces its keys
     tile by tile from key 0 in the same order whatever the batch, its chunk, or the launch's split
-    count (num_splits: enough splits for max_seqlen_k; more only add empty ones).
+    count (num_splits: enough splits for max_seqlen_k; more only add empty ones). A launch of one
+    split (every key before split_keys) writes its rows in place and skips the merge.
 
     Decode-only batches (max_seqlen_q == 1) put the GQA group of one KV head in one program and
     split long contexts over `num_splits` programs (default: a heuristic on max_seqlen_k); other
@@ -558,6 +560,8 @@ def paged_attention_triton(
     if num_splits is None and max_seqlen_k is None:
         max_seqlen_k = int(seq_lens.max())  # host sync
     sms = num_sms(q.device)
+    if split_keys and num_splits is not None and max_seqlen_k is not None:  # fewer would drop keys
+        assert num_splits * split_keys >= max_seqlen_k, "invariant mode: too few splits for the keys"
     plan = launch_plan(T, B, H_q, H_kv, D, max_seqlen_q, max_seqlen_k, num_splits, sms, split_keys, key_tile)
     group, block_d, num_splits = H_q // H_kv, plan.block_d, plan.num_splits
     block_m, block_q = plan.block_m, plan.block_q
@@ -566,7 +570,9 @@ def paged_attention_triton(
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q.dtype]
     if interpreting() and q.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # triton 3.9's interpreter multiplies bf16 bit patterns
-    split = num_splits > 1 or split_keys > 0  # invariant mode: always partials + the ordered merge
+    # invariant mode, one split (every key before split_keys): each row written in place, as the
+    # multi-split launches write such rows (`direct`), so the two kinds of launch agree bit for bit
+    split = num_splits > 1
     if split:
         partial = torch.empty(T, H_q, num_splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, H_q, num_splits, dtype=torch.float32, device=q.device)
@@ -615,7 +621,7 @@ def paged_attention_triton(
         **({"launch_pdl": True} if pdl is True else {}),
     )
     merge_args = (out, partial, lse, H_q, out.stride(0), out.stride(1), num_splits)  # both merges'
-    if split_keys:
+    if split_keys and split:
         _merge_splits_in_order_kernel[(T,)](
             *merge_args,
             BLOCK_H=triton.next_power_of_2(H_q),
