@@ -101,3 +101,28 @@ def test_linear_layers_switch_to_the_invariant_matmul():
     assert model.lm_head.invariant and model.layers[0].self_attn.qkv_proj.invariant
     assert model.layers[0].mlp.down_proj.invariant and llm.engine.runner.backend.deterministic
     llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_one_split_decode_graphs_agree_with_the_full_ones():
+    """CUDA: decode steps whose keys all fall before split_keys replay graphs of one attention split
+    (rows written in place, no merge); beside a sequence longer than that, the full graphs (every
+    split, the merge). A target's tokens and logprobs are the same either way."""
+    from chatengine.engine import model_runner
+    from chatengine.kernels.paged_attention import INVARIANT_SPLIT_KEYS
+
+    llm = LLM("dummy:smollm2-135m", deterministic=True, register_personas=False, max_model_len=2 * INVARIANT_SPLIT_KEYS)
+    runner = llm.engine.runner
+    assert set(runner.one_split_graphs) == set(runner.graphs)
+    modes = []
+    run = runner._run
+    runner._run = lambda mode, *a: modes.append(mode) or run(mode, *a)
+    sp = PARAMS["seeded"]
+    alone = answers(llm.generate(TARGETS, sp, user="alone"))
+    assert model_runner.ONE_SPLIT_DECODE_GRAPH in modes and model_runner.DECODE_GRAPH not in modes
+    modes.clear()
+    long = [RNG.randrange(256) for _ in range(INVARIANT_SPLIT_KEYS + 100)]
+    beside = answers(llm.generate([long, *TARGETS], sp, user="beside"))[1:]
+    assert model_runner.DECODE_GRAPH in modes
+    assert beside == alone
+    llm.shutdown()

@@ -63,7 +63,9 @@ _ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # a captured graph's staged inputs: tokens that store nothing, sequences with no keys
 _PADDING = (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0), ("block_tables", -1))
-EAGER, DECODE_GRAPH, PREFILL_GRAPH, MIXED_GRAPH = range(4)  # how a step's forward runs (the same on every rank)
+# how a step's forward runs (the same on every rank)
+EAGER, DECODE_GRAPH, PREFILL_GRAPH, MIXED_GRAPH, ONE_SPLIT_DECODE_GRAPH = range(5)
+DECODE_GRAPHS = (DECODE_GRAPH, ONE_SPLIT_DECODE_GRAPH)
 ALIGN = 32  # staging regions start at multiples of 32 int32 (128 bytes)
 
 
@@ -335,6 +337,9 @@ class ModelRunner:
         # nothing for them; with tensor parallelism rank 0 fills them before it broadcasts the inputs
         self._graph_fills = self.fused_sampling and not self.group.is_parallel
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
+        # invariant mode: decode graphs of one attention split, replayed while every key of the step
+        # falls before split_keys (most chats); the others' splits reach max_model_len
+        self.one_split_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_graph_steps = 0  # decode steps replayed
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # padded T -> ...
         self.num_prefill_graph_steps = 0  # one-sequence chunks replayed
@@ -431,6 +436,7 @@ class ModelRunner:
         same process sizes its KV cache from the free memory, and the caching allocator would
         still hold this one's weights and KV cache."""
         self.graphs.clear()
+        self.one_split_graphs.clear()
         self.prefill_graphs.clear()
         self.mixed_graphs.clear()
         if self.device.type == "cuda":
@@ -632,10 +638,13 @@ class ModelRunner:
             off, n = lay[name]
             self._host_np[off : off + n] = value
 
-    def _capture(self, lay, B: int, max_seqlen_q: int, num_splits: int, pool, fills: bool = False):
+    def _capture(
+        self, lay, B: int, max_seqlen_q: int, num_splits: int, pool, fills: bool = False, max_seqlen_k: int = 0
+    ):
         """Capture one forward over the staged layout `lay` (all padding: nothing read or stored);
-        its replays read whatever a later _stage writes there. `fills`: the graph first fills the
-        placeholder ids (a decode graph's). Returns (graph, logits)."""
+        its replays read whatever a later _stage writes there, with at most `max_seqlen_k` keys a
+        sequence (0: max_model_len). `fills`: the graph first fills the placeholder ids (a decode
+        graph's). Returns (graph, logits)."""
         d = self._upload(lay)
         meta = StepMetadata(
             slot_mapping=d["slot_mapping"],
@@ -643,7 +652,7 @@ class ModelRunner:
             seq_lens=d["seq_lens"],
             block_tables=d["block_tables"].view(B, self.max_num_pages),
             max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=self.max_model_len,
+            max_seqlen_k=max_seqlen_k or self.max_model_len,
             num_splits=num_splits,
         )
         args = (d["input_ids"], d["positions"], self.kv_cache, meta, d["logits_indices"])
@@ -675,6 +684,9 @@ class ModelRunner:
             )
             self.graphs[bs] = self._capture(lay, bs, 1, splits, pool, fills=self._graph_fills)
             pool = self.graphs[bs][0].pool()
+            if self._graph_splits() and splits > 1:
+                keys = self.backend.split_keys
+                self.one_split_graphs[bs] = self._capture(lay, bs, 1, 1, pool, self._graph_fills, max_seqlen_k=keys)
         for Tp in reversed(self.prefill_graph_sizes()):
             lay = self._staging(Tp, 1, 1, self.max_num_pages)  # an empty sequence: no keys, nothing stored
             self._fill(lay, (*_PADDING, ("logits_indices", Tp - 1)))
@@ -719,6 +731,8 @@ class ModelRunner:
             mode = DECODE_GRAPH
             key = next(b for b in self._graph_sizes if b >= B)
             lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens, pad_to=key)
+            if key in self.one_split_graphs and max_k <= self.backend.split_keys:
+                mode = ONE_SPLIT_DECODE_GRAPH
         elif self.prefill_graphs and B == 1 and num_new_tokens[0] <= self._prefill_sizes[-1]:
             mode = PREFILL_GRAPH
             key = next(t for t in self._prefill_sizes if t >= num_new_tokens[0])
@@ -730,7 +744,7 @@ class ModelRunner:
             mode, key = EAGER, B
             lay, samples, max_q, max_k, _, num_pending = self._stage(seqs, num_new_tokens)
         finish = self._finish(mode, seqs, samples, prompt_plan is not None, whole)
-        d = self._upload(lay, num_pending, graph_fills=mode == DECODE_GRAPH and self._graph_fills)
+        d = self._upload(lay, num_pending, graph_fills=mode in DECODE_GRAPHS and self._graph_fills)
         if self.plan is not None:  # the other ranks run the same forward on their slices
             self.plan.send(Op.FORWARD, mode, key, max_q, max_k, *lay.key, finish)
             self.group.broadcast(self._dev[: lay.end])  # with this step's sampled placeholders filled
@@ -751,7 +765,7 @@ class ModelRunner:
         if not picked and not prompt:
             return Finish(rows=())
         rows: int | tuple[int, ...] | None = None  # eager and prefill graphs: their rows are the ones read
-        if not prompt and mode in (DECODE_GRAPH, MIXED_GRAPH):  # one row per lane, padded ones too
+        if not prompt and mode in (*DECODE_GRAPHS, MIXED_GRAPH):  # one row per lane, padded ones too
             rows = len(seqs) if len(picked) == len(seqs) else tuple(np.flatnonzero(samples).tolist())
         if whole:  # a caller that reads the logits, not the sampler
             return Finish(rows=rows)
@@ -788,8 +802,8 @@ class ModelRunner:
     def _run(self, mode: int, key: int, d: dict[str, torch.Tensor], max_q: int, max_k: int) -> torch.Tensor:
         """The forward over a staged step (graph replay or eager): the logits of its logits_indices rows
         (padded rows too, for a graph)."""
-        if mode == DECODE_GRAPH:
-            graph, logits = self.graphs[key]
+        if mode in DECODE_GRAPHS:
+            graph, logits = (self.graphs if mode == DECODE_GRAPH else self.one_split_graphs)[key]
             graph.replay()
             self.num_graph_steps += 1
             return logits
