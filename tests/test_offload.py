@@ -2,6 +2,7 @@
 store survives restarts, ignores damage and other models; memory pressure completes correctly."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -156,6 +157,28 @@ def test_disk_reserve_takes_the_free_room_and_counts_the_rest_dropped(tmp_path):
     assert disk.reserve(3) == 1 and disk.num_dropped == 46
     assert disk.write_behind(ms[255], torch.zeros(SHAPE)) and disk.reserve(1) == 0
     assert not disk.write_behind(ms[256], torch.zeros(SHAPE))  # full: dropped, not blocked
+
+
+def test_a_host_pool_spilling_never_waits_on_the_disk(tmp_path):
+    """The host LRU spills to disk while the writer is behind (its queue full): the spilled pages are
+    dropped, counted, and claim() returns at once; a page already on disk is not written again."""
+    tiers = TieredCache(
+        b"s" * 16, SHAPE, torch.float32, cpu_blocks=2, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=1 << 30
+    )
+    ms = metas(6)
+    assert put(tiers, ms[0], torch.ones(SHAPE)) and put(tiers, ms[1], torch.ones(SHAPE))
+    tiers.disk.write_behind(ms[0], torch.ones(SHAPE))
+    tiers.disk.flush()  # ms[0] on disk already
+    tiers.disk.close()  # the writer stops: nothing leaves the queue
+    for m in metas(256, seed=9):
+        assert tiers.disk.write_behind(m, torch.zeros(SHAPE))  # the queue full
+    assert put(tiers, ms[2], torch.ones(SHAPE))  # spills ms[0]: on disk, nothing to write
+    assert tiers.disk.num_dropped == 0
+    spill = threading.Thread(target=put, args=(tiers, ms[3], torch.ones(SHAPE)), daemon=True)
+    spill.start()  # spills ms[1]: the queue is full, dropped, not blocked
+    spill.join(timeout=10)
+    assert not spill.is_alive(), "the spill waited on the disk writer"
+    assert tiers.disk.num_dropped == 1 and ms[1].hash not in tiers.host and ms[3].hash in tiers.host
 
 
 def test_disk_budget_evicts_oldest(tmp_path):

@@ -1,7 +1,8 @@
 """Lower KV tiers: a host (pinned on CUDA) pool of blocks in front of the disk store, keyed by block hash.
 
 A block evicted from the device LRU is written back here (same hash, so the same user salt); when
-the host pool is full its LRU spills to disk. On CUDA the engine's write-backs are queued on the
+the host pool is full its LRU spills to disk, unless the disk writer is behind (then it is dropped:
+the engine never waits on the disk but to flush). On CUDA the engine's write-backs are queued on the
 device behind the step in flight, into claimed slots (`claim`, `landing`): the host reads or
 overwrites a slot only after its copy has landed. With a disk store, published blocks are also written
 behind in the background and `flush()` writes everything, so a restart finds them.
@@ -200,9 +201,11 @@ class TieredCache:
         for h, (slot, _) in host.index.items():  # oldest first, skipping pinned entries and reads
             if h not in host.pinned and slot not in host.loading:
                 slot, meta = host.index.pop(h)
-                if self.disk is not None:
+                # to disk unless it is there (written behind) or the writer is behind: then dropped,
+                # recomputable, and the engine, serving everyone, never waits on the disk
+                if self.disk is not None and h not in self.disk and self.disk.reserve(1):
                     self._settle(slot)
-                    self.disk.write_behind(meta, host.data[slot].clone(), block=True)
+                    self.disk.write_behind(meta, host.data[slot].clone())
                 host.free_slots.append(slot)
                 return True
         return False

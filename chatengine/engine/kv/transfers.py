@@ -55,7 +55,8 @@ class KVTransfers:
         else:  # tiers exist with a disk store when they have no host pool
             disk = self.tiers.disk
             assert disk is not None
-            self.queue_to_disk([(b, meta) for b, meta in evicted if meta.hash not in disk], block=True)
+            todo = [(b, meta) for b, meta in evicted if meta.hash not in disk]
+            self.queue_to_disk(todo[: disk.reserve(len(todo))], block=False)  # the writer behind: dropped
 
     def save_to_host(self, blocks: list[tuple[int, BlockMeta]]) -> list[bool]:
         """Queue device -> host-memory copies of these (block id, meta) pages into claimed host slots;
