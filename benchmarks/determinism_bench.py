@@ -11,8 +11,9 @@ case (a) is the reference; the other cases count the targets whose tokens, or lo
   e  restored from the disk store after a restart (a new engine on the same store)
   f  cold, with the step's token budget lowered to --budget-f (chunk boundaries moved)
 Runs stay cold where they should by running as other users (a user's pages are salted with its
-name), so one engine serves a-d and f, and a second one (the restart) e. Cases c-f run the targets
-together in one batch; --alone runs them one at a time too.
+name): one engine serves a-d, a second one (the restart, on the same disk store) e, and a third, with
+no disk tier, b and f. Cases c-f run the targets together in one batch; --alone runs them one at a
+time too.
 
     python benchmarks/determinism_bench.py [--models dummy:llama-3.2-1b dummy:qwen2.5-0.5b]
         [--modes default deterministic] [--prompts 200] [--neighbours 255] [--new-tokens 64]
@@ -144,6 +145,19 @@ def run_mode(model, deterministic, targets, neighbours, args, engine_kw, indices
         outs = together(targets, params, user)
         runs[kind]["d"], cached[kind]["d"] = answers(outs), sum(o.num_cached_tokens for o in outs)
         done(f"{kind} c, d")
+    llm.shutdown()  # flushes the cached pages, the targets', to the disk store
+    done("shut down")
+    llm = LLM(model, **kw)  # the restart
+    done("restarted")
+    for kind, params in kinds.items():
+        outs = together(targets, params, f"a-{kind}")
+        runs[kind]["e"], cached[kind]["e"] = answers(outs), sum(o.num_cached_tokens for o in outs)
+        done(f"{kind} e")
+    llm.shutdown()
+    shutil.rmtree(store, ignore_errors=True)
+    # b and f need no disk tier: without one, the neighbours' pages are not written out
+    llm = LLM(model, **{k: v for k, v in kw.items() if k != "kv_store_dir"})
+    engine = llm.engine
     for kind, params in kinds.items():
         # the targets among the neighbours, at random places
         rng = random.Random(kind)
@@ -160,16 +174,7 @@ def run_mode(model, deterministic, targets, neighbours, args, engine_kw, indices
         runs[kind]["f"] = answers(together(targets, params, f"f-{kind}"))
         engine.scheduler.max_num_batched_tokens = budget
         done(f"{kind} b, f")
-    llm.shutdown()  # flushes the cached pages to the disk store
-    done("shut down")
-    llm = LLM(model, **kw)  # the restart
-    done("restarted")
-    engine = llm.engine
-    for kind, params in kinds.items():
-        outs = together(targets, params, f"a-{kind}")
-        runs[kind]["e"], cached[kind]["e"] = answers(outs), sum(o.num_cached_tokens for o in outs)
     llm.shutdown()
-    shutil.rmtree(store, ignore_errors=True)
     out.update(counts(runs, cached))
     out["seconds"] = time.perf_counter() - t0
     out["startup_s"] = startup
@@ -342,13 +347,11 @@ def main(argv=None):
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    models = "-".join(m.removeprefix("dummy:").replace("/", "_") for m in args.models)
-    shard = f"-{models}-{'-'.join(args.modes)}-shard{args.shard.replace('/', 'of')}" if args.shard else ""
-    stem = out / f"determinism-{'cuda' if cuda else 'cpu'}-{meta['date'][:10]}-{meta['commit']}{shard}"
+    stem = result_stem(out, "cuda" if cuda else "cpu", meta["date"], meta["commit"], args)
     results: dict = {}
 
     def write() -> None:  # after every step: a run cut short leaves its counts so far
-        save_json(stem.with_suffix(".json"), {**meta, "args": vars(args), "results": results})
+        save_json(Path(stem + ".json"), {**meta, "args": vars(args), "results": results})
 
     for model in args.models:
         tokens = sum(map(len, targets)) + len(targets) * args.new_tokens
@@ -378,8 +381,18 @@ def main(argv=None):
             if cuda:
                 torch.cuda.empty_cache()
     md = markdown(meta, results, args)
-    stem.with_suffix(".md").write_text(md + "\n")
+    Path(stem + ".md").write_text(md + "\n")
     print(md)
+
+
+def result_stem(out: Path, where: str, date: str, commit: str, args) -> str:
+    """The results' path less .json / .md; a shard's names its models, modes and place. (Not
+    Path.with_suffix: a model's name has dots, "llama-3.2-1b", and every shard's would collide.)"""
+    stem = f"determinism-{where}-{date[:10]}-{commit}"
+    if args.shard:
+        models = "-".join(m.removeprefix("dummy:").replace("/", "_") for m in args.models)
+        stem += f"-{models}-{'-'.join(args.modes)}-shard{args.shard.replace('/', 'of')}"
+    return str(out / stem)
 
 
 def save_json(path: Path, data: dict) -> None:
@@ -429,10 +442,10 @@ def merge(files: list[str], out_dir: str) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     where = Path(files[0]).name.split("-")[1]  # cuda or cpu, as the shards named it
-    stem = out / f"determinism-{where}-{meta['date'][:10]}-{meta['commit']}-merged"
-    save_json(stem.with_suffix(".json"), {**meta, "args": vars(args), "results": results})
+    stem = str(out / f"determinism-{where}-{meta['date'][:10]}-{meta['commit']}-merged")
+    save_json(Path(stem + ".json"), {**meta, "args": vars(args), "results": results})
     md = markdown(meta, results, args) + f"\n\nAdded up from {len(runs)} shards run side by side (`--merge`)."
-    stem.with_suffix(".md").write_text(md + "\n")
+    Path(stem + ".md").write_text(md + "\n")
     print(md)
 
 

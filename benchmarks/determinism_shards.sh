@@ -18,8 +18,13 @@ gpus=(${CUDA_VISIBLE_DEVICES:-})
 gpus=(${gpus[@]//,/ })
 [ ${#gpus[@]} -gt 0 ] || mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null)
 [ ${#gpus[@]} -gt 0 ] || { echo "no GPU" >&2; exit 1; }
-tmp=$(mktemp -d /tmp/det-shards.XXXX)
-export TMPDIR=$tmp  # the shards' disk stores: removed below, also those of shards cut at the limit
+# the shards' disk stores (case e's restart reads each shard's targets back: GBs a shard) in memory
+# where /dev/shm has room for them all, so that a slow disk does not set the pace
+base=/tmp
+[ "$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -ge 160 ] 2>/dev/null && base=/dev/shm
+tmp=$(mktemp -d "$base/det-shards.XXXX")
+export TMPDIR=$tmp  # removed below, also the stores of shards cut at the limit
+echo "disk stores under $base"
 i=0
 for combo in "dummy:llama-3.2-1b deterministic 20000" "dummy:llama-3.2-1b default 20000" \
   "dummy:qwen2.5-0.5b deterministic 30000" "dummy:qwen2.5-0.5b default 30000"; do
@@ -35,3 +40,4 @@ for f in "$tmp"/log-*.txt; do echo "$(basename "$f"): $(grep '\[dummy' "$f" | ta
 grep -h "Error" "$tmp"/log-*.txt | head -8
 rm -rf "$tmp"/det-kv-*
 python benchmarks/determinism_bench.py --merge "$tmp"/*.json --out "$out"
+echo "shards' logs and results: $tmp"
