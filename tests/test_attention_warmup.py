@@ -84,25 +84,26 @@ def compiled() -> int:
     return n
 
 
-def test_invariant_mode_has_two_variants_of_one_tile():
+def test_invariant_mode_has_four_variants_of_one_tile():
     """split_keys (deterministic engines): decodes, prefill chunks and mixed steps of any size launch
-    the same tiles; a launch whose keys all fall in the first split writes in place (no merge), a
-    longer one splits and merges: two variants, and the warm-up compiles both."""
+    the same tiles (BLOCK_M x BLOCK_N, warps); a decode puts one query in a program, a chunk several;
+    a launch whose keys all fall in the first split writes in place (no merge), a longer one splits
+    and merges: four variants, and the warm-up compiles each."""
     shapes = [(1, 1, 1, 5), (256, 256, 1, 4000), (2048, 3, 900, 3000), (16, 1, 16, 20), (300, 2, 299, 1024)]
     for H_q, H_kv, key_tile, launch in [(32, 8, 0, pa.PREFILL_LAUNCH[64]), (14, 2, 128, pa.INVARIANT_FEW_HEADS_LAUNCH)]:
         plans = [pa.launch_plan(T, B, H_q, H_kv, 64, q, k, None, 132, 1024, key_tile) for T, B, q, k in shapes]
         assert [p.num_splits for p in plans] == [1, 4, 3, 1, 1]
-        one = {(p.attention_variant(), p.merge_variant()) for p in plans if p.num_splits == 1}
-        several = {(p.attention_variant(), p.merge_variant()) for p in plans if p.num_splits > 1}
-        assert len(one) == len(several) == 1
-        assert next(iter(one))[1] is None and next(iter(several))[1] == ("in order", 64)
-        assert {(p.launch, p.block_m, p.block_q) for p in plans} == {(launch, 16, 16 // (H_q // H_kv) or 1)}
+        assert [p.block_q for p in plans] == [1, 1] + [16 // (H_q // H_kv)] * 3
+        assert {(p.launch, p.block_m) for p in plans} == {(launch, 16)}
+        variants = {(p.attention_variant(), p.merge_variant()) for p in plans}
+        assert len(variants) == 4
+        assert {m for _, m in variants} == {None, ("in order", 64)}
         cache = torch.zeros(4, 16, H_kv, 64)
         warmed = []
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(pa, "paged_attention_triton", lambda *a, **kw: warmed.append((a[9], kw["split_keys"])))
+            mp.setattr(pa, "paged_attention_triton", lambda *a, **kw: warmed.append((a[7], a[9], kw["split_keys"])))
             attention_warmup.warm_up(cache, cache, H_q, {0}, 8, 4096, 64, 4, 1024, key_tile)
-        assert warmed == [(1, 1024), (4, 1024)]
+        assert warmed == [(1, 1, 1024), (1, 4, 1024), (2, 1, 1024), (2, 4, 1024)]  # (max_q, splits, split_keys)
 
 
 def test_the_invariant_key_tile_is_the_whole_models():

@@ -83,15 +83,16 @@ def warm_up(
     """Compile every reachable variant for one layer's cache views (N, block_size, H_kv, D) and
     each sliding window in use (0: none), with block tables max_num_pages wide as an eager step's
     (their row stride is a specialized int too). `split_keys` > 0 (invariant mode): every step has
-    one of two variants, the same tiles (the model's `key_tile`) in one split or several (with the
-    merge). Returns the number of launches made."""
+    one of four variants, the same tiles (the model's `key_tile`) for decodes (one query a program)
+    or chunks, in one split or several (with the merge). Returns the number of launches made."""
     _, _, H_kv, D = k_cache.shape
     device, sms = k_cache.device, pa.num_sms(k_cache.device)
     if split_keys:
         plans = {}
-        for k in (2, max_model_len):  # every key in the first split; for longer contexts, several
-            plan = pa.launch_plan(2, 1, num_q_heads, H_kv, D, 2, k, None, sms, split_keys, key_tile)
-            plans[(plan.attention_variant(), plan.merge_variant())] = (2, 1, 2, k, plan)
+        for T, B, q in ((1, 1, 1), (2, 1, 2)):  # a decode; a chunk
+            for k in (q, max_model_len):  # every key in the first split; for longer contexts, several
+                plan = pa.launch_plan(T, B, num_q_heads, H_kv, D, q, k, None, sms, split_keys, key_tile)
+                plans[(plan.attention_variant(), plan.merge_variant())] = (T, B, q, k, plan)
     else:
         plans = reachable_plans(num_q_heads, H_kv, D, max_num_seqs, max_model_len, max_num_tokens, sms)
     n = 0

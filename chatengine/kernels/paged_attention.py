@@ -486,10 +486,13 @@ def launch_plan(
         launch = INVARIANT_FEW_HEADS_LAUNCH if key_tile == 128 else _launch(INVARIANT_LAUNCH, block_d)
         assert split_keys % launch[0] == 0, "split_keys must be a multiple of BLOCK_N"
         block_m = max(INVARIANT_BLOCK_M, triton.next_power_of_2(group))
+        # a decode's one query fills only its GQA group's rows: one query a program (the rows' layout,
+        # BLOCK_M x BLOCK_N, and so each row's arithmetic stay as in the chunks' programs)
+        block_q = 1 if max_seqlen_q == 1 else block_m // group
         if num_splits is None:
             assert max_seqlen_k is not None
             num_splits = max(1, -(-max_seqlen_k // split_keys))
-        return LaunchPlan(num_splits, block_d, block_m, block_m // group, launch, False, 1, split_keys)
+        return LaunchPlan(num_splits, block_d, block_m, block_q, launch, False, 1, split_keys)
     if max_seqlen_q == 1:  # decode: one token, the GQA group in the rows
         block_m, block_q = max(16, triton.next_power_of_2(group)), 1  # tl.dot needs M >= 16
         if num_splits is None:
