@@ -53,8 +53,8 @@ def test_triton_linear_rows_do_not_depend_on_the_batch(device, dtype, bias, conf
 @pytest.mark.parametrize("N", [1000, 9000])  # narrow and wide tiles
 def test_tiles_chosen_by_the_rows_keep_rows_invariant(device, N, request):
     """The tiles (and the load path) change with M (config_for); a row's bits do not, across every
-    boundary of the rules: 1..SMALL_ROWS, ..MID_ROWS, ..LARGE_ROWS (CUDA), beyond, below and from
-    TMA_FROM_ROWS."""
+    boundary of the rules: 1..64, ..SMALL_ROWS, ..MID_ROWS, ..LARGE_ROWS (CUDA), beyond (LARGE tiles
+    for one segment, WIDE for two), below and from TMA_FROM_ROWS."""
     if device == "cpu":
         request.getfixturevalue("row_exact_dot")
     torch.manual_seed(4)
@@ -62,12 +62,12 @@ def test_tiles_chosen_by_the_rows_keep_rows_invariant(device, N, request):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(M, K, device=device).to(dtype)
     w = (torch.randn(N if device == "cuda" else N // 50, K, device=device) / K**0.5).to(dtype)
-    counts = [1, 2, 31, 32, 33, 64, 65, 200, 256, 257] + ([2047] if device == "cuda" else [])
+    counts = [1, 2, 31, 32, 33, 64, 65, 128, 129, 200, 256, 257] + ([2047] if device == "cuda" else [])
     width = w.shape[0] * (50 if device == "cpu" else 1)  # CPU: the rules of the full width, small shapes
     assert len({im.config_for(width, m) for m in counts + [M]}) >= 2
 
     def chosen(x, w, b, segments=1):
-        return im.linear_triton(x, w, b, im.config_for(width, x.shape[0]), segments)
+        return im.linear_triton(x, w, b, im.config_for(width, x.shape[0], segments=segments), segments)
 
     rows_invariant(chosen, x, w, None, counts)
     rows_invariant(lambda x, w, b: chosen(x, w, b, segments=2), x, w, None, counts)
@@ -235,6 +235,8 @@ def test_linear_keeps_leading_dims():
     x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
     assert im.linear(x, w).shape == (2, 5, 3)
     assert im.config_for(2048, 1000) == im.NARROW and im.config_for(128256, 1000) == im.WIDE
-    assert im.config_for(2048, 2048) == im.WIDE
-    assert im.config_for(2048, 64) == im.SMALL_NARROW and im.config_for(2048, 65) == im.MID_NARROW
+    assert im.config_for(2048, 2048) == im.LARGE and im.config_for(2048, 2048, segments=2) == im.WIDE
+    assert im.config_for(2048, 128) == im.SMALL_NARROW and im.config_for(2048, 129) == im.MID_NARROW
+    assert im.config_for(16384, 64) == im.SMALL_WIDE and im.config_for(16384, 65) == im.MID_WIDE
+    assert im.config_for(16384, 129) == im.WIDE
     torch.testing.assert_close(im.linear(x, w), im.linear_ref(x, w))

@@ -46,17 +46,25 @@ except ImportError:  # no triton, or one without host-side tensor descriptors
 # still makes enough programs; wide ones (gate/up, the LM head) have programs enough with large
 # tiles, which reuse each loaded tile twice as often in a long prefill. Decode-sized calls take
 # deeper K steps. Measured on an H200 (`determinism_bench.py --gemm-configs`, CUDA graph replay, us,
-# Llama-1B shapes), against the tiles of long calls: 64 rows, SMALL_NARROW qkv 5.6 vs 7.7, o 5.9 vs
-# 6.8, down 11.7 vs 16.2, SMALL_WIDE gate/up 19.5 vs 27.6, LM head 134 vs 192 (cuBLAS 139); 256 rows,
-# MID_NARROW qkv 9.8 vs 10.2, o 9.1 vs 9.3, down 22.6 vs 25.1. From LARGE_ROWS every layer has
-# tiles enough for WIDE (qkv at 2048 rows: 384), whose loads serve twice the products: at 16k rows
-# NARROW ran at 0.50-0.55 of cuBLAS (qkv 555 us vs 305, o 361 vs 198, down 1631 vs 817), WIDE on
-# gate/up at 0.84.
+# Llama-1B shapes; benchmarks/results/device-logs-2026-11-28[cd].md):
+# - 64 rows, against the tiles of long calls: SMALL_NARROW qkv 5.6 vs 7.7, o 5.9 vs 6.8, down 11.7 vs
+#   16.2; SMALL_WIDE gate/up 19.5 vs 27.6, LM head 134 vs 192 (cuBLAS 139).
+# - 128 rows: SMALL_NARROW qkv 7.5, o 6.9, down 16.5 (the 64x64x128 tiles: 7.8, 6.8, 18.8); MID_WIDE
+#   gate/up 21.6 vs WIDE's 25.9 (cuBLAS 20.9).
+# - 256 rows: MID_NARROW qkv 9.8, o 8.7, down 21.8 (64x64x128: 9.6, 8.8, 23.4; cuBLAS 6.9, 6.1, 21.8).
+# - From LARGE_ROWS every layer has tiles enough for WIDE (qkv at 2048 rows: 384), whose loads serve
+#   twice the products: at 16k rows NARROW ran at 0.50-0.55 of cuBLAS (qkv 555 us vs 305, o 361 vs 198,
+#   down 1631 vs 817). A layer of one segment takes LARGE, twice as wide again (16k rows: qkv 329 vs
+#   WIDE's 357, gate/up 1787 vs 1946); a segmented one keeps WIDE (LARGE's two fp32 accumulators
+#   spill: o 1302 vs 254).
 NARROW = (64, 64, 64, 4, 4)
 WIDE = (128, 128, 64, 8, 3)
+LARGE = (128, 256, 64, 8, 3)
 SMALL_NARROW = (64, 32, 128, 4, 4)
-SMALL_WIDE = MID_NARROW = (64, 64, 128, 4, 3)
-SMALL_ROWS, MID_ROWS, LARGE_ROWS = 64, 256, 2048  # the largest M of the first two, the least of the last
+SMALL_WIDE = (64, 64, 128, 4, 3)
+MID_NARROW = (64, 128, 128, 4, 3)
+MID_WIDE = (64, 128, 64, 4, 4)
+SMALL_ROWS, MID_ROWS, LARGE_ROWS = 128, 256, 2048  # the largest M of the first two, the least of the last
 WIDE_FROM = 8192  # output features
 TILE_ROWS = 16  # CPU: rows per BLAS call
 # Load tiles with the tensor memory accelerator where the device has one, from this many rows: a
@@ -66,17 +74,20 @@ USE_TMA = True
 TMA_FROM_ROWS = 33
 
 
-def config_for(N: int, M: int, by_rows: bool = True) -> tuple[int, int, int, int, int]:
-    """The tiles of a call of M rows on a layer N wide. `by_rows` False (a device where check_tiles
-    found tiles moving a row's bits): one configuration for every M, invariant by construction."""
+def config_for(N: int, M: int, by_rows: bool = True, segments: int = 1) -> tuple[int, int, int, int, int]:
+    """The tiles of a call of M rows on a layer N wide of `segments` segments. `by_rows` False (a
+    device where check_tiles found tiles moving a row's bits): one configuration for every M,
+    invariant by construction."""
     wide = N >= WIDE_FROM
     if not by_rows:
         return WIDE if wide else NARROW
     if M <= SMALL_ROWS:
-        return SMALL_WIDE if wide else SMALL_NARROW
+        return (SMALL_WIDE if M <= 64 else MID_WIDE) if wide else SMALL_NARROW
     if M <= MID_ROWS:
         return WIDE if wide else MID_NARROW
-    return WIDE if wide or M >= LARGE_ROWS else NARROW
+    if M >= LARGE_ROWS:
+        return LARGE if segments == 1 else WIDE
+    return WIDE if wide else NARROW
 
 
 # M (and M * N, the stride between segments) is never specialized (Triton compiles a variant for 1
@@ -253,7 +264,7 @@ def linear_triton(
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    block_m, block_n, block_k, warps, stages = config or config_for(N, M, by_rows)
+    block_m, block_n, block_k, warps, stages = config or config_for(N, M, by_rows, segments)
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
     if x.device.type != "cuda" and x.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # the interpreter multiplies bf16 bit patterns
@@ -332,7 +343,7 @@ def paths(N: int, width: int, segments: int, device: torch.device, by_rows: bool
     program or apart."""
     seen, ms = set(), []
     for M in range(1, CHECK_MAX_ROWS + 1):
-        config = config_for(width, M, by_rows)
+        config = config_for(width, M, by_rows, segments)
         key = (config, *route(M, N, config[:2], segments, device, by_rows)[1:])
         if key not in seen:
             seen.add(key)
@@ -375,7 +386,7 @@ def _rows_keep_their_bits(weight, bias, width, segments, by_rows) -> bool:
     x = torch.randn(rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
 
     def call(m):
-        config = config_for(width, m, by_rows)
+        config = config_for(width, m, by_rows, segments)
         return linear_triton(x[:m], weight, bias, config, segments, torch.float32, by_rows=by_rows)
 
     ref = call(CHECK_REF_ROWS)
@@ -445,6 +456,6 @@ def linear(
     output width that picks the tiles (a rank's share of a split layer tiles as the whole layer).
     `by_rows`: the layer's check_tiles verdict."""
     if x.device.type == "cuda":
-        config = config_for(width or weight.shape[0], x.numel() // x.shape[-1], by_rows)
+        config = config_for(width or weight.shape[0], x.numel() // x.shape[-1], by_rows, segments)
         return linear_triton(x, weight, bias, config, segments, out_dtype, by_rows=by_rows)
     return linear_tiled_torch(x, weight, bias, segments, out_dtype)
