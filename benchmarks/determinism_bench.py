@@ -189,11 +189,16 @@ GEMM_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
     (128, 64, 64, 4, 4),
     (128, 128, 64, 8, 3),  # WIDE
     (128, 256, 64, 8, 3),
+    (64, 128, 64, 4, 4),
+    (64, 128, 128, 4, 3),
+    (128, 64, 128, 8, 3),
+    (64, 32, 256, 4, 3),
+    (32, 32, 256, 4, 3),
 ]
 GEMM_ROWS = (1, 64, 256, 1024, 4096, 16384)
 
 
-def gemm_table(model: str, configs: bool = False, rows=GEMM_ROWS) -> list[str]:
+def gemm_table(model: str, configs: bool = False, rows=GEMM_ROWS, layers=None) -> list[str]:
     """us per call of the invariant matmul against cuBLAS (F.linear) on the model's projection shapes
     at decode and prefill sizes (CUDA): its committed tiles loaded by pointers and by the TMA (and
     whether the two give the same bits), or with `configs` every tile config of GEMM_CONFIGS. Each
@@ -224,13 +229,15 @@ def gemm_table(model: str, configs: bool = False, rows=GEMM_ROWS) -> list[str]:
     ]
     bench = triton.testing.do_bench_cudagraph
     for name, (K, N, segments) in shapes.items():
+        if layers and name not in layers:
+            continue
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
         for M in rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             times = [bench(lambda: torch.nn.functional.linear(x, w))]
             outs = []
             for kw in variants.values():
-                kw = {"config": im.config_for(N, M), "segments": segments, **kw}
+                kw = {"config": im.config_for(N, M, segments=segments), "segments": segments, **kw}
 
                 def call(kw=kw):
                     return im.linear_triton(x, w, **kw)
@@ -241,6 +248,71 @@ def gemm_table(model: str, configs: bool = False, rows=GEMM_ROWS) -> list[str]:
             cells = " | ".join(f"{1e3 * t:.1f}" for t in times)
             lines.append(f"| {name} | {M} | {cells} | {times[0] / min(times[1:]):.2f} | {same} |")
             print(lines[-1], flush=True)
+    return lines
+
+
+ATTENTION_SHAPES = [(1, 1024), (64, 1024), (256, 1024), (256, 2048), (16, 4096)]  # decodes: (batch, context)
+ATTENTION_PREFILL = [(16, 1024), (4, 4096)]  # prefills: (sequences, tokens each)
+
+
+def attention_table(model: str) -> list[str]:
+    """us per paged-attention call on one layer of the model, default mode's rules against the
+    invariant mode's (deterministic engines: split_keys, the model's key tile), decodes and whole
+    prefills over shuffled pages, each replayed in a CUDA graph (the decode graphs' way); the
+    invariant decodes also with a graph's split count for an 8k context (empty splits, the merge)."""
+    import triton.testing
+
+    from chatengine.kernels import paged_attention as pa
+
+    c = DUMMY_SHAPES[model.removeprefix("dummy:")]
+    H_q, H_kv, D, page = c["num_heads"], c["num_kv_heads"], c["head_dim"], 16
+    key_tile = pa.invariant_key_tile(H_kv, D)
+    keys = pa.INVARIANT_SPLIT_KEYS
+    lines = [
+        f"## {model}: paged attention, us per call (one layer; graph replay)",
+        "",
+        "| step | default | invariant | invariant, 8k graph's splits | invariant / default |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    steps = [("decode", B, ctx, 1) for B, ctx in ATTENTION_SHAPES] + [
+        ("prefill", B, n, n) for B, n in ATTENTION_PREFILL
+    ]
+    for kind, B, ctx, q_len in steps:
+        pages = B * -(-ctx // page)
+        kv = torch.randn(pages + 8, 2, page, H_kv, D, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(pages + 8, device="cuda")[:pages].view(B, -1).to(torch.int32)
+        q = torch.randn(B * q_len, H_q, D, device="cuda", dtype=torch.bfloat16)
+        cu = torch.arange(0, B * q_len + 1, q_len, device="cuda", dtype=torch.int32)
+        lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+        out = torch.empty_like(q)
+
+        def call(split_keys=0, num_splits=None):
+            return pa.paged_attention_triton(
+                q,
+                kv[:, 0],
+                kv[:, 1],
+                cu,
+                lens,
+                tables,
+                D**-0.5,
+                q_len,
+                ctx,
+                num_splits,
+                out=out,
+                split_keys=split_keys,
+                key_tile=key_tile if split_keys else 0,
+            )
+
+        variants = [dict(), dict(split_keys=keys)]
+        if kind == "decode":
+            variants.append(dict(split_keys=keys, num_splits=8192 // keys))
+        times = []
+        for kw in variants:
+            call(**kw)
+            times.append(1e3 * triton.testing.do_bench_cudagraph(lambda kw=kw: call(**kw)))
+        cells = " | ".join(f"{t:.1f}" for t in times) + (" | -" if len(times) == 2 else "")
+        lines.append(f"| {kind} {B} x {ctx} | {cells} | {times[1] / times[0]:.2f} |")
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -308,6 +380,10 @@ def main(argv=None):
     ap.add_argument("--gemm", action="store_true", help="only time the invariant matmul's kernels (CUDA)")
     ap.add_argument("--gemm-configs", action="store_true", help="with --gemm: every tile config instead")
     ap.add_argument("--gemm-rows", type=int, nargs="+", default=list(GEMM_ROWS), help="with --gemm: the Ms")
+    ap.add_argument(
+        "--gemm-layers", nargs="+", default=None, help="with --gemm: only these (qkv o gate_up down lm_head)"
+    )
+    ap.add_argument("--attention", action="store_true", help="only time invariant attention against default (CUDA)")
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="fixed KV pages (several runs on one GPU)")
     ap.add_argument("--shard", default="", help="K/N: only targets K, K+N, K+2N, ... (all N shards: --merge)")
     ap.add_argument("--merge", nargs="+", default=[], help="JSON results of shards to add up into one table")
@@ -317,7 +393,11 @@ def main(argv=None):
         return merge(args.merge, args.out)
     if args.gemm:
         for model in args.models:
-            print("\n".join(gemm_table(model, args.gemm_configs, args.gemm_rows)), flush=True)
+            print("\n".join(gemm_table(model, args.gemm_configs, args.gemm_rows, args.gemm_layers)), flush=True)
+        return
+    if args.attention:
+        for model in args.models:
+            print("\n".join(attention_table(model)), flush=True)
         return
 
     rng = random.Random(0)
