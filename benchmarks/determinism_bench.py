@@ -237,7 +237,7 @@ def gemm_table(model: str, configs: bool = False, rows=GEMM_ROWS, layers=None) -
             times = [bench(lambda: torch.nn.functional.linear(x, w))]
             outs = []
             for kw in variants.values():
-                kw = {"config": im.config_for(N, M, segments=segments), "segments": segments, **kw}
+                kw = {"config": im.config_for(N, M), "segments": segments, **kw}
 
                 def call(kw=kw):
                     return im.linear_triton(x, w, **kw)

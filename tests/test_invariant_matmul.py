@@ -53,8 +53,8 @@ def test_triton_linear_rows_do_not_depend_on_the_batch(device, dtype, bias, conf
 @pytest.mark.parametrize("N", [1000, 9000])  # narrow and wide tiles
 def test_tiles_chosen_by_the_rows_keep_rows_invariant(device, N, request):
     """The tiles (and the load path) change with M (config_for); a row's bits do not, across every
-    boundary of the rules: 1..64, ..SMALL_ROWS, ..MID_ROWS, ..LARGE_ROWS (CUDA), beyond (LARGE tiles
-    for one segment, WIDE for two), below and from TMA_FROM_ROWS."""
+    boundary of the rules: 1..64, ..SMALL_ROWS, ..MID_ROWS, ..LARGE_ROWS (CUDA), beyond, below and
+    from TMA_FROM_ROWS."""
     if device == "cpu":
         request.getfixturevalue("row_exact_dot")
     torch.manual_seed(4)
@@ -67,7 +67,7 @@ def test_tiles_chosen_by_the_rows_keep_rows_invariant(device, N, request):
     assert len({im.config_for(width, m) for m in counts + [M]}) >= 2
 
     def chosen(x, w, b, segments=1):
-        return im.linear_triton(x, w, b, im.config_for(width, x.shape[0], segments=segments), segments)
+        return im.linear_triton(x, w, b, im.config_for(width, x.shape[0]), segments)
 
     rows_invariant(chosen, x, w, None, counts)
     rows_invariant(lambda x, w, b: chosen(x, w, b, segments=2), x, w, None, counts)
@@ -235,8 +235,36 @@ def test_linear_keeps_leading_dims():
     x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
     assert im.linear(x, w).shape == (2, 5, 3)
     assert im.config_for(2048, 1000) == im.NARROW and im.config_for(128256, 1000) == im.WIDE
-    assert im.config_for(2048, 2048) == im.LARGE and im.config_for(2048, 2048, segments=2) == im.WIDE
+    assert im.config_for(2048, 2048) == im.WIDE and im.config_for(128256, 128) == im.WIDE
     assert im.config_for(2048, 128) == im.SMALL_NARROW and im.config_for(2048, 129) == im.MID_NARROW
     assert im.config_for(16384, 64) == im.SMALL_WIDE and im.config_for(16384, 65) == im.MID_WIDE
     assert im.config_for(16384, 129) == im.WIDE
     torch.testing.assert_close(im.linear(x, w), im.linear_ref(x, w))
+
+
+def test_a_launch_takes_the_pipeline_stages_that_fit():
+    """A config whose stages overflow the device's shared memory (fp32 operands take twice bf16's
+    room) launches with fewer, as many as fit, and later calls start there; where one stage does not
+    fit, the error stands."""
+
+    class Kernel:
+        def __init__(self, fits):
+            self.fits, self.tried = fits, []
+
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **kw):
+                self.tried.append(num_stages)
+                if num_stages > self.fits:
+                    raise im.OutOfResources(1, 0, "shared memory")
+
+            return launch
+
+    kernel = Kernel(fits=2)
+    common = dict(BLOCK_M=64, num_stages=4)
+    im._launch_fitted(kernel, (1, 1), (), common, (torch.float32, torch.float32))
+    im._launch_fitted(kernel, (1, 1), (), common, (torch.float32, torch.float32))
+    assert kernel.tried == [4, 3, 2, 2]
+    im._launch_fitted(kernel, (1, 1), (), common, (torch.bfloat16, torch.bfloat16))  # another key
+    assert kernel.tried[4:] == [4, 3, 2]
+    with pytest.raises(im.OutOfResources):
+        im._launch_fitted(Kernel(fits=0), (1, 1), (), common, (torch.float32, torch.float32))

@@ -40,6 +40,10 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # no triton, or one without host-side tensor descriptors
     TensorDescriptor = None  # type: ignore[assignment,misc]
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # no triton: never raised
+    OutOfResources = RuntimeError  # type: ignore[assignment,misc]
 
 # Tile configurations, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), by the call's rows M and
 # the layer's output width N. Narrow layers (q/k/v, o, down) take small tiles, so that a decode step
@@ -50,22 +54,24 @@ except ImportError:  # no triton, or one without host-side tensor descriptors
 # - 64 rows, against the tiles of long calls: SMALL_NARROW qkv 5.6 vs 7.7, o 5.9 vs 6.8, down 11.7 vs
 #   16.2; SMALL_WIDE gate/up 19.5 vs 27.6, LM head 134 vs 192 (cuBLAS 139).
 # - 128 rows: SMALL_NARROW qkv 7.5, o 6.9, down 16.5 (the 64x64x128 tiles: 7.8, 6.8, 18.8); MID_WIDE
-#   gate/up 21.6 vs WIDE's 25.9 (cuBLAS 20.9).
+#   gate/up 21.6 vs WIDE's 25.9 (cuBLAS 20.9); the LM head keeps WIDE (HEAD_FROM).
 # - 256 rows: MID_NARROW qkv 9.8, o 8.7, down 21.8 (64x64x128: 9.6, 8.8, 23.4; cuBLAS 6.9, 6.1, 21.8).
 # - From LARGE_ROWS every layer has tiles enough for WIDE (qkv at 2048 rows: 384), whose loads serve
 #   twice the products: at 16k rows NARROW ran at 0.50-0.55 of cuBLAS (qkv 555 us vs 305, o 361 vs 198,
-#   down 1631 vs 817). A layer of one segment takes LARGE, twice as wide again (16k rows: qkv 329 vs
-#   WIDE's 357, gate/up 1787 vs 1946); a segmented one keeps WIDE (LARGE's two fp32 accumulators
-#   spill: o 1302 vs 254).
+#   down 1631 vs 817). (128 x 256 tiles gain another 8% at 16k rows on one-segment layers, qkv 329 us
+#   vs 357, gate/up 1787 vs 1946, but spill with two segments, o 1302 vs 254, and their fp32 output
+#   tile leaves no shared memory to fp32 operands: not taken.)
 NARROW = (64, 64, 64, 4, 4)
 WIDE = (128, 128, 64, 8, 3)
-LARGE = (128, 256, 64, 8, 3)
 SMALL_NARROW = (64, 32, 128, 4, 4)
 SMALL_WIDE = (64, 64, 128, 4, 3)
 MID_NARROW = (64, 128, 128, 4, 3)
 MID_WIDE = (64, 128, 64, 4, 4)
 SMALL_ROWS, MID_ROWS, LARGE_ROWS = 128, 256, 2048  # the largest M of the first two, the least of the last
 WIDE_FROM = 8192  # output features
+# an LM head's (a vocabulary's) output features: at 65-128 rows MID_WIDE reads its weight twice,
+# out of L2's reach (128 rows: 178 us vs WIDE's 154, cuBLAS 145), where gate/up's stays in L2
+HEAD_FROM = 32768
 TILE_ROWS = 16  # CPU: rows per BLAS call
 # Load tiles with the tensor memory accelerator where the device has one, from this many rows: a
 # 64-row box for one row cost more than masked loads (LM head at M=1: 233 us vs 137), from 64 rows
@@ -74,20 +80,19 @@ USE_TMA = True
 TMA_FROM_ROWS = 33
 
 
-def config_for(N: int, M: int, by_rows: bool = True, segments: int = 1) -> tuple[int, int, int, int, int]:
-    """The tiles of a call of M rows on a layer N wide of `segments` segments. `by_rows` False (a
-    device where check_tiles found tiles moving a row's bits): one configuration for every M,
-    invariant by construction."""
+def config_for(N: int, M: int, by_rows: bool = True) -> tuple[int, int, int, int, int]:
+    """The tiles of a call of M rows on a layer N wide. `by_rows` False (a device where check_tiles
+    found tiles moving a row's bits): one configuration for every M, invariant by construction."""
     wide = N >= WIDE_FROM
     if not by_rows:
         return WIDE if wide else NARROW
     if M <= SMALL_ROWS:
-        return (SMALL_WIDE if M <= 64 else MID_WIDE) if wide else SMALL_NARROW
+        if not wide:
+            return SMALL_NARROW
+        return SMALL_WIDE if M <= 64 else MID_WIDE if N < HEAD_FROM else WIDE
     if M <= MID_ROWS:
         return WIDE if wide else MID_NARROW
-    if M >= LARGE_ROWS:
-        return LARGE if segments == 1 else WIDE
-    return WIDE if wide else NARROW
+    return WIDE if wide or M >= LARGE_ROWS else NARROW
 
 
 # M (and M * N, the stride between segments) is never specialized (Triton compiles a variant for 1
@@ -264,7 +269,7 @@ def linear_triton(
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    block_m, block_n, block_k, warps, stages = config or config_for(N, M, by_rows, segments)
+    block_m, block_n, block_k, warps, stages = config or config_for(N, M, by_rows)
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
     if x.device.type != "cuda" and x.dtype == torch.bfloat16:
         dot_dtype = tl.float32  # the interpreter multiplies bf16 bit patterns
@@ -287,12 +292,12 @@ def linear_triton(
     if (tma if tma is not None else use_tma) and tma_fits(x2, weight, block_k, seg_k):
         xd = TensorDescriptor.from_tensor(x2, [block_m, block_k])
         wd = TensorDescriptor.from_tensor(weight, [block_n, block_k])
-        _matmul_tma_kernel[(tiles, parts)](xd, wd, b, out, M, N, out.stride(-2), M * N, seg_k, **common)
+        kernel, args = _matmul_tma_kernel, (xd, wd, b, out, M, N, out.stride(-2), M * N, seg_k)
     else:
-        _matmul_kernel[(tiles, parts)](
-            x2, weight, b, out, M, N, x2.stride(0), weight.stride(0), out.stride(-2), M * N, seg_k,
-            EVEN_K=seg_k % block_k == 0, **common,
-        )  # fmt: skip
+        kernel = _matmul_kernel
+        args = (x2, weight, b, out, M, N, x2.stride(0), weight.stride(0), out.stride(-2), M * N, seg_k)
+        common["EVEN_K"] = seg_k % block_k == 0
+    _launch_fitted(kernel, (tiles, parts), args, common, (x.dtype, out.dtype))
     if parts > 1:
         _sum_segments_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
             out, b, y, M, N, M * N, y.stride(0), PARTS=parts, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK
@@ -301,6 +306,25 @@ def linear_triton(
 
 
 SUM_BLOCK = 1024  # elements per program of the segments' sum
+_stages: dict[tuple, int] = {}  # (kernel, its constants, dtypes) -> pipeline stages that fit
+
+
+def _launch_fitted(kernel, grid, args, common: dict, dtypes: tuple) -> None:
+    """Launch with the config's pipeline stages, or as many as fit the device's shared memory: fp32
+    operands take twice bf16's room (an H200 fits MID_NARROW's 3 stages in bf16, not in fp32). Stages
+    only pipeline the loads: the arithmetic, and so the bits, stay. Triton checks before it runs
+    anything; the count that fits is kept, so a CUDA graph's capture finds it."""
+    key = (id(kernel), *sorted(common.items()), *dtypes)
+    stages = _stages.get(key, common["num_stages"])
+    while True:
+        try:
+            kernel[grid](*args, **{**common, "num_stages": stages})
+            break
+        except OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
+    _stages[key] = stages
 
 
 def route(M: int, N: int, blocks: tuple[int, int], segments: int, device: torch.device, by_rows: bool):
@@ -343,7 +367,7 @@ def paths(N: int, width: int, segments: int, device: torch.device, by_rows: bool
     program or apart."""
     seen, ms = set(), []
     for M in range(1, CHECK_MAX_ROWS + 1):
-        config = config_for(width, M, by_rows, segments)
+        config = config_for(width, M, by_rows)
         key = (config, *route(M, N, config[:2], segments, device, by_rows)[1:])
         if key not in seen:
             seen.add(key)
@@ -386,7 +410,7 @@ def _rows_keep_their_bits(weight, bias, width, segments, by_rows) -> bool:
     x = torch.randn(rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
 
     def call(m):
-        config = config_for(width, m, by_rows, segments)
+        config = config_for(width, m, by_rows)
         return linear_triton(x[:m], weight, bias, config, segments, torch.float32, by_rows=by_rows)
 
     ref = call(CHECK_REF_ROWS)
@@ -456,6 +480,6 @@ def linear(
     output width that picks the tiles (a rank's share of a split layer tiles as the whole layer).
     `by_rows`: the layer's check_tiles verdict."""
     if x.device.type == "cuda":
-        config = config_for(width or weight.shape[0], x.numel() // x.shape[-1], by_rows, segments)
+        config = config_for(width or weight.shape[0], x.numel() // x.shape[-1], by_rows)
         return linear_triton(x, weight, bias, config, segments, out_dtype, by_rows=by_rows)
     return linear_tiled_torch(x, weight, bias, segments, out_dtype)
