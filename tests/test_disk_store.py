@@ -3,6 +3,7 @@ at every length, is a miss at start-up and at read (the file then deleted), neve
 intact file reads back bit for bit. The checksum covers the header as well as the page."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -192,3 +193,28 @@ def test_the_writer_lives_on_after_a_failed_write(tmp_path, monkeypatch):
     disk.write_behind(other, torch.randn(SHAPE), block=True)
     disk.close()
     assert other.hash in disk and disk.num_bytes > 0
+
+
+def test_a_page_is_queued_once_and_a_failed_write_can_be_queued_again(tmp_path, monkeypatch):
+    """A page queued for the writer is not queued again (the flush of the host tier after the device
+    pool's would write it twice); once written it is on disk; a write that failed leaves nothing
+    pending, so the page can be queued again."""
+    disk = store(tmp_path)
+    gate, writes = threading.Event(), []
+    real_write = disk._write
+    monkeypatch.setattr(disk, "_write", lambda *a: gate.wait(10) and (writes.append(a[0].hash) or real_write(*a)))
+    assert disk.write_behind(META, torch.randn(SHAPE)) and disk.write_behind(META, torch.randn(SHAPE))
+    assert disk.queued(META.hash) and META.hash not in disk  # not readable before it is written
+    gate.set()
+    disk.flush()
+    assert writes == [META.hash]
+    assert META.hash in disk and disk.queued(META.hash) and not disk.pending
+    other = BlockMeta(b"z" * 16, b"p" * 16, (3,), b"o" * 8)
+    monkeypatch.setattr(disk, "_write", lambda *a: 1 / 0)
+    disk.write_behind(other, torch.randn(SHAPE), block=True)
+    disk.flush()
+    assert not disk.queued(other.hash) and disk.num_write_errors == 1
+    monkeypatch.undo()
+    disk.write_behind(other, torch.randn(SHAPE), block=True)
+    disk.close()
+    assert other.hash in disk

@@ -46,6 +46,7 @@ class DiskStore:
         os.chmod(self.dir, 0o700)
         self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()  # LRU: head evicted first
         self._bytes = 0  # the index's file sizes, kept as entries come and go (under self.lock)
+        self.pending: set[bytes] = set()  # hashes queued for the writer, not indexed yet (under self.lock)
         self.lock = threading.Lock()
         self.num_dropped = self.num_write_errors = self.num_damaged = self.num_stale = 0
         self._scan()
@@ -115,6 +116,10 @@ class DiskStore:
     def __contains__(self, h: bytes) -> bool:
         return h in self.index
 
+    def queued(self, h: bytes) -> bool:
+        """On disk, or on its way there: nothing to write (a lookup finds only what is on disk)."""
+        return h in self.index or h in self.pending
+
     def meta(self, h: bytes) -> BlockMeta | None:
         entry = self.index.get(h)
         return entry[2] if entry else None
@@ -122,13 +127,18 @@ class DiskStore:
     # ---- writing ----------------------------------------------------------------------------------
     def write_behind(self, meta: BlockMeta, page: torch.Tensor, block: bool = False, ready=None) -> bool:
         """Queue a write; when the queue is full, drop it (block=False) rather than stall the engine.
-        `ready`: a CUDA event that marks the (non-blocking) copy into `page` done; the writer waits on it."""
-        if meta.hash in self.index:
-            return True
+        `ready`: a CUDA event that marks the (non-blocking) copy into `page` done; the writer waits on it.
+        A page on disk or queued already is not queued again."""
+        with self.lock:
+            if meta.hash in self.index or meta.hash in self.pending:
+                return True
+            self.pending.add(meta.hash)
         try:
             self.queue.put((meta, page, ready), block=block)
             return True
         except queue.Full:
+            with self.lock:
+                self.pending.discard(meta.hash)
             self.num_dropped += 1
             return False
 
@@ -150,6 +160,9 @@ class DiskStore:
                 self.num_write_errors += 1
                 log.exception("KV disk store write failed; the block stays recomputable")
             finally:
+                if item is not None:
+                    with self.lock:
+                        self.pending.discard(item[0].hash)
                 self.queue.task_done()
 
     def _write(self, meta: BlockMeta, page: torch.Tensor, ready=None) -> None:
@@ -157,7 +170,7 @@ class DiskStore:
             return
         if ready is not None:
             ready.synchronize()
-        payload = page.contiguous().view(torch.uint8).numpy().tobytes()
+        payload = page.contiguous().view(torch.uint8).numpy().reshape(-1)  # a view: read, not copied
         header = json.dumps(
             {
                 "root": self.root.hex(),
@@ -176,7 +189,8 @@ class DiskStore:
             path.parent.mkdir(exist_ok=True, mode=0o700)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(PREFIX.pack(MAGIC, VERSION, len(header), crc) + header + payload)
+                f.write(PREFIX.pack(MAGIC, VERSION, len(header), crc) + header)
+                f.write(payload)
             os.replace(tmp, path)
         except OSError as e:  # e.g. a full disk: the block stays recomputable, nothing breaks
             self.num_write_errors += 1

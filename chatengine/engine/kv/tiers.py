@@ -203,7 +203,7 @@ class TieredCache:
                 slot, meta = host.index.pop(h)
                 # to disk unless it is there (written behind) or the writer is behind: then dropped,
                 # recomputable, and the engine, serving everyone, never waits on the disk
-                if self.disk is not None and h not in self.disk and self.disk.reserve(1):
+                if self.disk is not None and not self.disk.queued(h) and self.disk.reserve(1):
                     self._settle(slot)
                     self.disk.write_behind(meta, host.data[slot].clone())
                 host.free_slots.append(slot)
@@ -241,6 +241,8 @@ class TieredCache:
             return
         if self.host is not None:
             for h, (slot, meta) in list(self.host.index.items()):
+                if self.disk.queued(h):  # written, or queued by the device pool's flush
+                    continue
                 self._settle(slot)
                 if h in self.host.index:  # (a failed read is gone)
                     self.disk.write_behind(meta, self.host.data[slot].clone(), block=True)

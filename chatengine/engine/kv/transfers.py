@@ -55,7 +55,7 @@ class KVTransfers:
         else:  # tiers exist with a disk store when they have no host pool
             disk = self.tiers.disk
             assert disk is not None
-            todo = [(b, meta) for b, meta in evicted if meta.hash not in disk]
+            todo = [(b, meta) for b, meta in evicted if not disk.queued(meta.hash)]
             self.queue_to_disk(todo[: disk.reserve(len(todo))], block=False)  # the writer behind: dropped
 
     def save_to_host(self, blocks: list[tuple[int, BlockMeta]]) -> list[bool]:
@@ -94,14 +94,15 @@ class KVTransfers:
         disk = self.tiers.disk
         if disk is None or not published:
             return
-        todo = [(block_id, meta) for block_id, meta in published if meta.hash not in disk]
+        todo = [(block_id, meta) for block_id, meta in published if not disk.queued(meta.hash)]
         self.queue_to_disk(todo[: disk.reserve(len(todo))], block=False)  # a full queue: dropped before any copy
 
     def flush(self) -> None:
         """Write every cached block of every tier to the disk store and wait for it."""
-        if self.tiers.disk is None:
+        disk = self.tiers.disk
+        if disk is None:
             return
-        hashed = self.bm.hashed_blocks()
+        hashed = [(b, meta) for b, meta in self.bm.hashed_blocks() if not disk.queued(meta.hash)]  # gather the rest
         for i in range(0, len(hashed), GATHER_CHUNK):
             chunk = hashed[i : i + GATHER_CHUNK]
             for (_, meta), page in zip(chunk, self.runner.gather_blocks([b for b, _ in chunk])):
