@@ -25,6 +25,9 @@ base=/tmp
 [ "$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -ge 64 ] 2>/dev/null && base=/dev/shm
 tmp=$(mktemp -d "$base/det-shards.XXXX")
 export TMPDIR=$tmp  # removed below, also the stores of shards cut at the limit
+# many engines on one host: each with a few CPU threads, not one per core (their copies of pages
+# to the disk store are small parallel regions, which oversubscribed threads turn into waits)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 echo "disk stores under $base"
 i=0
 for combo in "dummy:llama-3.2-1b deterministic 20000" "dummy:llama-3.2-1b default 20000" \
