@@ -260,7 +260,7 @@ def test_a_launch_takes_the_pipeline_stages_that_fit():
             return launch
 
     kernel = Kernel(fits=2)
-    common = dict(BLOCK_M=64, num_stages=4)
+    common = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_stages=4)
     im._launch_fitted(kernel, (1, 1), (), common, (torch.float32, torch.float32))
     im._launch_fitted(kernel, (1, 1), (), common, (torch.float32, torch.float32))
     assert kernel.tried == [4, 3, 2, 2]

@@ -306,7 +306,7 @@ def linear_triton(
 
 
 SUM_BLOCK = 1024  # elements per program of the segments' sum
-_stages: dict[tuple, int] = {}  # (kernel, its constants, dtypes) -> pipeline stages that fit
+_stages: dict[tuple, int] = {}  # (kernel, tiles, stages asked, dtypes) -> pipeline stages that fit
 
 
 def _launch_fitted(kernel, grid, args, common: dict, dtypes: tuple) -> None:
@@ -314,7 +314,8 @@ def _launch_fitted(kernel, grid, args, common: dict, dtypes: tuple) -> None:
     operands take twice bf16's room (an H200 fits MID_NARROW's 3 stages in bf16, not in fp32). Stages
     only pipeline the loads: the arithmetic, and so the bits, stay. Triton checks before it runs
     anything; the count that fits is kept, so a CUDA graph's capture finds it."""
-    key = (id(kernel), *sorted(common.items()), *dtypes)
+    # shared memory follows the tiles, the stages and the dtypes (cheap to key on: every eager call)
+    key = (id(kernel), common["BLOCK_M"], common["BLOCK_N"], common["BLOCK_K"], common["num_stages"], *dtypes)
     stages = _stages.get(key, common["num_stages"])
     while True:
         try:
