@@ -89,10 +89,10 @@ def warm_up(
     device, sms = k_cache.device, pa.num_sms(k_cache.device)
     if split_keys:
         plans = {}
-        for T, B, q in ((1, 1, 1), (2, 1, 2)):  # a decode; a chunk
-            for k in (q, max_model_len):  # every key in the first split; for longer contexts, several
-                plan = pa.launch_plan(T, B, num_q_heads, H_kv, D, q, k, None, sms, split_keys, key_tile)
-                plans[(plan.attention_variant(), plan.merge_variant())] = (T, B, q, k, plan)
+        for T, B, max_q in ((1, 1, 1), (2, 1, 2)):  # a decode; a chunk
+            for k in (max_q, max_model_len):  # every key in the first split; for longer contexts, several
+                plan = pa.launch_plan(T, B, num_q_heads, H_kv, D, max_q, k, None, sms, split_keys, key_tile)
+                plans[(plan.attention_variant(), plan.merge_variant())] = (T, B, max_q, k, plan)
     else:
         plans = reachable_plans(num_q_heads, H_kv, D, max_num_seqs, max_model_len, max_num_tokens, sms)
     n = 0

@@ -289,6 +289,7 @@ def linear_triton(
         num_stages=stages,
     )
     b = bias if bias is not None else weight
+    args: tuple
     if (tma if tma is not None else use_tma) and tma_fits(x2, weight, block_k, seg_k):
         xd = TensorDescriptor.from_tensor(x2, [block_m, block_k])
         wd = TensorDescriptor.from_tensor(weight, [block_n, block_k])

@@ -170,7 +170,7 @@ class DiskStore:
             return
         if ready is not None:
             ready.synchronize()
-        payload = page.contiguous().view(torch.uint8).numpy().reshape(-1)  # a view: read, not copied
+        payload = page.contiguous().view(torch.uint8).numpy().reshape(-1).data  # a memoryview: not copied
         header = json.dumps(
             {
                 "root": self.root.hex(),
