@@ -606,6 +606,19 @@ def test_invariant_attention_rows_do_not_depend_on_the_launch(device, dtype, H_q
         assert same_bits(out, cold[rows.start : rows.stop]), f"rows {rows} differ from the cold prefill"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_invariant_attention_never_drops_keys(device):
+    """A split count that cannot cover the keys is refused when the launch knows them; a one-split
+    launch given keys past split_keys anyway attends to every one (not the same tiles as a split
+    launch's, but never a wrong answer)."""
+    q, k_cache, v_cache, cu, lens, table = make_batch([5], [200], 8, 2, 64, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="splits of 64 keys miss"):
+        pa.paged_attention_triton(q, k_cache, v_cache, cu, lens, table, 0.125, 5, 200, 1, split_keys=64)
+    got = pa.paged_attention_triton(q, k_cache, v_cache, cu, lens, table, 0.125, 5, None, 1, split_keys=64)
+    ref = pa.paged_attention_ref(q, k_cache, v_cache, cu, lens, table, 0.125)
+    torch.testing.assert_close(got, ref, **CLOSE[torch.float32])
+
+
 @pytest.mark.skipif(
     INTERPRETED or HAS_CUDA or pa.triton is None,
     reason="only when triton was imported, compiled, before this module on a CPU box",

@@ -421,6 +421,8 @@ class ModelRunner:
         # room for decode-sized logits (a graph's output plus the sampler's temporaries) and for the
         # mixed graphs' outputs, which stay allocated beside each other
         rows = 4 * self.max_graph_bs + sum(b for b, _ in self.mixed_graph_shapes())
+        if (self._graph_splits() or 1) > 1:  # the one-split decode graphs' outputs too (fp32 rows)
+            rows += sum(self.graph_batch_sizes()) * self.dtype.itemsize // 4
         probe = torch.empty(rows, mc.vocab_size, dtype=torch.float32, device=self.device)
         torch.cuda.synchronize(self.device)
         del self.kv_cache, probe

@@ -142,7 +142,9 @@ def _paged_attention_kernel(
     lo = tl.where(window > 0, tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0), 0)
     if SPLIT_KEYS > 0:  # fixed absolute boundaries: a key falls in the same split in every launch
         lo = lo // SPLIT_KEYS * SPLIT_KEYS
-        split_len = SPLIT_KEYS
+        # one split: every key up to the block's end (the launcher's callers give it none past
+        # split_keys, so the same tiles as a split's; a caller that did still gets every key)
+        split_len = SPLIT_KEYS if SPLIT else seq_len
     else:
         split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     kv_start = lo + split * split_len
@@ -563,8 +565,8 @@ def paged_attention_triton(
     if num_splits is None and max_seqlen_k is None:
         max_seqlen_k = int(seq_lens.max())  # host sync
     sms = num_sms(q.device)
-    if split_keys and num_splits is not None and max_seqlen_k is not None:  # fewer would drop keys
-        assert num_splits * split_keys >= max_seqlen_k, "invariant mode: too few splits for the keys"
+    if split_keys and num_splits is not None and max_seqlen_k is not None and num_splits * split_keys < max_seqlen_k:
+        raise ValueError(f"invariant attention: {num_splits} splits of {split_keys} keys miss some of {max_seqlen_k}")
     plan = launch_plan(T, B, H_q, H_kv, D, max_seqlen_q, max_seqlen_k, num_splits, sms, split_keys, key_tile)
     group, block_d, num_splits = H_q // H_kv, plan.block_d, plan.num_splits
     block_m, block_q = plan.block_m, plan.block_q

@@ -46,7 +46,7 @@ class DiskStore:
         os.chmod(self.dir, 0o700)
         self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()  # LRU: head evicted first
         self._bytes = 0  # the index's file sizes, kept as entries come and go (under self.lock)
-        self.pending: set[bytes] = set()  # hashes queued for the writer, not indexed yet (under self.lock)
+        self.pending: set[bytes] = set()  # hashes queued for the writer, not indexed yet
         self.lock = threading.Lock()
         self.num_dropped = self.num_write_errors = self.num_damaged = self.num_stale = 0
         self._scan()
@@ -129,16 +129,14 @@ class DiskStore:
         """Queue a write; when the queue is full, drop it (block=False) rather than stall the engine.
         `ready`: a CUDA event that marks the (non-blocking) copy into `page` done; the writer waits on it.
         A page on disk or queued already is not queued again."""
-        with self.lock:
-            if meta.hash in self.index or meta.hash in self.pending:
-                return True
-            self.pending.add(meta.hash)
+        if meta.hash in self.index or meta.hash in self.pending:  # (only the engine's thread queues)
+            return True
+        self.pending.add(meta.hash)  # before the writer can take it: it discards it once indexed
         try:
             self.queue.put((meta, page, ready), block=block)
             return True
         except queue.Full:
-            with self.lock:
-                self.pending.discard(meta.hash)
+            self.pending.discard(meta.hash)
             self.num_dropped += 1
             return False
 
@@ -160,9 +158,8 @@ class DiskStore:
                 self.num_write_errors += 1
                 log.exception("KV disk store write failed; the block stays recomputable")
             finally:
-                if item is not None:
-                    with self.lock:
-                        self.pending.discard(item[0].hash)
+                if item is not None:  # indexed first (or failed): never neither for a reader
+                    self.pending.discard(item[0].hash)
                 self.queue.task_done()
 
     def _write(self, meta: BlockMeta, page: torch.Tensor, ready=None) -> None:
