@@ -154,10 +154,12 @@ def run_mode(model, deterministic, targets, neighbours, args, engine_kw, indices
         runs[kind]["e"], cached[kind]["e"] = answers(outs), sum(o.num_cached_tokens for o in outs)
         done(f"{kind} e")
     llm.shutdown()
+    done("shut down again")
     shutil.rmtree(store, ignore_errors=True)
     # b and f need no disk tier: without one, the neighbours' pages are not written out
     llm = LLM(model, **{k: v for k, v in kw.items() if k != "kv_store_dir"})
     engine = llm.engine
+    done("started without a disk tier")
     for kind, params in kinds.items():
         # the targets among the neighbours, at random places
         rng = random.Random(kind)
