@@ -145,7 +145,7 @@ def run_mode(model, deterministic, targets, neighbours, args, engine_kw, indices
         outs = together(targets, params, user)
         runs[kind]["d"], cached[kind]["d"] = answers(outs), sum(o.num_cached_tokens for o in outs)
         done(f"{kind} c, d")
-    llm.shutdown()  # flushes the cached pages, the targets', to the disk store
+    shut_down(llm, args.profile_shutdown)  # flushes the cached pages, the targets', to the disk store
     done("shut down")
     llm = LLM(model, **kw)  # the restart
     done("restarted")
@@ -181,6 +181,18 @@ def run_mode(model, deterministic, targets, neighbours, args, engine_kw, indices
     out["seconds"] = time.perf_counter() - t0
     out["startup_s"] = startup
     return out
+
+
+def shut_down(llm, profile: bool) -> None:
+    """llm.shutdown(); `profile`: under cProfile, printing where the engine's thread spent it."""
+    if not profile:
+        return llm.shutdown()
+    import cProfile
+    import pstats
+
+    with cProfile.Profile() as prof:
+        llm.shutdown()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
 
 
 GEMM_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -385,6 +397,7 @@ def main(argv=None):
     ap.add_argument(
         "--gemm-layers", nargs="+", default=None, help="with --gemm: only these (qkv o gate_up down lm_head)"
     )
+    ap.add_argument("--profile-shutdown", action="store_true", help="cProfile the first engine's shutdown (its flush)")
     ap.add_argument("--attention", action="store_true", help="only time invariant attention against default (CUDA)")
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="fixed KV pages (several runs on one GPU)")
     ap.add_argument("--shard", default="", help="K/N: only targets K, K+N, K+2N, ... (all N shards: --merge)")
