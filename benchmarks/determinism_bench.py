@@ -34,6 +34,7 @@ sit among all the neighbours in case b), then add them up:
 
 import argparse
 import json
+import logging
 import os
 import platform
 import random
@@ -404,6 +405,8 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", default=[], help="JSON results of shards to add up into one table")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("chatengine").setLevel(logging.INFO)  # e.g. where a slow shutdown went
     if args.merge:
         return merge(args.merge, args.out)
     if args.gemm:

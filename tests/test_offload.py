@@ -1,6 +1,7 @@
 """Tiered KV: device -> host -> disk and back, bitwise; restores give the uncached answer; the disk
 store survives restarts, ignores damage and other models; memory pressure completes correctly."""
 
+import logging
 import os
 import threading
 
@@ -373,3 +374,17 @@ def test_idle_pages_move_to_host_memory_proactively():
         assert again.num_cached_tokens == 48 and again.outputs[0].token_ids == first.outputs[0].token_ids
     finally:
         engine.shutdown()
+
+
+def test_a_slow_shutdown_says_where_its_time_went(tmp_path, monkeypatch, caplog):
+    """An engine whose close takes long (a big flush to a slow disk) logs the flush's, the tiers'
+    and the runner's shares; a quick one logs nothing."""
+    from chatengine.engine import llm_engine
+
+    llm = LLM("dummy:tiny", kv_store_dir=str(tmp_path), num_kv_blocks=64, register_personas=False)
+    llm.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    clock = [0.0, 7.0, 8.5, 9.0]  # the close's four readings
+    monkeypatch.setattr(llm_engine.time, "perf_counter", lambda: clock.pop(0) if len(clock) > 1 else clock[0])
+    with caplog.at_level(logging.INFO, logger="chatengine"):
+        llm.shutdown()
+    assert "engine closed in 9.0 s: KV flush 7.0 s, tiers 1.5 s, runner 0.5 s" in caplog.text

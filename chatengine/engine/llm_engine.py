@@ -161,12 +161,25 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort(request_id)
         self._in_flight = None
+        times = [time.perf_counter()]
         self.flush_kv()
+        times.append(time.perf_counter())
         if self.tiers is not None:
             self.tiers.close()
+        times.append(time.perf_counter())
         if self.ranks is None and getattr(self, "runner", None) is not None:
             self.runner.close()
         self._stop_ranks()  # closes rank 0's runner unless a rank failed (its synchronize could hang)
+        times.append(time.perf_counter())
+        if times[-1] - times[0] > 5:  # a slow shutdown says where its time went
+            flush, tiers, runner = (b - a for a, b in zip(times, times[1:]))
+            log.info(
+                "engine closed in %.1f s: KV flush %.1f s, tiers %.1f s, runner %.1f s",
+                times[-1] - times[0],
+                flush,
+                tiers,
+                runner,
+            )
 
     def _stop_ranks(self) -> None:
         if self.ranks is not None:
