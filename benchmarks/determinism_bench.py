@@ -405,8 +405,6 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", default=[], help="JSON results of shards to add up into one table")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
-    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("chatengine").setLevel(logging.INFO)  # e.g. where a slow shutdown went
     if args.merge:
         return merge(args.merge, args.out)
     if args.gemm:
@@ -548,4 +546,6 @@ def merge(files: list[str], out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("chatengine").setLevel(logging.INFO)  # e.g. where a slow shutdown went
     main()

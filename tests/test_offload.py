@@ -4,6 +4,8 @@ store survives restarts, ignores damage and other models; memory pressure comple
 import logging
 import os
 import threading
+import time
+import types
 
 import pytest
 import torch
@@ -384,7 +386,9 @@ def test_a_slow_shutdown_says_where_its_time_went(tmp_path, monkeypatch, caplog)
     llm = LLM("dummy:tiny", kv_store_dir=str(tmp_path), num_kv_blocks=64, register_personas=False)
     llm.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     clock = [0.0, 7.0, 8.5, 9.0]  # the close's four readings
-    monkeypatch.setattr(llm_engine.time, "perf_counter", lambda: clock.pop(0) if len(clock) > 1 else clock[0])
+    fake = types.SimpleNamespace(**vars(time))  # the engine module's clock only
+    fake.perf_counter = lambda: clock.pop(0) if len(clock) > 1 else clock[0]
+    monkeypatch.setattr(llm_engine, "time", fake)
     with caplog.at_level(logging.INFO, logger="chatengine"):
         llm.shutdown()
     assert "engine closed in 9.0 s: KV flush 7.0 s, tiers 1.5 s, runner 0.5 s" in caplog.text

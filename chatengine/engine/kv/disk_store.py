@@ -118,7 +118,7 @@ class DiskStore:
 
     def queued(self, h: bytes) -> bool:
         """On disk, or on its way there: nothing to write (a lookup finds only what is on disk)."""
-        return h in self.index or h in self.pending
+        return h in self.pending or h in self.index  # (this order: the writer indexes, then un-pends)
 
     def meta(self, h: bytes) -> BlockMeta | None:
         entry = self.index.get(h)
@@ -129,7 +129,7 @@ class DiskStore:
         """Queue a write; when the queue is full, drop it (block=False) rather than stall the engine.
         `ready`: a CUDA event that marks the (non-blocking) copy into `page` done; the writer waits on it.
         A page on disk or queued already is not queued again."""
-        if meta.hash in self.index or meta.hash in self.pending:  # (only the engine's thread queues)
+        if self.queued(meta.hash):  # (only the engine's thread queues)
             return True
         self.pending.add(meta.hash)  # before the writer can take it: it discards it once indexed
         try:
