@@ -263,6 +263,32 @@ def test_the_api_streams_logprobs_and_echo_as_it_answers_them_whole(dp, tmp_path
     assert events[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 6
 
 
+def test_a_closed_stream_is_counted_done_even_if_its_loop_closes_before_the_end_arrives(dp):
+    """A caller that closes its stream and then its event loop (asyncio.run returning) must not
+    leave its request counted: the final delta its abort brings back is finished on the listener
+    thread, not queued to a loop that will never run it."""
+    loop = asyncio.new_event_loop()  # open, never run again: a callback queued to it is lost
+    sent = []
+    running = _Running(0, loop, _Outputs(), OutputAssembler("gone", None, [1]), None)
+    dp._running["gone"] = running
+    dp.router.load[0] += 1
+    replica = dp.replicas[0]
+    real_send, replica.send = replica.send, lambda m: sent.append(m) or True
+    try:
+        dp._abandon(running)
+        assert sent == [("abort", "gone")]
+        dp._on_out(0, [("gone", False, None, 0, 0.0, 0.0, [(0, [7], 0, "x", None, None, None, None)], None)], [])
+        assert dp._running["gone"] is running  # a delta before the end: dropped, still counted
+        dp._on_out(0, [("gone", True, None, 0, 0.0, 0.0, [(0, [], 0, "", "abort", None, None, None)], None)], [])
+        loop.close()
+        assert "gone" not in dp._running and dp.router.load == [0, 0]
+        dp._abandon(running)  # closing twice sends nothing for a request that is done
+        assert sent == [("abort", "gone")]
+    finally:
+        replica.send = real_send
+        dp._running.pop("gone", None)
+
+
 def test_a_delta_that_cannot_be_applied_fails_its_request_only(dp):
     """_deliver on the caller's loop: a bad delta fails its own request (no hang), the batch's next
     delta is still delivered, and a stale delta never finishes a later request of the same id."""

@@ -49,6 +49,9 @@ class _Running:
     queue: Mailbox  # an _Outputs, or an exception put in its place
     assembler: OutputAssembler
     chain: Chain | None  # the router's hash chain of the prompt (None: one replica, no routing)
+    # its caller stopped listening (closed the stream): its deltas go to no loop, its end is counted
+    # on the listener thread (a loop that closes right after would drop a callback queued to it)
+    abandoned: bool = False
 
 
 class DataParallelLLM(EngineFacade):
@@ -129,7 +132,7 @@ class DataParallelLLM(EngineFacade):
         if not sent:
             self._finish(req.request_id)
             raise RuntimeError(f"replica {route.replica} has stopped: try again")
-        async with contextlib.aclosing(follow(queue, lambda: self._abort_now(req.request_id))) as outputs:
+        async with contextlib.aclosing(follow(queue, lambda: self._abandon(running))) as outputs:
             async for item in outputs:
                 yield item
 
@@ -148,6 +151,13 @@ class DataParallelLLM(EngineFacade):
         if running is not None:
             self.replicas[running.replica].send(("abort", request_id))
 
+    def _abandon(self, running: _Running) -> None:
+        """Its caller closed the stream: marked before the abort goes out, so the final delta that
+        the abort brings back finds the mark."""
+        running.abandoned = True
+        if self._running.get(running.assembler.request_id) is running:
+            self.replicas[running.replica].send(("abort", running.assembler.request_id))
+
     # ---- what comes back (listener threads) -----------------------------------------------------
     def _on_out(self, replica: int, deltas: list[Delta], refused: list[tuple[str, str]]) -> None:
         """A step's deltas, handed to each caller's event loop in one batch: there each is applied to
@@ -157,7 +167,10 @@ class DataParallelLLM(EngineFacade):
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for delta in deltas:
             running = self._running.get(delta[0])
-            if running is not None:
+            if running is not None and running.abandoned:
+                if delta[1]:  # finished: nobody reads it, and its caller's loop may be closing
+                    self._finish(delta[0], expected=running)
+            elif running is not None:
                 batches.setdefault(running.loop, []).append((running, delta))
         for request_id, message in refused:
             running = self._finish(request_id)
