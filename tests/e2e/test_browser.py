@@ -357,9 +357,9 @@ def test_a_reply_outlives_its_tab_and_follows_the_open_chat(server, chat_page, b
     page = chat_page
     login(page, server.url, "alice", "pw-alice")
     set_setting(page, "temperature", 0)
-    # greedy, this prompt runs past 400 tokens: 640 at most keep it writing through the steps below
-    # before the reload (256 did not always once the CPU decode path got ~2x faster; 128 before)
-    set_setting(page, "max-tokens", 640)
+    # greedy, this prompt runs to max tokens (no end within 4000): 3000 keep it writing through
+    # every step below until tab 2's Stop (640 ended before that click once, ~8 s after the send)
+    set_setting(page, "max-tokens", 3000)
     send(page, POEM_PROMPT)
     expect(last_bot(page)).to_contain_text("▍")
     expect(page.locator("#stop")).to_be_visible()
