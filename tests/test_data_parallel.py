@@ -267,26 +267,54 @@ def test_a_closed_stream_is_counted_done_even_if_its_loop_closes_before_the_end_
     """A caller that closes its stream and then its event loop (asyncio.run returning) must not
     leave its request counted: the final delta its abort brings back is finished on the listener
     thread, not queued to a loop that will never run it."""
-    loop = asyncio.new_event_loop()  # open, never run again: a callback queued to it is lost
+    loop = asyncio.new_event_loop()  # never run after the stream closes: what is queued to it is lost
+    try:
+        stream = dp.generate([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), request_id="closed")
+        loop.run_until_complete(stream.__anext__())
+        loop.run_until_complete(stream.aclose())  # the abort goes out; its answer comes to no one
+        settled(dp, lambda s: s["num_running"] == 0)  # counted done with the loop left idle
+    finally:
+        dp._finish("closed")
+        loop.close()
+
+
+def test_an_end_that_crosses_the_stream_closing_is_counted_once(dp):
+    """The listener read the mark, then the caller closed the stream (the abort finds the request
+    done) and its loop is closing: the end queued to that loop is counted on the listener thread,
+    once; deltas after the mark go nowhere, and a second close sends nothing."""
     sent = []
-    running = _Running(0, loop, _Outputs(), OutputAssembler("gone", None, [1]), None)
+    running = _Running(0, None, _Outputs(), OutputAssembler("gone", None, [1]), None)  # type: ignore[arg-type]
+
+    class Closing:  # the caller's loop: abandons the request as the end is queued, then never runs
+        def call_soon_threadsafe(self, *_):
+            running.abandoned = True
+
+    running.loop = Closing()  # type: ignore[assignment]
     dp._running["gone"] = running
     dp.router.load[0] += 1
     replica = dp.replicas[0]
     real_send, replica.send = replica.send, lambda m: sent.append(m) or True
+    end = ("gone", True, None, 0, 0.0, 0.0, [(0, [], 0, "", "length", None, None, None)], None)
     try:
-        dp._abandon(running)
+        dp._on_out(0, [end], [])
+        assert "gone" not in dp._running and dp.router.load == [0, 0]
+        dp._on_out(0, [end], [])  # (a stale copy finds nothing to finish)
+        assert dp.router.load == [0, 0]
+        dp._abandon(running)  # the request is done: no abort
+        assert sent == []
+        later = _Running(0, None, _Outputs(), OutputAssembler("gone", None, [1]), None)  # type: ignore[arg-type]
+        later.abandoned = True
+        dp._running["gone"] = later
+        dp.router.load[0] += 1
+        dp._abandon(later)
         assert sent == [("abort", "gone")]
         dp._on_out(0, [("gone", False, None, 0, 0.0, 0.0, [(0, [7], 0, "x", None, None, None, None)], None)], [])
-        assert dp._running["gone"] is running  # a delta before the end: dropped, still counted
-        dp._on_out(0, [("gone", True, None, 0, 0.0, 0.0, [(0, [], 0, "", "abort", None, None, None)], None)], [])
-        loop.close()
+        assert dp._running["gone"] is later  # a delta before the end: dropped, still counted
+        dp._on_out(0, [end], [])
         assert "gone" not in dp._running and dp.router.load == [0, 0]
-        dp._abandon(running)  # closing twice sends nothing for a request that is done
-        assert sent == [("abort", "gone")]
     finally:
         replica.send = real_send
-        dp._running.pop("gone", None)
+        dp._finish("gone")  # (after a failed assert: the fixture's figures as they were)
 
 
 def test_a_delta_that_cannot_be_applied_fails_its_request_only(dp):

@@ -49,8 +49,9 @@ class _Running:
     queue: Mailbox  # an _Outputs, or an exception put in its place
     assembler: OutputAssembler
     chain: Chain | None  # the router's hash chain of the prompt (None: one replica, no routing)
-    # its caller stopped listening (closed the stream): its deltas go to no loop, its end is counted
-    # on the listener thread (a loop that closes right after would drop a callback queued to it)
+    # its caller stopped listening (closed the stream): deltas that come after the mark go to no
+    # loop, and its end is counted on the listener thread (a loop that closes right after would
+    # drop a callback queued to it). The router then learns the prompt's blocks, not the answer's.
     abandoned: bool = False
 
 
@@ -153,7 +154,7 @@ class DataParallelLLM(EngineFacade):
 
     def _abandon(self, running: _Running) -> None:
         """Its caller closed the stream: marked before the abort goes out, so the final delta that
-        the abort brings back finds the mark."""
+        the abort brings back finds the mark (one already on its way is checked again in _on_out)."""
         running.abandoned = True
         if self._running.get(running.assembler.request_id) is running:
             self.replicas[running.replica].send(("abort", running.assembler.request_id))
@@ -163,7 +164,8 @@ class DataParallelLLM(EngineFacade):
         """A step's deltas, handed to each caller's event loop in one batch: there each is applied to
         its request's assembler (touched on that loop only: no lock between a delta and a read) and
         the assembler put in the caller's mailbox, which makes the RequestOutput when the caller
-        reads it (a caller behind by several steps gets the newest; the ones skipped are never made)."""
+        reads it (a caller behind by several steps gets the newest; the ones skipped are never made).
+        An abandoned request's deltas go nowhere; its end is counted here."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for delta in deltas:
             running = self._running.get(delta[0])
@@ -187,6 +189,10 @@ class DataParallelLLM(EngineFacade):
                         self._finish(item[0], expected=running)
                     else:
                         self.replicas[replica].send(("abort", item[0]))
+                continue
+            for running, item in batch:  # abandoned meanwhile: a loop about to close may drop the
+                if isinstance(item, tuple) and item[1] and running.abandoned:  # callback, so counted
+                    self._finish(item[0], expected=running)  # here (else it ran before the mark)
 
     def _deliver(self, batch: list) -> None:
         """On a caller's event loop: (request, delta or exception) in a step's order."""
