@@ -218,3 +218,19 @@ def test_a_page_is_queued_once_and_a_failed_write_can_be_queued_again(tmp_path, 
     disk.write_behind(other, torch.randn(SHAPE), block=True)
     disk.close()
     assert other.hash in disk
+
+
+def test_a_write_after_close_is_dropped_and_never_hangs_a_flush(tmp_path):
+    """The writer has stopped: a write queued now would wait forever in the next flush. It is dropped
+    (counted), reserve() offers no room, and closing twice is harmless."""
+    disk = store(tmp_path)
+    disk.close()
+    assert not disk.writer.is_alive()
+    other = BlockMeta(b"z" * 16, b"p" * 16, (3,), b"o" * 8)
+    assert disk.write_behind(other, torch.randn(SHAPE), block=True) is False
+    assert disk.reserve(4) == 0 and disk.num_dropped == 5
+    assert not disk.queued(other.hash)
+    done = threading.Thread(target=lambda: (disk.flush(), disk.close()), daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive()

@@ -145,13 +145,20 @@ def test_disk_store_index_rebuilt_damage_dropped_other_root_ignored(tmp_path):
     assert other.stats()["disk_blocks"] == 0 and other.lookup([ms[0].hash], [ms[0].token_ids]) == (0, False)
 
 
+def stall(disk) -> None:
+    """The writer stops as if stuck on a slow disk (not closed): nothing leaves the queue."""
+    disk.queue.put(None)
+    disk.writer.join(10)
+    assert not disk.writer.is_alive() and not disk.closed
+
+
 def test_disk_reserve_takes_the_free_room_and_counts_the_rest_dropped(tmp_path):
     # the engine copies pages off the device only for writes the queue takes now
     tiers = TieredCache(
         b"r" * 16, SHAPE, torch.float32, cpu_blocks=0, pin=False, disk_dir=str(tmp_path), disk_budget_bytes=1 << 30
     )
     disk = tiers.disk
-    disk.close()  # the writer stops: nothing leaves the queue
+    stall(disk)
     assert disk.reserve(0) == 0 and disk.num_dropped == 0
     assert disk.reserve(300) == 256 and disk.num_dropped == 44
     ms = metas(200) + metas(57, seed=1)
@@ -172,7 +179,7 @@ def test_a_host_pool_spilling_never_waits_on_the_disk(tmp_path):
     assert put(tiers, ms[0], torch.ones(SHAPE)) and put(tiers, ms[1], torch.ones(SHAPE))
     tiers.disk.write_behind(ms[0], torch.ones(SHAPE))
     tiers.disk.flush()  # ms[0] on disk already
-    tiers.disk.close()  # the writer stops: nothing leaves the queue
+    stall(tiers.disk)
     for m in metas(256, seed=9):
         assert tiers.disk.write_behind(m, torch.zeros(SHAPE))  # the queue full
     assert put(tiers, ms[2], torch.ones(SHAPE))  # spills ms[0]: on disk, nothing to write

@@ -48,6 +48,7 @@ class DiskStore:
         self._bytes = 0  # the index's file sizes, kept as entries come and go (under self.lock)
         self.pending: set[bytes] = set()  # hashes queued for the writer, not indexed yet
         self.lock = threading.Lock()
+        self.closed = False  # the writer has stopped: a later write is dropped, never left waiting
         self.num_dropped = self.num_write_errors = self.num_damaged = self.num_stale = 0
         self._scan()
         self._clean_other_roots()
@@ -131,6 +132,9 @@ class DiskStore:
         A page on disk or queued already is not queued again."""
         if self.queued(meta.hash):  # (only the engine's thread queues)
             return True
+        if self.closed:  # no writer would take it, and a flush would wait for it forever
+            self.num_dropped += 1
+            return False
         self.pending.add(meta.hash)  # before the writer can take it: it discards it once indexed
         try:
             self.queue.put((meta, page, ready), block=block)
@@ -143,7 +147,7 @@ class DiskStore:
     def reserve(self, n: int) -> int:
         """How many of n writes to queue now (the queue's free room); the rest count as dropped, so
         the caller skips copying their pages off the device. Only the engine's thread queues writes."""
-        take = max(0, min(n, self.queue.maxsize - self.queue.qsize()))
+        take = 0 if self.closed else max(0, min(n, self.queue.maxsize - self.queue.qsize()))
         self.num_dropped += n - take
         return take
 
@@ -293,7 +297,10 @@ class DiskStore:
         self.queue.join()
 
     def close(self) -> None:
+        if self.closed:
+            return
         self.flush()
+        self.closed = True
         self.queue.put(None)
         self.writer.join(timeout=10)
 
