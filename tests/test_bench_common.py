@@ -15,12 +15,13 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="re
 
 
 def test_a_spinning_engine_process_reads_busy_and_a_sleeping_main_idle():
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    spin = "import time\nprint('spinning', flush=True)\nt = time.time()\nwhile time.time() - t < 5: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)  # the child's start-up
+        assert child.stdout.readline().strip() == "spinning"  # started: no guess at its start-up time
         busy = ThreadBusy((child.pid, child.pid))
         busy.mark()
-        time.sleep(0.6)
+        time.sleep(1.0)
         loads = busy.busy()
     finally:
         child.kill()

@@ -3,6 +3,7 @@ the store), its turns go to that model's engine under that model's chat template
 handlers pick the model of a new chat and keep an open chat's own."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -44,8 +45,15 @@ def run(gen):
     return asyncio.run(go())
 
 
-def generated(models) -> dict:
-    return {mid: e.stats()["num_generated_tokens"] for mid, e in models.items()}
+def generated(models, grown_from: dict | None = None, model: str | None = None) -> dict:
+    """Each engine's generated tokens; with `grown_from`, once `model`'s published count (every
+    0.2 s, or at rest) has grown past it: a reply can reach its caller before the engine publishes."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        counts = {mid: e.stats()["num_generated_tokens"] for mid, e in models.items()}
+        if grown_from is None or counts[model] > grown_from[model] or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.02)
 
 
 def templated_by_tiny(chats, cid) -> bool:
@@ -60,7 +68,7 @@ def test_a_chat_keeps_its_model_and_its_turns_go_to_that_engine(models, chats, t
     cid = chats.new_conversation(A, "assistant", model=tiny)
     before = generated(models)
     assert run(chats.send(A, cid, "Hello", GREEDY)).status == "done"
-    after = generated(models)
+    after = generated(models, before, tiny)
     assert after[tiny] > before[tiny] and after[default] == before[default]
     assert templated_by_tiny(chats, cid)
     chats.store.close()  # the server restarts: the chat is still the tiny model's
@@ -69,7 +77,8 @@ def test_a_chat_keeps_its_model_and_its_turns_go_to_that_engine(models, chats, t
         assert again.get_conversation(A, cid)["model"] == tiny and again.model_of(A, cid) == tiny
         assert again.for_conversation(A, cid) is again.for_model(tiny)
         assert run(again.send(A, cid, "More", GREEDY)).status == "done"
-        assert generated(models)[tiny] > after[tiny] and generated(models)[default] == before[default]
+        later = generated(models, after, tiny)
+        assert later[tiny] > after[tiny] and later[default] == before[default]
     finally:
         again.store.close()
 
@@ -140,7 +149,8 @@ def test_the_ui_sends_a_new_chat_to_the_picked_model_and_keeps_it(ui, models):
     # the picker now says the default: this chat still talks to the tiny model
     before = generated(models)
     send(ui, "And again", conv_id=cid, model=default)
-    assert generated(models)[tiny] > before[tiny] and generated(models)[default] == before[default]
+    after = generated(models, before, tiny)
+    assert after[tiny] > before[tiny] and after[default] == before[default]
     opened = drain(ui.open_conv(cid, request()))[0]
     assert opened[c.model]["value"] == tiny and opened[c.model]["interactive"] is False
     fresh = ui.new_chat("assistant", request())

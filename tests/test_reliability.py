@@ -373,25 +373,21 @@ def test_abort_storm_with_pressure(async_scheduling):
 
 def test_duplicate_request_id_is_refused_without_harming_the_first():
     engine = AsyncLLM("dummy:tiny", num_kv_blocks=64, debug_checks=True)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # long enough (~1 s here) that the twin arrives while the first runs, on a slow machine too
+    params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
 
-    async def run():
-        last = None
-        async for last in engine.generate(list(range(40)), params, request_id="same"):
+    async def main():
+        stream = engine.generate(list(range(40)), params, request_id="same")
+        last = await asyncio.wait_for(stream.__anext__(), 10)  # running: it has answered
+        with pytest.raises(ValueError, match="already running"):
+            await asyncio.wait_for(anext(engine.generate([1, 2, 3], params, request_id="same")), 10)
+        async for last in stream:  # not hung, not aborted by the refused twin
             pass
         return last
 
-    async def main():
-        first = asyncio.ensure_future(run())
-        while "same" not in engine.engine.requests:
-            await asyncio.sleep(0.005)
-        with pytest.raises(ValueError, match="already running"):
-            await asyncio.wait_for(run(), 10)
-        return await asyncio.wait_for(first, 10)  # not hung, not aborted by the refused twin
-
     try:
-        out = asyncio.run(main())
-        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
+        out = asyncio.run(asyncio.wait_for(main(), 60))
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 900
         wait_drained(engine)
         assert engine._queues == {}
     finally:
