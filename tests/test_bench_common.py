@@ -26,6 +26,7 @@ def test_a_spinning_engine_process_reads_busy_and_a_sleeping_main_idle():
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     assert set(loads) == {"api_main", "engine_main", "other_max"}
     assert 0.2 < loads["engine_main"] <= 1.05  # one core's worth at most
     assert loads["api_main"] < 0.2

@@ -588,7 +588,7 @@ def test_a_restart_keeps_the_sign_in_and_logout_ends_the_cookie(server, browser_
     assert cookie["httpOnly"] and cookie["value"] not in (server.data_dir / "chat.db").read_bytes().decode("latin-1")
     server.stop()
     server.start()
-    page.reload()
+    page.goto(server.url)  # (its address, should the restart have moved it to another port)
     expect(page.locator("#who")).to_contain_text("Signed in as alice")  # no sign-in page
     expect(page.locator("#conv-list")).to_contain_text("Name a colour")
 

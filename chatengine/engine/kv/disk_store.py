@@ -299,8 +299,8 @@ class DiskStore:
     def close(self) -> None:
         if self.closed:
             return
+        self.closed = True  # first: a write racing the close is dropped, not left behind the None
         self.flush()
-        self.closed = True
         self.queue.put(None)
         self.writer.join(timeout=10)
 

@@ -192,7 +192,7 @@ class DataParallelLLM(EngineFacade):
                 continue
             for running, item in batch:  # abandoned meanwhile: a loop about to close may drop the
                 if isinstance(item, tuple) and item[1] and running.abandoned:  # callback, so counted
-                    self._finish(item[0], expected=running)  # here (else it ran before the mark)
+                    self._finish(item[0], expected=running)  # here (else it was queued first: it runs)
 
     def _deliver(self, batch: list) -> None:
         """On a caller's event loop: (request, delta or exception) in a step's order."""
