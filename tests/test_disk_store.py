@@ -3,13 +3,15 @@ at every length, is a miss at start-up and at read (the file then deleted), neve
 intact file reads back bit for bit. The checksum covers the header as well as the page."""
 
 import json
+import os
 import threading
+import time
 
 import pytest
 import torch
 
 from chatengine.engine.kv.block_meta import BlockMeta
-from chatengine.engine.kv.disk_store import PREFIX, DiskStore
+from chatengine.engine.kv.disk_store import PREFIX, DiskStore, _rest
 
 SHAPE = (2, 2, 2, 1, 4)  # layers, K/V, block size, kv heads, head dim: a small page
 ROOT = b"r" * 16
@@ -168,22 +170,24 @@ def test_the_byte_count_follows_writes_evictions_drops_and_a_restart(tmp_path):
 
 
 def test_the_writer_lives_on_after_a_failed_write(tmp_path, monkeypatch):
-    """An unexpected error in one write (here: its file gone before it is indexed) counts as a
+    """A file gone between its rename and its index entry (a reader dropping a damaged copy of the
+    same hash) is a miss when read, and uncounted; an unexpected error in one write counts as a
     write error; the writer thread keeps serving, so flush() and close() still return."""
     disk = store(tmp_path)
     real_add = disk._add
     calls = []
 
-    def vanishing(meta, path):  # the first file is deleted between its rename and its index entry
+    def vanishing(meta, path, size=None):  # the first file is deleted between its rename and its index entry
         calls.append(meta.hash)
         if len(calls) == 1:
             path.unlink()
-        return real_add(meta, path)
+        return real_add(meta, path, size)
 
     monkeypatch.setattr(disk, "_add", vanishing)
     disk.write_behind(META, torch.randn(SHAPE), block=True)
     disk.flush()
-    assert META.hash not in disk and disk.num_bytes == 0  # a miss, nothing counted
+    assert disk.read(META.hash) is None  # a miss
+    assert META.hash not in disk and disk.num_bytes == 0 and disk.num_damaged == 1  # nothing counted
     monkeypatch.setattr(disk, "_write", lambda *a: 1 / 0)
     disk.write_behind(BlockMeta(b"x" * 16, b"p" * 16, (1,), b"o" * 8), torch.randn(SHAPE), block=True)
     disk.flush()
@@ -234,3 +238,55 @@ def test_a_write_after_close_is_dropped_and_never_hangs_a_flush(tmp_path):
     done.start()
     done.join(10)
     assert not done.is_alive()
+
+
+def test_rest_is_what_a_short_write_left():
+    assert _rest([b"abc", b"defg"], 0) == [b"abc", b"defg"]
+    assert [bytes(b) for b in _rest([b"abc", b"defg"], 2)] == [b"c", b"defg"]
+    assert _rest([b"abc", b"defg"], 3) == [b"defg"]
+    assert [bytes(b) for b in _rest([b"abc", b"defg"], 5)] == [b"fg"]
+    assert _rest([b"abc", b"defg"], 7) == []
+
+
+def test_short_writes_and_a_strided_page_read_back_bit_for_bit(tmp_path, monkeypatch):
+    """The writer hands the kernel the header and the page in one writev; a write that takes only a
+    few bytes at a time goes on from where it stopped. A page that is a strided view is written as
+    its values."""
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, [memoryview(bufs[0])[:7]]))
+    disk = store(tmp_path)
+    page = torch.randn(tuple(reversed(SHAPE))).permute(4, 3, 2, 1, 0)  # SHAPE, not contiguous
+    assert not page.is_contiguous()
+    disk.write_behind(META, page, block=True)
+    disk.flush()
+    meta, back = disk.read(META.hash)
+    assert meta.hash == META.hash and torch.equal(back, page)
+    disk.close()
+
+
+def test_helpers_write_beside_the_writer_and_leave_with_their_block(tmp_path, monkeypatch):
+    """A flush's extra writers take queued pages beside the store's own writer; every page is written
+    once, and the helpers are gone when the block ends, a close inside it included."""
+    disk = store(tmp_path)
+    real_write, writers = disk._write, set()
+
+    def slow(*a):
+        writers.add(threading.current_thread().name)
+        time.sleep(0.01)
+        return real_write(*a)
+
+    monkeypatch.setattr(disk, "_write", slow)
+    metas = [BlockMeta(bytes([i]) * 16, b"p" * 16, (i,), b"o" * 8) for i in range(40)]
+    pages = [torch.full(SHAPE, float(i)) for i in range(40)]
+    with disk.helpers(3):
+        for m, p in zip(metas, pages):
+            assert disk.write_behind(m, p, block=True)
+        disk.flush()
+    assert "kv-disk-writer" in writers and "kv-disk-helper" in writers
+    assert not [t for t in threading.enumerate() if t.name == "kv-disk-helper"]
+    assert all(torch.equal(disk.read(m.hash)[1], p) for m, p in zip(metas, pages))
+    assert not disk.pending and disk.num_write_errors == 0 and len(disk.index) == 40
+    with disk.helpers(2):  # the writer's stop taken by a helper goes back to the writer
+        disk.close()
+    assert not disk.writer.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "kv-disk-helper"]

@@ -10,6 +10,8 @@ directory at start; a size budget evicts the LRU, and the files of other roots (
 older format) go first, since this model can never hit them.
 """
 
+import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -47,6 +49,7 @@ class DiskStore:
         self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()  # LRU: head evicted first
         self._bytes = 0  # the index's file sizes, kept as entries come and go (under self.lock)
         self.pending: set[bytes] = set()  # hashes queued for the writer, not indexed yet
+        self._made: set[Path] = set()  # fan-out directories the writers made (or found)
         self.lock = threading.Lock()
         self.closed = False  # the writer has stopped: a later write is dropped, never left waiting
         self.num_dropped = self.num_write_errors = self.num_damaged = self.num_stale = 0
@@ -99,12 +102,13 @@ class DiskStore:
         # thread holding the GIL against the engine's
         return self._bytes
 
-    def _add(self, meta: BlockMeta, path: Path) -> None:
+    def _add(self, meta: BlockMeta, path: Path, size: int | None = None) -> None:
         self._pop(meta.hash)
-        try:
-            size = path.stat().st_size
-        except OSError:  # dropped meanwhile (a reader found the hash damaged): not indexed, a miss
-            return
+        if size is None:
+            try:
+                size = path.stat().st_size
+            except OSError:  # dropped meanwhile (a reader found the hash damaged): not indexed, a miss
+                return
         self.index[meta.hash] = (path, size, meta)
         self._bytes += size
 
@@ -152,26 +156,68 @@ class DiskStore:
         return take
 
     def _write_loop(self) -> None:
-        while True:
-            item = self.queue.get()
-            try:
-                if item is None:
-                    return
-                self._write(*item)
-            except Exception:  # the thread must live on: flush() and close() wait for its queue
+        while self._take(self.queue.get()):
+            pass
+
+    def _take(self, item) -> bool:
+        """Write one queued item; False for the stop (None)."""
+        try:
+            if item is None:
+                return False
+            self._write(*item)
+        except Exception:  # the thread must live on: flush() and close() wait for its queue
+            with self.lock:
                 self.num_write_errors += 1
-                log.exception("KV disk store write failed; the block stays recomputable")
-            finally:
-                if item is not None:  # indexed first (or failed): never neither for a reader
-                    self.pending.discard(item[0].hash)
+            log.exception("KV disk store write failed; the block stays recomputable")
+        finally:
+            if item is not None:  # indexed first (or failed): never neither for a reader
+                self.pending.discard(item[0].hash)
+            self.queue.task_done()
+        return True
+
+    @contextlib.contextmanager
+    def helpers(self, n: int):
+        """n more writer threads while the block runs: for a flush, which queues every page at once
+        while nothing else runs. A write spends most of its time in syscalls and waiting for the
+        GIL (see _write), so several overlap. They leave when the block ends."""
+        done = threading.Event()
+        threads = [
+            threading.Thread(target=self._help, args=(done,), name="kv-disk-helper", daemon=True)
+            for _ in range(0 if self.closed else n)
+        ]
+        for t in threads:
+            t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            for t in threads:
+                t.join()
+
+    def _help(self, done: threading.Event) -> None:
+        while not done.is_set():
+            try:
+                item = self.queue.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            if item is None:  # the writer's stop, not ours: back for it
+                self.queue.put(None)
                 self.queue.task_done()
+                return
+            self._take(item)
 
     def _write(self, meta: BlockMeta, page: torch.Tensor, ready=None) -> None:
+        # Every call that lets go of the GIL (a syscall, a torch op, crc32 of a page) can wait a
+        # switch interval (5 ms) to get it back while another thread computes: the engine's, when it
+        # serves. So a write makes five: crc32, open, one writev, close, rename.
         if meta.hash in self.index:
             return
         if ready is not None:
             ready.synchronize()
-        payload = page.contiguous().view(torch.uint8).numpy().reshape(-1).data  # a memoryview: not copied
+        if not page.is_contiguous():
+            page = page.contiguous()
+        # the page's bytes, not copied (no torch op: `page` stays referenced while they are read)
+        payload = (ctypes.c_char * page.nbytes).from_address(page.data_ptr())
         header = json.dumps(
             {
                 "root": self.root.hex(),
@@ -183,25 +229,39 @@ class DiskStore:
                 "shape": list(self.block_shape),
             }
         ).encode()
-        crc = zlib.crc32(payload, zlib.crc32(header))
+        head = PREFIX.pack(MAGIC, VERSION, len(header), zlib.crc32(payload, zlib.crc32(header))) + header
         path = self.path(meta.hash)
         tmp = path.parent / f".{path.name}.{threading.get_ident()}.tmp"
         try:
-            path.parent.mkdir(exist_ok=True, mode=0o700)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(PREFIX.pack(MAGIC, VERSION, len(header), crc) + header)
-                f.write(payload)
+            self._write_file(tmp, head, payload)
             os.replace(tmp, path)
         except OSError as e:  # e.g. a full disk: the block stays recomputable, nothing breaks
-            self.num_write_errors += 1
+            with self.lock:
+                self.num_write_errors += 1
             if self.num_write_errors == 1 or self.num_write_errors % 100 == 0:
                 log.warning("KV disk store write failed (%s); falling back to recompute", e)
             self._delete(tmp)
             return
         with self.lock:
-            self._add(meta, path)
+            self._add(meta, path, len(head) + len(payload))
             self._enforce_budget()
+
+    def _write_file(self, tmp: Path, head: bytes, payload) -> None:
+        if tmp.parent not in self._made:  # a fan-out directory: made once, not asked again per write
+            tmp.parent.mkdir(exist_ok=True, mode=0o700)
+            self._made.add(tmp.parent)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except FileNotFoundError:  # its directory was removed meanwhile: made again next time
+            self._made.discard(tmp.parent)
+            raise
+        try:
+            data = [head, payload]
+            while data:  # (a short write is possible in principle)
+                n = os.writev(fd, data)
+                data = _rest(data, n)
+        finally:
+            os.close(fd)
 
     def _enforce_budget(self) -> None:
         while self._bytes > self.budget and len(self.index) > 1:
@@ -303,6 +363,16 @@ class DiskStore:
         self.flush()
         self.queue.put(None)
         self.writer.join(timeout=10)
+
+
+def _rest(data: list, n: int) -> list:
+    """What of the buffers `data` is left after a write of n bytes."""
+    while data and n >= len(data[0]):
+        n -= len(data[0])
+        data = data[1:]
+    if data and n:
+        data = [memoryview(data[0])[n:], *data[1:]]
+    return data
 
 
 def _block_files(kv_dir: Path) -> list[Path]:
