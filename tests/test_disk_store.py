@@ -170,8 +170,8 @@ def test_the_byte_count_follows_writes_evictions_drops_and_a_restart(tmp_path):
 
 
 def test_the_writer_lives_on_after_a_failed_write(tmp_path, monkeypatch):
-    """A file gone between its rename and its index entry (a reader dropping a damaged copy of the
-    same hash) is a miss when read, and uncounted; an unexpected error in one write counts as a
+    """A file gone between its rename and its index entry (deleted from outside the process) is a
+    miss when read, and uncounted; an unexpected error in one write counts as a
     write error; the writer thread keeps serving, so flush() and close() still return."""
     disk = store(tmp_path)
     real_add = disk._add
@@ -286,7 +286,54 @@ def test_helpers_write_beside_the_writer_and_leave_with_their_block(tmp_path, mo
     assert not [t for t in threading.enumerate() if t.name == "kv-disk-helper"]
     assert all(torch.equal(disk.read(m.hash)[1], p) for m, p in zip(metas, pages))
     assert not disk.pending and disk.num_write_errors == 0 and len(disk.index) == 40
-    with disk.helpers(2):  # the writer's stop taken by a helper goes back to the writer
-        disk.close()
-    assert not disk.writer.is_alive()
-    assert not [t for t in threading.enumerate() if t.name == "kv-disk-helper"]
+    # the writer's stop, taken by a helper while the writer is busy, goes back to the writer
+    gate = threading.Event()
+    monkeypatch.setattr(disk, "_write", lambda *a: gate.wait(10) and real_write(*a))
+    disk.write_behind(BlockMeta(b"w" * 16, b"p" * 16, (1,), b"o" * 8), torch.zeros(SHAPE))
+    deadline = time.monotonic() + 10
+    while disk.queue.qsize() and time.monotonic() < deadline:  # the writer holds the page
+        time.sleep(0.01)
+    with disk.helpers(1):
+        disk.queue.put(None)
+        while not disk.queue.qsize() == 1 or [t for t in threading.enumerate() if t.name == "kv-disk-helper"]:
+            assert time.monotonic() < deadline, "the helper kept the stop"
+            time.sleep(0.01)
+    gate.set()
+    disk.writer.join(10)
+    assert not disk.writer.is_alive() and b"w" * 16 in disk
+
+
+def test_a_fan_out_directory_removed_meanwhile_is_made_again(tmp_path):
+    disk = store(tmp_path)
+    first, second = (BlockMeta(b"\xab" + bytes([i]) * 15, b"p" * 16, (i,), b"o" * 8) for i in (1, 2))
+    disk.write_behind(first, torch.randn(SHAPE), block=True)
+    disk.flush()
+    disk.drop(first.hash)
+    disk.path(first.hash).parent.rmdir()  # e.g. a store beside this one cleaning up
+    disk.write_behind(second, torch.randn(SHAPE), block=True)
+    disk.close()
+    assert second.hash in disk and disk.num_write_errors == 0
+
+
+def test_a_page_not_in_host_memory_is_a_write_error_not_a_read_of_its_pointer(tmp_path):
+    disk = store(tmp_path)
+    disk.write_behind(META, torch.empty(SHAPE, device="meta"), block=True)
+    disk.close()
+    assert META.hash not in disk and disk.num_write_errors == 1
+
+
+def test_a_stale_drop_leaves_a_page_being_written_anew(tmp_path):
+    """A reader's drop of a hash whose old copy was evicted meanwhile, while the writer has renamed
+    the new copy into place but not indexed it yet: the new file stays (it is indexed next). A hash
+    neither indexed nor pending has its file deleted."""
+    disk = store(tmp_path)
+    path = disk.path(META.hash)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"the new copy")
+    disk.pending.add(META.hash)
+    disk.drop(META.hash)
+    assert path.exists()
+    disk.pending.discard(META.hash)
+    disk.drop(META.hash)
+    assert not path.exists()
+    disk.close()

@@ -214,6 +214,8 @@ class DiskStore:
             return
         if ready is not None:
             ready.synchronize()
+        if page.device.type != "cpu":  # its bytes are read through a host pointer below
+            raise TypeError(f"a page to write must be in host memory, not on {page.device}")
         if not page.is_contiguous():
             page = page.contiguous()
         # the page's bytes, not copied (no torch op: `page` stays referenced while they are read)
@@ -234,7 +236,7 @@ class DiskStore:
         tmp = path.parent / f".{path.name}.{threading.get_ident()}.tmp"
         try:
             self._write_file(tmp, head, payload)
-            os.replace(tmp, path)
+            os.replace(tmp, path)  # (a stale drop() of the hash leaves it be: it is pending)
         except OSError as e:  # e.g. a full disk: the block stays recomputable, nothing breaks
             with self.lock:
                 self.num_write_errors += 1
@@ -250,11 +252,12 @@ class DiskStore:
         if tmp.parent not in self._made:  # a fan-out directory: made once, not asked again per write
             tmp.parent.mkdir(exist_ok=True, mode=0o700)
             self._made.add(tmp.parent)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        except FileNotFoundError:  # its directory was removed meanwhile: made again next time
-            self._made.discard(tmp.parent)
-            raise
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:  # its directory was removed meanwhile (e.g. by a store beside)
+            tmp.parent.mkdir(exist_ok=True, mode=0o700)
+            fd = os.open(tmp, flags, 0o600)
         try:
             data = [head, payload]
             while data:  # (a short write is possible in principle)
@@ -342,9 +345,11 @@ class DiskStore:
         return meta
 
     def drop(self, h: bytes) -> None:
-        with self.lock:
+        with self.lock:  # pop and delete at once: a writer indexes under it, never between the two
             entry = self._pop(h)
-        self._delete(entry[0] if entry else self.path(h))
+            if entry is None and h in self.pending:  # a stale drop (e.g. a reader's of an evicted copy):
+                return  # the file is being written anew, and is indexed once written
+            self._delete(entry[0] if entry else self.path(h))
 
     @staticmethod
     def _delete(path: Path) -> None:
