@@ -107,7 +107,7 @@ class DiskStore:
         if size is None:
             try:
                 size = path.stat().st_size
-            except OSError:  # dropped meanwhile (a reader found the hash damaged): not indexed, a miss
+            except OSError:  # gone meanwhile: not indexed, a miss
                 return
         self.index[meta.hash] = (path, size, meta)
         self._bytes += size
