@@ -772,6 +772,18 @@ def markdown(meta, res) -> str:
                     f"{r['seeded']['tok_s']:.0f} | {r['seeded_ratio']:.3f} |"
                 )
             L.append("")
+        varied = {k: r for k, r in res["throughput"].items() if r.get("variants")}
+        if varied:
+            L += [
+                "The same workload under other engine settings (`--variant`), one after the other in one process:",
+                "",
+                "| model | variant | default tok/s | variant tok/s | variant / default |",
+                "|---|---|---:|---:|---:|",
+            ]
+            for shape, r in varied.items():
+                for name, v in r["variants"].items():
+                    L.append(f"| {shape} | `{name}` | {r['tok_s']:.0f} | {v['tok_s']:.0f} | {v['tok_s'] / r['tok_s']:.3f} |")
+            L.append("")
     if res.get("decode"):
         L += [
             "## Decode step, 1k context (ms)",
