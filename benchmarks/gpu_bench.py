@@ -782,7 +782,9 @@ def markdown(meta, res) -> str:
             ]
             for shape, r in varied.items():
                 for name, v in r["variants"].items():
-                    L.append(f"| {shape} | `{name}` | {r['tok_s']:.0f} | {v['tok_s']:.0f} | {v['tok_s'] / r['tok_s']:.3f} |")
+                    L.append(
+                        f"| {shape} | `{name}` | {r['tok_s']:.0f} | {v['tok_s']:.0f} | {v['tok_s'] / r['tok_s']:.3f} |"
+                    )
             L.append("")
     if res.get("decode"):
         L += [
