@@ -18,7 +18,7 @@ class AsyncLLM(EngineFacade, EngineLoop):
     """The engine on a background thread; many asyncio callers stream from it at once.
 
     Callers validate in their own thread (ValueError raised at once), then hand the request to the
-    engine thread through an inbox; outputs come back through per-request asyncio queues.
+    engine thread through an inbox; outputs come back through per-request mailboxes (the newest cumulative output).
     """
 
     def __init__(self, model: str | None = None, **kwargs):

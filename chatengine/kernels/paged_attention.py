@@ -360,7 +360,7 @@ def _prefill_splits(B: int, max_seqlen_q: int, group: int, num_kv_heads: int, ma
     tokens after 2k) makes few programs (B x kv_heads x query blocks), each walking every key:
     64 programs on 132 multiprocessors left the GPU half idle (76 us a layer for 128 x 2176).
     Below one program per multiprocessor, split the keys to ~2 programs per multiprocessor, keeping
-    >= MIN_SPLIT_KEYS keys per split. H200 sweep (`gpu_bench.py --part sweep --sweep prefill`, graph
+    >= MIN_SPLIT_KEYS keys per split. H200 sweep (`sweep_bench.py --sweep prefill`, graph
     replay): 128 x 2176: 41 us at 1 split, 27 at 5; 32 x 8192: 139 -> 21 us at 16; from ~one
     program per multiprocessor (512 x 4096, 4 x 128 x 2048) one split is best (a second costs ~5-15%)."""
     block_q = max(64, triton.next_power_of_2(group)) // group
@@ -380,7 +380,7 @@ INVARIANT_SPLIT_KEYS = 2048
 MIN_SPLIT_KEYS = 128
 MAX_SPLITS = 64
 # Launch parameters, (BLOCK_N, num_warps, num_stages) by kind and padded head_dim; BLOCK_N keys per
-# loop step (may span pages). `benchmarks/gpu_bench.py --part sweep` measures alternatives
+# loop step (may span pages). `benchmarks/sweep_bench.py` measures alternatives
 # (benchmarks/NOTES.md). Registers bound head_dim >= 128: each K/V tile holds one 64-bit pointer per
 # element, so 64 keys at head_dim 128, or 4 warps at head_dim >= 128, spill (ptxas, sm_90).
 DECODE_LAUNCH = {64: (64, 4, 2), 128: (32, 8, 2), 256: (16, 8, 2)}  # 64: H200 sweep, NOTES.md v1
