@@ -129,8 +129,9 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 10:
-            raise ValueError(f"repetition_penalty must be a number in (0, 10] (1 disables it), got {r!r}")
+        # logits are divided (or multiplied) by it in fp32: below 0.01 they overflow to inf and NaN
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.01 <= r <= 10:
+            raise ValueError(f"repetition_penalty must be a number in [0.01, 10] (1 disables it), got {r!r}")
         m = self.min_tokens
         if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= min(self.max_tokens, max_tokens_limit):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {m!r}")

@@ -185,7 +185,13 @@ def test_bad_requests_raise_at_once_and_leave_nothing(dp):
 
     with pytest.raises(ValueError, match="already running"):
         asyncio.run(duplicate())
+    # forgetting is checked here too: in a replica's loop a ValueError would reach no caller
+    with pytest.raises(ValueError, match="user id"):
+        dp.forget_user("")
+    with pytest.raises(ValueError, match="token ids"):
+        dp.forget_prompts("bob", [[-1]])
     settled(dp, lambda s: s["kv_blocks_used"] == 0 and s["num_running"] == 0)
+    assert asyncio.run(run([5, 6, 7])).outputs[0].token_ids  # and they serve on
 
 
 def test_structured_requests_compile_off_the_pipe_and_abort_while_compiling(dp):

@@ -359,6 +359,84 @@ def test_forget_prompts_drops_one_conversations_pages_from_every_tier(tmp_path):
     e.shutdown()
 
 
+def test_forget_refuses_a_missing_user_and_bad_ids_and_drops_nothing():
+    """None names the pages every caller without a user shares: never one user's to drop."""
+    e = LLM("dummy:tiny", num_kv_blocks=32, register_personas=False)
+    e.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=1))  # single-tenant pages
+    e.generate([list(range(100, 140))], SamplingParams(temperature=0, max_tokens=1), user="bob")
+    cached = e.stats()["kv_blocks_cached"]
+    for user in (None, "", 7):
+        with pytest.raises(ValueError, match="user id"):
+            e.forget_user(user)
+    with pytest.raises(ValueError, match="token ids"):
+        e.forget_prompts("bob", [[-1] * 40])
+    with pytest.raises(ValueError, match="list of token id lists"):
+        e.forget_prompts("bob", "abc")
+    assert e.stats()["kv_blocks_cached"] == cached == 4
+    assert e.forget_prompts("bob", [[], list(range(100, 140))]) == 2  # an empty branch is no error
+    e.shutdown()
+
+
+def test_a_bad_forget_is_refused_to_its_caller_and_the_engine_thread_serves_on():
+    """AsyncLLM checks forget's arguments in the caller's thread; an item that fails on the engine's
+    thread anyway is logged there, and every other caller is served on."""
+    import asyncio
+
+    engine = __import__("chatengine").AsyncLLM("dummy:tiny", num_kv_blocks=32)
+
+    async def one(rid):
+        async for out in engine.generate(list(range(30)), SamplingParams(temperature=0, max_tokens=20), request_id=rid):
+            pass
+        return out
+
+    async def main():
+        running = asyncio.create_task(one("a"))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="user id"):
+            engine.forget_user("")
+        with pytest.raises(ValueError, match="token ids"):
+            engine.forget_prompts("bob", [[-1] * 40])
+        engine.post(("forget", ""))  # past the check: fails on the engine's thread
+        return await asyncio.wait_for(running, 30), await asyncio.wait_for(one("b"), 30)
+
+    try:
+        a, b = asyncio.run(main())
+        assert len(a.outputs[0].token_ids) == len(b.outputs[0].token_ids) == 20
+        assert engine.is_running
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_aborted_while_its_pages_come_from_disk_leaves_no_host_slot_taken(tmp_path):
+    """Its reads finish after it has gone and no lookup comes back for them: the host pool takes
+    their slots back when it needs room, and a later request still finds its pages on disk."""
+    kw = dict(
+        kv_store_dir=str(tmp_path), cpu_offload_gib=0.0, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=128
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    prompts = [[(7 * i + 13 * j) % 256 for j in range(120)] for i in range(6)]
+    first = LLM("dummy:tiny", **kw)
+    first.generate(prompts, greedy)
+    first.shutdown()
+    e = LLM("dummy:tiny", **kw).engine
+    host = e.tiers.host
+    for i in range(3):
+        e.add_request(prompts[i], greedy, request_id=f"x{i}")
+        e.step()  # its pages are found on disk: the reads start and it waits for them
+        assert host.loading
+        e.abort(f"x{i}")
+    deadline = time.monotonic() + 30  # their reads end; nothing comes back for them
+    while not all(load.done() for _, load in host.loading.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    e.add_request(prompts[5], greedy, request_id="y")
+    while e.has_unfinished_requests():
+        for out in e.step():
+            assert out.num_cached_tokens == 112  # 7 of its 7 full blocks, from disk
+    assert len(host.free_slots) + len(host.index) == host.num_blocks
+    e.check_invariants()
+    e.close()
+
+
 def test_idle_pages_move_to_host_memory_proactively():
     import asyncio
     import time

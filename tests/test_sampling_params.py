@@ -58,3 +58,18 @@ def test_row_flags_follow_the_fields_they_read_even_when_set_later():
     q = SamplingParams(structured_outputs={"json": {"type": "object"}})
     assert q.needs_history and not q.penalized
     assert "penalized" not in repr(q)  # not a field: no argument, no repr, no equality
+
+
+def test_values_that_vanish_in_fp32_are_refused_or_mean_what_they_say(tiny):
+    """The sampler works in fp32: a top_p below its range would round to 0 (every token dropped) and
+    a repetition penalty that small divides by 0. A tiny nucleus keeps the top token alone."""
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \[0.01, 10\]"):
+        SamplingParams(repetition_penalty=1e-50).validate(4, 64)
+    SamplingParams(repetition_penalty=0.01).validate(4, 64)
+    prompt = [[5, 9, 2, 7]]
+    greedy = tiny.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    for top_p in (1e-50, 1e-44):
+        sp = SamplingParams(temperature=1.0, top_p=top_p, seed=3, max_tokens=6, logprobs=1, ignore_eos=True)
+        got = tiny.generate(prompt, sp)[0].outputs[0]
+        assert got.token_ids == greedy.token_ids
+        assert all(lp == lp for step in got.logprobs for lp in step.values())  # no NaN

@@ -35,8 +35,8 @@ class AsyncLLM(EngineFacade, EngineLoop):
         A caller slower than the engine gets the newest output only (each holds everything so far):
         under load a stream sends fewer, longer chunks instead of falling further behind."""
         req = await make_request(self.engine.make_request, prompt, sampling_params, request_id, user)
-        if self._stopped:
-            raise RuntimeError("the engine has shut down")
+        if not self.is_running:  # shut down, or its thread died: nobody would ever answer
+            raise RuntimeError("the engine has shut down" if self._stopped else "the engine's thread has stopped")
         queue = Mailbox()
         self.post(("add", req, (asyncio.get_running_loop(), queue)))
         async with contextlib.aclosing(follow(queue, lambda: self.post(("abort", req.request_id)))) as outputs:
@@ -68,12 +68,13 @@ class AsyncLLM(EngineFacade, EngineLoop):
             self._stats, self._stats_time = self.engine.stats(), now
 
     def forget_user(self, user: str) -> None:
+        self.front.check_forget(user)  # here: on the engine's thread a ValueError reaches no caller
         self.post(("forget", user))
 
     def forget_prompts(self, user: str, prompts: list[list[int]]) -> None:
         """Drop the user's private KV pages of these token sequences (a deleted conversation's
         branches) from every tier, on the engine's thread, soon."""
-        self.post(("forget_prompts", user, [list(p) for p in prompts]))
+        self.post(("forget_prompts", user, self.front.check_forget_prompts(user, prompts)))
 
     def _drop_public_prefix(self, prefix_ids: list[int]) -> None:
         # the block manager belongs to the engine thread; the persona itself is unregistered already

@@ -81,16 +81,26 @@ class EngineLoop:
         return inbox
 
     def _take(self, item: tuple) -> None:
-        engine, kind = self.engine, item[0]
-        if kind == "add":
+        """One inbox item. Whatever it raises stays here: the loop serves every other caller on."""
+        if item[0] == "add":
             _, req, target = item
             if not self._accept(req, target):
                 return
             try:
-                engine.add(req)
-            except ValueError as e:
+                self.engine.add(req)
+            except Exception as e:  # a ValueError is the caller's to read; anything else a bug too
+                if not isinstance(e, ValueError):
+                    log.exception("adding request %s failed", req.request_id)
                 self._deliver_many([(req.request_id, e)])
-        elif kind == "abort":
+            return
+        try:
+            self._take_other(item)
+        except Exception:
+            log.exception("engine loop item %r failed", item[0])
+
+    def _take_other(self, item: tuple) -> None:
+        engine, kind = self.engine, item[0]
+        if kind == "abort":
             out = engine.abort(item[1])
             if out is not None:
                 self._deliver_many([(item[1], out)])

@@ -57,6 +57,9 @@ class EngineFront:
         )
         if 0 < params.temperature < 1e-5:  # logits / T would overflow (a denormal T is 0 in fp32): greedy, as vLLM
             params = dataclasses.replace(params, temperature=0.0)
+        if params.top_p < 1e-6:  # in fp32 a tinier one rounds to 0, dropping every token; a nucleus of
+            # 1e-6 holds the top token alone already (its probability is at least 1 / vocab)
+            params = dataclasses.replace(params, top_p=1e-6)
         text, ids = self._prompt_ids(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -96,6 +99,20 @@ class EngineFront:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         return text, ids
+
+    def check_forget(self, user) -> None:
+        """A forget_user call's user, checked before any engine thread sees it: a non-empty string.
+        None names the single-tenant pages that callers without a user share, never one user's."""
+        if not isinstance(user, str) or not user:
+            raise ValueError("forgetting needs a user id: a non-empty string")
+
+    def check_forget_prompts(self, user, prompts) -> list[list[int]]:
+        """A forget_prompts call's arguments, checked: the prompts as lists of token ids, empty ones
+        left out."""
+        self.check_forget(user)
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
+        return [self._prompt_ids(list(p))[1] for p in prompts if len(p)]
 
     def grammars(self):
         """The structured-output compiler of this model's tokenizer (made once, on first use)."""

@@ -135,6 +135,7 @@ class LLMEngine:
 
     def forget_user(self, user: str) -> int:
         """Drop a (deleted) user's cached KV from every tier; returns the number of blocks dropped."""
+        self.front.check_forget(user)
         owner = owner_tag(user_salt(self.secret, user))
         n = self.block_manager.drop_owner(owner)
         return n + (self.tiers.drop_owner(owner) if self.tiers is not None else 0)
@@ -143,6 +144,7 @@ class LLMEngine:
         """Drop the user's private KV blocks of these token sequences (a deleted conversation's
         branches) from every tier; the public persona blocks they start with stay. Blocks that a
         running request uses stay too. Returns the number of blocks dropped."""
+        prompts = self.front.check_forget_prompts(user, prompts)
         salt, bs, hashes = user_salt(self.secret, user), self.config.block_size, set()
         for ids in prompts:
             first = salt_start_block(self.public_prefix_len(ids), bs)

@@ -542,9 +542,7 @@ def parse_sampling(body: dict, limits: Limits, kind: Kind = "chat") -> Sampling:
         ignore_eos=opt_bool(body, "ignore_eos"),
         presence_penalty=opt_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=opt_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=opt_number(
-            body, "repetition_penalty", model.get("repetition_penalty", 1.0), 0.0, 10.0, lo_open=True
-        ),
+        repetition_penalty=opt_number(body, "repetition_penalty", model.get("repetition_penalty", 1.0), 0.01, 10.0),
         logit_bias=parse_logit_bias(body, vocab),
         min_tokens=min_tokens,
         logprobs=logprobs,

@@ -196,8 +196,17 @@ class TieredCache:
         if slot in self.host.loading:
             self._finish_load(slot)
 
+    def _collect_loads(self) -> None:
+        """Collect the disk reads that have finished. A lookup collects its own, but one whose
+        request went away (aborted while it waited) is collected here, or its slot stays taken."""
+        for slot in [slot for slot, (_, load) in self.host.loading.items() if load.done()]:
+            self._finish_load(slot)
+
     def _spill_one(self) -> bool:
         host = self.host
+        self._collect_loads()
+        if host.free_slots:  # a failed read gave its slot back
+            return True
         for h, (slot, _) in host.index.items():  # oldest first, skipping pinned entries and reads
             if h not in host.pinned and slot not in host.loading:
                 slot, meta = host.index.pop(h)

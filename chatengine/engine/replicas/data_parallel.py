@@ -268,12 +268,14 @@ class DataParallelLLM(EngineFacade):
             self._broadcast(("unpersona", name))
 
     def forget_user(self, user: str) -> None:
+        self.front.check_forget(user)  # here: in a replica a ValueError reaches no caller
         self.chains.forget(user)  # the router's copies of the user's token ids go too
         self._broadcast(("forget", user))
 
     def forget_prompts(self, user: str, prompts: list[list[int]]) -> None:
+        prompts = self.front.check_forget_prompts(user, prompts)
         self.chains.forget(user)
-        self._broadcast(("forget_prompts", user, [list(p) for p in prompts]))
+        self._broadcast(("forget_prompts", user, prompts))
 
     def _broadcast(self, message: tuple) -> None:
         for r in self.replicas:
