@@ -330,10 +330,53 @@ def test_a_stale_drop_leaves_a_page_being_written_anew(tmp_path):
     path = disk.path(META.hash)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"the new copy")
-    disk.pending.add(META.hash)
+    disk.pending[META.hash] = META
     disk.drop(META.hash)
     assert path.exists()
-    disk.pending.discard(META.hash)
+    del disk.pending[META.hash]
     disk.drop(META.hash)
     assert not path.exists()
     disk.close()
+
+
+def stalled(tmp_path) -> DiskStore:
+    """A store whose writer has stopped as if stuck on a slow disk: writes wait in its queue."""
+    disk = store(tmp_path)
+    disk.queue.put(None)
+    disk.writer.join(10)
+    return disk
+
+
+def test_forget_deletes_stored_pages_and_cancels_queued_ones_without_waiting(tmp_path):
+    """A deleted user's pages: the stored ones go at once, the queued ones are never written (the
+    engine's thread does not sit out the writer's backlog), and every other page is written."""
+    disk = stalled(tmp_path)
+    zoe = [BlockMeta(bytes([1, i]) * 8, b"p" * 16, (i,), b"z" * 8) for i in range(3)]
+    yan = [BlockMeta(bytes([2, i]) * 8, b"p" * 16, (i,), b"y" * 8) for i in range(3)]
+    page = torch.ones(SHAPE)
+    disk.write_behind(zoe[0], page)
+    disk._take(disk.queue.get_nowait())  # stored before the forget
+    for meta in zoe[1:] + yan:
+        assert disk.write_behind(meta, page)
+    assert disk.forget(lambda h, meta: meta.owner == b"z" * 8) == 1
+    assert not disk.path(zoe[0].hash).exists() and zoe[0].hash not in disk
+    while not disk.queue.empty():  # the writer comes back
+        disk._take(disk.queue.get_nowait())
+    assert sorted(disk.index) == sorted(m.hash for m in yan)
+    assert not any(disk.path(m.hash).exists() for m in zoe)
+    assert not disk.pending and not disk.cancelled
+
+
+def test_a_page_forgotten_while_it_is_written_is_deleted_not_indexed(tmp_path, monkeypatch):
+    disk = stalled(tmp_path)
+    write_file = disk._write_file
+
+    def forget_meanwhile(tmp, head, payload):  # the engine's thread forgets it mid-write
+        write_file(tmp, head, payload)
+        assert disk.forget(lambda h, meta: True) == 0
+
+    monkeypatch.setattr(disk, "_write_file", forget_meanwhile)
+    disk.write_behind(META, torch.ones(SHAPE))
+    disk._take(disk.queue.get_nowait())
+    assert META.hash not in disk and not disk.path(META.hash).exists()
+    assert not disk.pending and not disk.cancelled and disk.num_write_errors == 0

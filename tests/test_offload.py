@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from chatengine import LLM, SamplingParams
+from chatengine.engine.kv.block_manager import owner_tag
 from chatengine.engine.kv.block_meta import BlockMeta
+from chatengine.engine.kv.hashing import user_salt
 from chatengine.engine.kv.tiers import TieredCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -356,6 +358,26 @@ def test_forget_prompts_drops_one_conversations_pages_from_every_tier(tmp_path):
     assert len(disk.index) == before - 2  # the private full blocks 16..31 and 32..47 of `gone`, on disk
     assert e.generate([gone], p, user="zoe")[0].num_cached_tokens == 16  # only the public persona block
     assert e.generate([kept], p, user="zoe")[0].num_cached_tokens == 48
+    e.shutdown()
+
+
+def test_forget_user_never_waits_for_the_disk_writer(tmp_path):
+    """The engine's thread forgets: behind a stuck writer it must not wait, and the user's queued
+    pages are never written."""
+    e = LLM("dummy:tiny", kv_store_dir=str(tmp_path / "kv"), num_kv_blocks=32, register_personas=False)
+    disk = e.engine.tiers.disk
+    stall(disk)
+    e.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=4), user="zoe")
+    e.generate([list(range(100, 140))], SamplingParams(temperature=0, max_tokens=4), user="yan")
+    assert len(disk.pending) == 4  # both users' two full blocks, written behind
+    forgot = threading.Thread(target=e.forget_user, args=("zoe",), daemon=True)
+    forgot.start()
+    forgot.join(10)
+    assert not forgot.is_alive()
+    while not disk.queue.empty():  # the writer comes back
+        disk._take(disk.queue.get_nowait())
+    owner = {u: owner_tag(user_salt(e.engine.secret, u)) for u in ("zoe", "yan")}
+    assert [meta.owner for _, _, meta in disk.index.values()] == [owner["yan"]] * 2
     e.shutdown()
 
 

@@ -20,6 +20,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,7 +49,8 @@ class DiskStore:
         os.chmod(self.dir, 0o700)
         self.index: OrderedDict[bytes, tuple[Path, int, BlockMeta]] = OrderedDict()  # LRU: head evicted first
         self._bytes = 0  # the index's file sizes, kept as entries come and go (under self.lock)
-        self.pending: set[bytes] = set()  # hashes queued for the writer, not indexed yet
+        self.pending: dict[bytes, BlockMeta] = {}  # queued for the writer, not indexed yet
+        self.cancelled: set[bytes] = set()  # pending ones forgotten meanwhile: never to be indexed
         self._made: set[Path] = set()  # fan-out directories the writers made (or found)
         self.lock = threading.Lock()
         self.closed = False  # the writer has stopped: a later write is dropped, never left waiting
@@ -139,12 +141,12 @@ class DiskStore:
         if self.closed:  # no writer would take it, and a flush would wait for it forever
             self.num_dropped += 1
             return False
-        self.pending.add(meta.hash)  # before the writer can take it: it discards it once indexed
+        self.pending[meta.hash] = meta  # before the writer can take it: it discards it once indexed
         try:
             self.queue.put((meta, page, ready), block=block)
             return True
         except queue.Full:
-            self.pending.discard(meta.hash)
+            self.pending.pop(meta.hash, None)
             self.num_dropped += 1
             return False
 
@@ -171,7 +173,8 @@ class DiskStore:
             log.exception("KV disk store write failed; the block stays recomputable")
         finally:
             if item is not None:  # indexed first (or failed): never neither for a reader
-                self.pending.discard(item[0].hash)
+                self.pending.pop(item[0].hash, None)
+                self.cancelled.discard(item[0].hash)
             self.queue.task_done()
         return True
 
@@ -210,7 +213,7 @@ class DiskStore:
         # Every call that lets go of the GIL (a syscall, a torch op, crc32 of a page) can wait a
         # switch interval (5 ms) to get it back while another thread computes: the engine's, when it
         # serves. So a write makes five: crc32, open, one writev, close, rename.
-        if meta.hash in self.index:
+        if meta.hash in self.index or meta.hash in self.cancelled:
             return
         if ready is not None:
             ready.synchronize()
@@ -245,6 +248,9 @@ class DiskStore:
             self._delete(tmp)
             return
         with self.lock:
+            if meta.hash in self.cancelled:  # forgotten while it was written
+                self._delete(path)
+                return
             self._add(meta, path, len(head) + len(payload))
             self._enforce_budget()
 
@@ -350,6 +356,23 @@ class DiskStore:
             if entry is None and h in self.pending:  # a stale drop (e.g. a reader's of an evicted copy):
                 return  # the file is being written anew, and is indexed once written
             self._delete(entry[0] if entry else self.path(h))
+
+    def forget(self, match: Callable[[bytes, BlockMeta], bool]) -> int:
+        """Delete the stored blocks that match(hash, meta) selects (a deleted user's, a deleted
+        conversation's), and never write the queued ones it selects: without waiting for the
+        writer, whose backlog the engine's thread would otherwise sit out. Returns how many were
+        stored."""
+        n = 0
+        with self.lock:  # the writer indexes under it: each queued page is either indexed by now
+            for h, meta in list(self.pending.items()):  # (or cancelled here, before it is)
+                if h not in self.index and match(h, meta):
+                    self.cancelled.add(h)
+            for h, (path, _, meta) in list(self.index.items()):
+                if match(h, meta):
+                    self._pop(h)
+                    self._delete(path)
+                    n += 1
+        return n
 
     @staticmethod
     def _delete(path: Path) -> None:

@@ -237,11 +237,7 @@ class TieredCache:
                         self.host.free_slots.append(slot)
                         n += 1
         if self.disk is not None:
-            self.disk.flush()
-            for h, (_, _, meta) in list(self.disk.index.items()):
-                if match(h, meta):
-                    self.disk.drop(h)
-                    n += 1
+            n += self.disk.forget(match)
         return n
 
     def flush(self) -> None:
