@@ -1,5 +1,6 @@
-"""Password guessing is throttled per username and per client address (429 + Retry-After before any
-password is checked), and an unknown username costs the same hashing work as a known one."""
+"""Password guessing is throttled per username and address, per address and per username (429 +
+Retry-After before any password is checked), nobody can lock a user out from her own addresses, and
+an unknown username costs the same hashing work as a known one."""
 
 import hashlib
 
@@ -19,24 +20,41 @@ class Clock:
         return self.now
 
 
-def test_failures_per_username_and_per_address():
+def test_failures_per_username_and_address_per_address_and_per_username():
     clock = Clock()
-    t = LoginThrottle(per_username=(3, 60.0), per_address=(5, 60.0), clock=clock)
+    t = LoginThrottle(per_username=(6, 60.0), per_address=(5, 60.0), per_pair=(3, 60.0), clock=clock)
     for _ in range(3):
         assert t.retry_after("alice", "1.1.1.1") == 0
         t.failed("alice", "1.1.1.1")
-    assert t.retry_after("alice", "2.2.2.2") == 60  # the name is throttled from any address
+    assert t.retry_after("alice", "1.1.1.1") == 60  # this name from this address
+    assert t.retry_after("alice", "2.2.2.2") == 0  # the guesser's failures do not lock her out
     assert t.retry_after("bob", "3.3.3.3") == 0
     t.failed("bob", "1.1.1.1")
     t.failed("carol", "1.1.1.1")
     assert t.retry_after("dave", "1.1.1.1") == 60  # this address tried 5 times, whatever the names
+    for address in ("5.5.5.5", "6.6.6.6", "7.7.7.7"):  # a guesser with many addresses
+        t.failed("alice", address)
+    assert t.retry_after("alice", "8.8.8.8") == 60  # 6 failures for the name from every address
     clock.now += 30
-    assert t.retry_after("alice", "2.2.2.2") == 30
+    assert t.retry_after("alice", "8.8.8.8") == 30
     clock.now += 31
-    assert t.retry_after("alice", "2.2.2.2") == 0 and t.retry_after("dave", "1.1.1.1") == 0
+    assert t.retry_after("alice", "8.8.8.8") == 0 and t.retry_after("dave", "1.1.1.1") == 0
     t.failed("erin", "4.4.4.4")
-    t.succeeded("erin")
-    assert ("user", "erin") not in t.failures
+    t.succeeded("erin", "4.4.4.4")
+    assert ("pair", "erin\0" + "4.4.4.4") not in t.failures
+
+
+def test_no_one_locks_a_user_out_of_an_address_she_signed_in_from():
+    clock = Clock()
+    t = LoginThrottle(per_username=(6, 60.0), per_address=(50, 60.0), per_pair=(3, 60.0), clock=clock)
+    t.succeeded("alice", "9.9.9.9")
+    for i in range(20):  # failures for her name from 10 addresses
+        t.failed("alice", f"1.1.1.{i % 10}")
+    assert t.retry_after("alice", "9.9.9.9") == 0  # her address
+    assert t.retry_after("alice", "2.2.2.2") == 60  # a new one waits
+    for _ in range(3):  # her own address still has its own tight limit
+        t.failed("alice", "9.9.9.9")
+    assert t.retry_after("alice", "9.9.9.9") == 60
 
 
 def login_app(throttle):
@@ -56,7 +74,7 @@ def login_app(throttle):
 
 
 def test_the_sign_in_route_answers_429_with_retry_after():
-    app, seen = login_app(LoginThrottle(per_username=(3, 300.0), per_address=(50, 300.0)))
+    app, seen = login_app(LoginThrottle(per_pair=(3, 300.0), per_address=(50, 300.0)))
     with TestClient(app) as client:
         for _ in range(3):
             assert client.post("/login", data={"username": "alice", "password": "guess"}).status_code == 400
@@ -71,7 +89,7 @@ def test_the_sign_in_route_answers_429_with_retry_after():
 def test_a_multipart_form_counts_against_the_same_username():
     """Gradio's own sign-in page posts multipart/form-data: its failures count per name too, so
     switching encodings cannot dodge the per-username limit."""
-    app, seen = login_app(LoginThrottle(per_username=(2, 300.0), per_address=(50, 300.0)))
+    app, seen = login_app(LoginThrottle(per_pair=(2, 300.0), per_address=(50, 300.0)))
     multipart = lambda name, pw: {"username": (None, name), "password": (None, pw)}  # noqa: E731
     with TestClient(app) as client:
         assert client.post("/login", files=multipart("alice", "guess")).status_code == 400

@@ -1,5 +1,10 @@
-"""Password guessing costs time: failed sign-ins are counted per username and per client address,
-and past a limit the sign-in route answers 429 with Retry-After before any password is checked.
+"""Password guessing costs time: failed sign-ins are counted per username and client address
+together, per address, and per username from every address, and past a limit the sign-in route
+answers 429 with Retry-After before any password is checked.
+
+Nobody can lock a user out by failing her sign-ins on purpose: the tight limit is per name and
+address, so it stops a guesser's address, not hers. The per-username limit, against guessers with
+many addresses, is loose, and an address the user has signed in from before is exempt from it.
 
 A pure ASGI middleware in front of Gradio's POST /login: it reads the form's username (replaying the
 body to Gradio unchanged), refuses a throttled username or address, and records the outcome from
@@ -11,16 +16,19 @@ import math
 import time
 from collections import deque
 
-PER_USERNAME = (5, 300.0)  # failures allowed per window (s) for one username
-PER_ADDRESS = (20, 300.0)  # ... and from one client address, whatever names it tries
+PER_PAIR = (5, 300.0)  # failures allowed per window (s) for one username from one client address
+PER_ADDRESS = (20, 300.0)  # ... from one client address, whatever names it tries
+PER_USERNAME = (50, 300.0)  # ... for one username from every address but those it signed in from
+KNOWN_PER_USER = 16  # addresses remembered per username (the newest), in memory
 MAX_FORM_BYTES = 16 * 1024  # a sign-in form is a name and a password
 
 
 class LoginThrottle:
-    def __init__(self, per_username=PER_USERNAME, per_address=PER_ADDRESS, clock=time.monotonic):
-        self.limits = {"user": per_username, "addr": per_address}
+    def __init__(self, per_username=PER_USERNAME, per_address=PER_ADDRESS, per_pair=PER_PAIR, clock=time.monotonic):
+        self.limits = {"user": per_username, "addr": per_address, "pair": per_pair}
         self.clock = clock
         self.failures: dict[tuple[str, str], deque] = {}
+        self.known: dict[str, list[str]] = {}  # username -> addresses it signed in from
         # addresses whose sign-in is being checked now: password hashing runs one at a time, so
         # without this one address could queue guesses ahead of everyone else's sign-in
         self.checking: set[str] = set()
@@ -33,10 +41,16 @@ class LoginThrottle:
             q.popleft()
         return q
 
+    def _keys(self, username: str, address: str) -> list[tuple[str, str]]:
+        keys = [("pair", f"{username}\0{address}"), ("addr", address)]
+        if address not in self.known.get(username, ()):
+            keys.append(("user", username))
+        return keys
+
     def retry_after(self, username: str, address: str) -> int:
         """Seconds until a sign-in may be tried again (0: now)."""
         wait = 0.0
-        for kind, key in (("user", username), ("addr", address)):
+        for kind, key in self._keys(username, address):
             limit, window = self.limits[kind]
             q = self._window(kind, key)
             if len(q) >= limit:
@@ -44,13 +58,19 @@ class LoginThrottle:
         return math.ceil(wait)
 
     def failed(self, username: str, address: str) -> None:
-        for kind, key in (("user", username), ("addr", address)):
+        for kind, key in (("pair", f"{username}\0{address}"), ("addr", address), ("user", username)):
             self._window(kind, key).append(self.clock())
         if len(self.failures) > 100_000:  # a flood of names: forget the idle ones
             self.failures = {k: q for k, q in self.failures.items() if q}
 
-    def succeeded(self, username: str) -> None:
-        self.failures.pop(("user", username), None)
+    def succeeded(self, username: str, address: str) -> None:
+        """Her address is known from now on. The username's own count stays: a guesser with many
+        addresses must not get a fresh allowance each time she signs in."""
+        self.failures.pop(("pair", f"{username}\0{address}"), None)
+        known = [a for a in self.known.pop(username, []) if a != address] + [address]
+        self.known[username] = known[-KNOWN_PER_USER:]
+        if len(self.known) > 100_000:  # bounded: the oldest sign-ins' users go first
+            del self.known[next(iter(self.known))]
 
 
 class LoginThrottleMiddleware:
@@ -86,7 +106,7 @@ class LoginThrottleMiddleware:
         async def watch(message):
             if message["type"] == "http.response.start":
                 if message["status"] == 200:
-                    self.throttle.succeeded(username)
+                    self.throttle.succeeded(username, address)
                 elif message["status"] == 400:
                     self.throttle.failed(username, address)
             await send(message)
