@@ -7,6 +7,7 @@ the distribution that was sampled; greedy rows report plain log-softmax. Prompt 
 model's raw log-softmax.
 """
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -14,6 +15,13 @@ from typing import TYPE_CHECKING
 MAX_STOP_TOKEN_IDS = 64  # each sampled token is checked against them
 MAX_LOGPROBS = 20  # top candidates per token, as OpenAI allows
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
+# What one request may ask the grammar compiler for. Its time and memory grow faster than the text:
+# a 30 KB grammar of optional literals compiles to ~30 MB, 230 KB to gigabytes; a JSON schema nested
+# 400 deep takes seconds, 900 deep a minute. Well inside these, 0.2 s and tens of MB at most.
+MAX_GRAMMAR_CHARS = 16 * 1024  # a grammar or a regex
+MAX_SCHEMA_CHARS = 64 * 1024  # a JSON schema's text, and all the choices together
+MAX_SCHEMA_DEPTH = 64  # objects and arrays inside one another in a JSON schema
+MAX_CHOICES = 4096
 _ROW_FLAG_INPUTS = frozenset(
     {"presence_penalty", "frequency_penalty", "repetition_penalty", "structured_outputs", "min_tokens", "logit_bias"}
 )
@@ -38,16 +46,56 @@ class StructuredOutputs:
                 "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
                 f"got {set_fields or 'none'}"
             )
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        if self.json is not None:
+            _check_schema(self.json)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
-        if self.choice is not None and (
-            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
-        ):
-            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            if value is not None and len(value) > MAX_GRAMMAR_CHARS:
+                raise ValueError(
+                    f"structured_outputs.{name} has {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are allowed"
+                )
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            if len(self.choice) > MAX_CHOICES or sum(map(len, self.choice)) > MAX_SCHEMA_CHARS:
+                raise ValueError(
+                    f"structured_outputs.choice allows at most {MAX_CHOICES} choices of "
+                    f"{MAX_SCHEMA_CHARS} characters together"
+                )
+
+
+def _check_schema(schema) -> None:
+    """A JSON schema's kind, size and depth (see MAX_SCHEMA_*)."""
+    if not isinstance(schema, (dict, str)):
+        raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+    too_big = f"structured_outputs.json is too large: at most {MAX_SCHEMA_CHARS} characters of JSON are allowed"
+    if isinstance(schema, str):
+        if len(schema) > MAX_SCHEMA_CHARS:
+            raise ValueError(too_big)
+        try:
+            schema = json.loads(schema)
+        except RecursionError:
+            raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+        except ValueError:
+            return  # not JSON: the compiler says what is wrong with it
+    else:
+        try:  # (a cycle, or a nesting deep enough to exhaust the stack, cannot be a JSON schema)
+            text = json.dumps(schema, default=str)
+        except (ValueError, RecursionError):
+            raise ValueError(
+                "structured_outputs.json is not a JSON schema: it contains itself or nests too deep"
+            ) from None
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise ValueError(too_big)
+    level = [schema]  # breadth first, one level of nesting at a time (no recursion to exhaust)
+    for _ in range(MAX_SCHEMA_DEPTH):
+        level = [v for node in level for v in (node.values() if isinstance(node, dict) else node)]
+        level = [v for v in level if isinstance(v, (dict, list))]
+        if not level:
+            return
+    raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
 
 
 @dataclass

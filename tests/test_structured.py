@@ -337,6 +337,48 @@ def test_cache_is_bounded(tok, eos, llm, monkeypatch):
     assert len(g._cache) == 3 and g.compile(SO(choice=["0"])) is not first  # evicted, compiled again
 
 
+def test_cache_is_bounded_in_bytes_too(tok, eos, llm, monkeypatch):
+    """A few long grammars (tens of MBs compiled each) must not pile up to gigabytes."""
+    from chatengine.engine import structured
+
+    g = Grammars(tok, llm.engine.model_config.vocab_size, eos)
+    sizes = [g.compile(SO(choice=[f"{i} " * (i + 1)])).memory_size_bytes for i in range(3)]
+    assert g._bytes == sum(sizes) and all(sizes)
+    newest_size = (
+        Grammars(tok, llm.engine.model_config.vocab_size, eos).compile(SO(choice=["3 " * 4])).memory_size_bytes
+    )
+    monkeypatch.setattr(structured, "CACHE_BYTES", sizes[2] + newest_size)
+    newest = g.compile(SO(choice=["3 " * 4]))
+    assert list(g._cache) == [("choice", ("2 " * 3,)), ("choice", ("3 " * 4,))]  # the oldest two went
+    assert g._bytes == sizes[2] + newest.memory_size_bytes and set(g._sizes) == set(g._cache)
+
+
+def test_what_would_take_the_compiler_minutes_or_gigabytes_is_refused():
+    from chatengine.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH
+
+    def nested(depth):
+        schema = {"type": "string"}
+        for _ in range(depth - 1):
+            schema = {"type": "array", "items": schema}
+        return schema
+
+    SO(json=nested(MAX_SCHEMA_DEPTH)).validate()
+    loop: dict = {"type": "object"}
+    loop["properties"] = {"self": loop}
+    big = {"enum": ["x" * 100] * (MAX_SCHEMA_CHARS // 100)}
+    refused = {
+        "nests deeper than 64": [SO(json=nested(MAX_SCHEMA_DEPTH + 1)), SO(json="[" * 5000 + "]" * 5000)],
+        "contains itself": [SO(json=loop)],
+        "too large": [SO(json=big), SO(json=json.dumps(big))],
+        "at most 16384": [SO(grammar="root ::= " + '"x"? ' * 4000), SO(regex="a" * (MAX_GRAMMAR_CHARS + 1))],
+        "at most 4096 choices": [SO(choice=["a"] * (MAX_CHOICES + 1)), SO(choice=["a" * MAX_SCHEMA_CHARS, "b"])],
+    }
+    for message, specs in refused.items():
+        for spec in specs:
+            with pytest.raises(ValueError, match=message):
+                spec.validate()
+
+
 def test_a_padded_model_vocabulary_is_masked(tok, eos):
     vocab = len(tok) + 45  # the model's logits are wider than the tokenizer (not a multiple of 32)
     g = Grammars(tok, vocab, eos)

@@ -32,7 +32,8 @@ from chatengine.sampling_params import StructuredOutputs
 if TYPE_CHECKING:
     import xgrammar
 
-CACHE_SIZE = 256  # compiled grammars kept (LRU); a schema's compiled form is KBs to a few MBs
+CACHE_SIZE = 256  # compiled grammars kept (LRU); a schema's compiled form is KBs to a few MBs ...
+CACHE_BYTES = 256 * 2**20  # ... a long grammar's tens of MBs: the cache's bound in bytes too
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and may carry a failed check's text
 _ERROR_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
@@ -108,6 +109,8 @@ class Grammars:
         self._init_lock = threading.Lock()
         self._lock = threading.Lock()  # guards _cache; compiles run outside it
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}  # the compiled ones' memory_size_bytes, summed in _bytes
+        self._bytes = 0
         # the mask row of a terminated grammar: stop tokens only, (ceil(V/32),) int32
         words = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
         for t in self.stop_token_ids:
@@ -143,8 +146,7 @@ class Grammars:
             mine = fut is None  # this thread compiles it; others with the same key wait on its Future
             if fut is None:
                 fut = self._cache[key] = Future()
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)  # threads already waiting on it keep their Future
+                self._evict()
             else:
                 self._cache.move_to_end(key)
         if not mine:
@@ -157,8 +159,20 @@ class Grammars:
                     del self._cache[key]
             fut.set_exception(e)
             raise
+        with self._lock:
+            if self._cache.get(key) is fut:
+                self._sizes[key] = getattr(compiled, "memory_size_bytes", 0)
+                self._bytes += self._sizes[key]
+                self._evict()
         fut.set_result(compiled)
         return compiled
+
+    def _evict(self) -> None:
+        """Oldest first, until within CACHE_SIZE and CACHE_BYTES (the newest stays whatever its
+        size). Threads already waiting on an evicted Future keep it. Under self._lock."""
+        while len(self._cache) > CACHE_SIZE or (self._bytes > CACHE_BYTES and len(self._cache) > 1):
+            key, _ = self._cache.popitem(last=False)
+            self._bytes -= self._sizes.pop(key, 0)
 
     def _compile(self, key: tuple) -> xgrammar.CompiledGrammar:
         compiler = self._get_compiler()
