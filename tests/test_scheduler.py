@@ -1,4 +1,5 @@
-"""Scheduler without a model: token budget, chunked prefill mixed with decodes, FCFS, preemption."""
+"""Scheduler without a model: token budget, chunked prefill mixed with decodes, FCFS within a user and
+round-robin across users, preemption."""
 
 from chatengine.config import EngineConfig
 from chatengine.engine.kv.block_manager import BlockManager
@@ -161,6 +162,44 @@ def test_preempts_the_newest_and_recomputes_it():
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
     assert sched.waiting[0] is b and b.num_preemptions == 1
     assert b.token_ids[-1] == 7  # its generated token is kept for recompute
+
+
+def user_seq(salt, n, start=0):
+    s = seq(n, start)
+    s.salt = salt
+    return s
+
+
+def test_one_users_flood_never_queues_anothers_request_behind_it():
+    """Admission is round-robin over users, those with the fewest running first; one user's own
+    requests keep their order."""
+    sched = make(num_blocks=64, budget=64, max_seqs=3)
+    eve = [user_seq(b"eve", 2, 10 * i) for i in range(6)]
+    bob = user_seq(b"bob", 2, 100)
+    for s in [*eve, bob]:
+        sched.add(s)
+    got, _ = step(sched)
+    assert got == [(eve[0].seq_id, 2), (bob.seq_id, 2), (eve[1].seq_id, 2)]
+    sched.finish(bob)
+    carol = [user_seq(b"carol", 2, 200 + 10 * i) for i in range(2)]
+    for s in carol:
+        sched.add(s)
+    sched.finish(eve[0])  # eve has 1 running, carol none: carol's first goes first, then eve's
+    got, _ = step(sched)  # next (a tie with carol's second, which came later)
+    assert [sid for sid, n in got if n == 2] == [carol[0].seq_id, eve[2].seq_id]
+    assert list(sched.waiting) == [carol[1], eve[3], eve[4], eve[5]]
+
+
+def test_preemption_takes_the_newest_of_the_user_with_the_most_running():
+    sched = make(num_blocks=7, budget=64)
+    eve1, eve2, bob = user_seq(b"eve", 7), user_seq(b"eve", 7, 100), user_seq(b"bob", 7, 200)
+    for s in (eve1, eve2, bob):
+        sched.add(s)
+    step(sched)  # all three prefilled: 2 blocks each, 1 left
+    step(sched)  # their 8th tokens fill the 2nd blocks
+    got, out = step(sched)  # eve1 takes the last block; eve2, eve's newest, gives way, not bob
+    assert out.preempted == [eve2]
+    assert got == [(eve1.seq_id, 1), (bob.seq_id, 1)]
 
 
 def test_a_sequence_preempts_itself_when_it_is_the_only_one():

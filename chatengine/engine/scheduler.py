@@ -1,13 +1,16 @@
 """Scheduler: token-budget continuous batching with chunked prefill and preemption.
 
 Each step has one budget of `max_num_batched_tokens`. Running sequences go first, oldest first:
-each gets one decode token or its next prefill chunk. Then waiting sequences are admitted FCFS,
-with a prefix-cache lookup, while budget, `max_num_seqs` and free blocks last. Prefill chunks and
+each gets one decode token or its next prefill chunk. Then waiting sequences are admitted, with a
+prefix-cache lookup, while budget, `max_num_seqs` and free blocks last: first come first served
+among one user's, and across users round-robin, fewest running first (a user is a prefix-cache salt),
+so one user's flood of requests never queues another's behind it. Prefill chunks and
 decodes share a step, so one user's long prompt never freezes everyone else's stream. A step runs at
 most `max_num_seqs` sequences; a request of n > 1 samples, one sequence until its first token, keeps
 room at admission for the samples it then forks (as far as there is room). When blocks
-run out, the newest running sequence is preempted: its blocks are freed (they keep their hashes,
-so it usually hits them again) and it goes back to the head of the queue to be recomputed.
+run out, a running sequence is preempted, the newest of the user with the most running: its blocks
+are freed (they keep their hashes, so it usually hits them again) and it goes back to the head of
+the queue to be recomputed.
 
 With async scheduling the engine schedules step N+1 before it knows the tokens step N sampled: those
 are placeholders (sequence.PLACEHOLDER) whose KV the next step computes from the device-side ids. A
@@ -21,7 +24,7 @@ When every running sequence is such a one, they run on their placeholders and th
 the step in flight before their sampling.
 """
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from chatengine.config import EngineConfig
@@ -100,7 +103,7 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not bm.allocate(seq, num_new):
-                victim = self.running.pop()  # the newest
+                victim = self._victim(i)
                 self._preempt(victim)
                 out.num_preempted += 1
                 out.preempted.append(victim)
@@ -112,12 +115,13 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # then admit waiting sequences, first come first served; one whose cached prefix is still
+        # then admit waiting sequences, in _fair_order; one whose cached prefix is still
         # coming from disk waits at the head without holding up the others. A request of n > 1
         # samples keeps room, as far as there is some, for the n - 1 it forks once its first token
         # is drawn (`forked` gives it back), so its samples seldom wait behind the step's cap above
         # and later requests do not take their places; it is admitted whenever it fits alone
         loading = []
+        self._fair_order()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
             free = self.max_num_seqs - len(self.running) - self.num_reserved
@@ -147,6 +151,33 @@ class Scheduler:
             self.num_reserved += will_fork
         self.waiting.extendleft(reversed(loading))
         return out
+
+    def _fair_order(self) -> None:
+        """Waiting sequences in the order to admit them. A user's k-th waiting sequence (k from 0)
+        ranks at k + the number that user has running, ties in queue order: round-robin over the
+        users, those with the fewest running first. One user alone keeps the queue's order."""
+        if len(self.waiting) < 2 or len({s.salt for s in self.waiting}) < 2:
+            return
+        running = Counter(s.salt for s in self.running)
+        queued: Counter = Counter()
+        ranked = []
+        for place, s in enumerate(self.waiting):
+            ranked.append((running[s.salt] + queued[s.salt], place, s))
+            queued[s.salt] += 1
+        ranked.sort(key=lambda r: r[:2])
+        self.waiting = deque(s for _, _, s in ranked)
+
+    def _victim(self, start: int) -> Sequence:
+        """The sequence to preempt, taken out of `running`: among those not scheduled yet this step
+        (running[start:]), the newest of the user with the most sequences running, so that a user
+        with many gives way before one with few."""
+        at = len(self.running) - 1
+        if len({s.salt for s in self.running[start:]}) > 1:
+            running = Counter(s.salt for s in self.running)
+            most = max(running[s.salt] for s in self.running[start:])
+            while running[self.running[at].salt] < most:
+                at -= 1
+        return self.running.pop(at)
 
     def check_invariants(self) -> None:
         """The kept places are those of running sequences (debug_checks: every step)."""
