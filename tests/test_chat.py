@@ -7,7 +7,7 @@ import time
 import pytest
 
 from chatengine import AsyncLLM, SamplingParams
-from chatengine.app.chat import ChatService, TurnTemplate
+from chatengine.app.chat import MAX_REPLIES_PER_USER, ChatService, TurnTemplate
 from chatengine.app.store import ChatStore, NotFound
 from chatengine.personas import load_personas
 
@@ -385,6 +385,23 @@ def test_one_turn_at_a_time_per_conversation(svc):
     again = run(lambda: svc.send(user, cid, "And another thing", GREEDY))
     assert again.status == "done"
     assert [m["role"] for m in svc.store.active_path(user, cid)] == ["system", "user", "assistant", "user", "assistant"]
+
+
+def test_a_user_has_at_most_four_replies_being_written_at_once(svc):
+    """A fifth turn while four replies of the same user run elsewhere is refused with words and
+    writes nothing; other users are not held up, and a finished reply frees a place."""
+    user = "alice"
+    cids = [svc.new_conversation(user) for _ in range(MAX_REPLIES_PER_USER + 1)]
+    replies = [svc.send(user, cid, "Tell me a story.", GREEDY) for cid in cids[:-1]]  # claimed now
+    with pytest.raises(ValueError, match=f"{MAX_REPLIES_PER_USER} of your replies are being written"):
+        svc.send(user, cids[-1], "Hi", GREEDY)
+    assert len(svc.store.active_path(user, cids[-1])) == 1  # the system prompt only: nothing added
+    bob = svc.new_conversation("bob")
+    assert run(lambda: svc.send("bob", bob, "Hi", GREEDY)).status == "done"
+    assert run(lambda: replies[0]).status == "done"
+    assert run(lambda: svc.send(user, cids[-1], "Hi", GREEDY)).status == "done"
+    for reply in replies[1:]:
+        assert run(lambda reply=reply: reply).status == "done"
 
 
 # ---- a full disk: refused in words, nothing half-written ------------------------------------------

@@ -62,6 +62,9 @@ DEFAULT_TITLE = "New chat"
 TITLE_CHARS = 48
 SAVE_EVERY_S = 1.0  # partial replies are written to the store this often while streaming
 CLAIM_LAPSE_S = 60.0  # a turn claimed but never streamed frees its conversation after this
+# replies one user may have being written at once, across conversations (of one model): more would
+# be one person's share of the engine taken many times over (the scheduler is fair per request)
+MAX_REPLIES_PER_USER = 4
 
 
 @dataclass
@@ -436,18 +439,29 @@ class ChatService:
         return gen is not None and gen.task is not None
 
     def _claim(self, user: str, cid: str) -> None:
-        """Reserve the conversation's one turn, or refuse: a reply is still being written there.
-        A claim whose generation never started (its caller dropped it) lapses after CLAIM_LAPSE_S."""
+        """Reserve the conversation's one turn, or refuse: a reply is still being written there, or
+        in MAX_REPLIES_PER_USER of the user's other conversations. A claim whose generation never
+        started (its caller dropped it) lapses after CLAIM_LAPSE_S."""
         key = (user, cid)
         with self._claim_lock:
-            since = self._claims.get(key)
-            gen = self._running.get(key)
-            started = gen is not None and gen.task is not None
-            if since is not None and (started or time.monotonic() - since < CLAIM_LAPSE_S):
+            if self._live(key):
                 raise ValueError(
                     "a reply is still being written in this conversation: stop it or wait for it to finish"
                 )
+            if sum(u == user and self._live((u, c)) for u, c in list(self._claims)) >= MAX_REPLIES_PER_USER:
+                raise ValueError(
+                    f"{MAX_REPLIES_PER_USER} of your replies are being written in other conversations: "
+                    "stop one or wait for one to finish"
+                )
             self._claims[key] = time.monotonic()
+
+    def _live(self, key: tuple[str, str]) -> bool:
+        """Whether the conversation's turn is claimed: its reply runs, or was claimed lately."""
+        since = self._claims.get(key)
+        gen = self._running.get(key)
+        return since is not None and (
+            gen is not None and gen.task is not None or time.monotonic() - since < CLAIM_LAPSE_S
+        )
 
     # ---- internals ------------------------------------------------------------------------------
     def _user_text(self, text) -> str:
