@@ -394,6 +394,38 @@ def test_duplicate_request_id_is_refused_without_harming_the_first():
         engine.shutdown()
 
 
+def test_a_request_posted_behind_the_stop_is_refused_not_left_waiting():
+    """A request that reaches the engine's thread in the same take as its stop, or after it, gets
+    an error instead of a stream that never ends."""
+    from chatengine.engine.output_queue import Mailbox
+
+    engine = AsyncLLM("dummy:tiny", num_kv_blocks=32)
+
+    async def main():
+        box = Mailbox()
+        req = engine.engine.make_request([1, 2, 3], SamplingParams(max_tokens=2))
+        with engine._wake:  # one take: the stop, then the request
+            engine._inbox.extend([("stop",), ("add", req, (asyncio.get_running_loop(), box))])
+            engine._wake.notify()
+        return await asyncio.wait_for(box.get(), 10)
+
+    try:
+        got = asyncio.run(main())
+        assert isinstance(got, RuntimeError) and "shut down" in str(got)
+        engine._thread.join(10)
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.post(("add", engine.engine.make_request([1, 2], SamplingParams(max_tokens=1)), None))
+
+        async def later():
+            async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=2)):
+                pass
+
+        with pytest.raises(RuntimeError, match="thread has stopped"):
+            asyncio.run(later())
+    finally:
+        engine.shutdown()
+
+
 def test_stats_can_be_polled_from_another_thread_under_load(tmp_path):
     """A metrics poller reads stats while the engine thread evicts, restores and writes KV files:
     AsyncLLM.stats() (a snapshot the engine thread publishes) and LLMEngine.stats() itself, which

@@ -26,9 +26,13 @@ class EngineLoop:
         self.engine = engine
         self._inbox: deque = deque()
         self._wake = threading.Condition()
+        self._ended = False  # the loop took its stop: a request posted now would wait forever
 
     def post(self, item: tuple) -> None:
+        """Hand an item to the loop. RuntimeError for a request once the loop has stopped."""
         with self._wake:
+            if self._ended and item[0] == "add":
+                raise RuntimeError("the engine has shut down")
             self._inbox.append(item)
             self._wake.notify()
 
@@ -53,9 +57,12 @@ class EngineLoop:
         """Until a ("stop",) item: wait for work, take the inbox, step, deliver."""
         engine = self.engine
         while True:
-            for item in self._wait_for_work():
+            inbox = self._wait_for_work()
+            while inbox:
+                item = inbox.popleft()
                 if item[0] == "stop":
                     self._abort_all()
+                    self._end(inbox)
                     return
                 self._take(item)
             try:
@@ -112,6 +119,16 @@ class EngineLoop:
             engine.drop_public_prefix(item[1])
         else:
             self._handle(item)
+
+    def _end(self, after_stop: deque) -> None:
+        """No request is taken from now on: those posted behind the stop are refused."""
+        with self._wake:
+            self._ended = True
+            after_stop += self._inbox
+            self._inbox.clear()
+        for item in after_stop:
+            if item[0] == "add" and self._accept(item[1], item[2]):
+                self._deliver_many([(item[1].request_id, RuntimeError("the engine has shut down"))])
 
     def _abort_all(self) -> None:
         outputs = [self.engine.abort(request_id) for request_id in list(self.engine.requests)]
