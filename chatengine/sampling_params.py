@@ -80,6 +80,8 @@ def _check_schema(schema) -> None:
             raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
         except ValueError:
             return  # not JSON: the compiler says what is wrong with it
+        if not isinstance(schema, (dict, list)):
+            return  # a bare number, string or null: the compiler says what is wrong with it
     else:
         try:  # (a cycle, or a nesting deep enough to exhaust the stack, cannot be a JSON schema)
             text = json.dumps(schema, default=str)

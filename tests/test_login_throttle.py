@@ -57,6 +57,19 @@ def test_no_one_locks_a_user_out_of_an_address_she_signed_in_from():
     assert t.retry_after("alice", "9.9.9.9") == 60
 
 
+def test_an_ipv6_host_counts_as_its_64_and_old_failures_are_forgotten():
+    clock = Clock()
+    t = LoginThrottle(per_username=(50, 60.0), per_address=(5, 60.0), per_pair=(3, 60.0), clock=clock)
+    for i in range(3):  # one host, a new address of its /64 each time
+        t.failed("alice", f"2001:db8::{i + 1}")
+    assert t.retry_after("alice", "2001:db8::99") == 60
+    assert t.retry_after("alice", "2001:db8:0:1::1") == 0  # another /64
+    t.failures = {("user", f"name{i}"): type(t.failures[("user", "alice")])([clock.now]) for i in range(100_001)}
+    clock.now += 61
+    t.failed("bob", "1.1.1.1")  # past 100,000 keys: those without a failure in the window go
+    assert sorted(t.failures) == [("addr", "1.1.1.1"), ("pair", "bob\0" + "1.1.1.1"), ("user", "bob")]
+
+
 def login_app(throttle):
     """Gradio's sign-in route in miniature: a form; 200 for the right password, 400 otherwise."""
     app = FastAPI()

@@ -187,7 +187,11 @@ def test_one_users_flood_never_queues_anothers_request_behind_it():
     sched.finish(eve[0])  # eve has 1 running, carol none: carol's first goes first, then eve's
     got, _ = step(sched)  # next (a tie with carol's second, which came later)
     assert [sid for sid, n in got if n == 2] == [carol[0].seq_id, eve[2].seq_id]
-    assert list(sched.waiting) == [carol[1], eve[3], eve[4], eve[5]]
+    assert list(sched.waiting) == [eve[3], eve[4], eve[5], carol[1]]  # the rest in queue order
+    sched.finish(eve[1])
+    sched.finish(eve[2])  # eve 0 running, carol 1: eve's next; then 1 each, a tie in queue order
+    got, _ = step(sched)
+    assert [sid for sid, n in got if n == 2] == [eve[3].seq_id, eve[4].seq_id]
 
 
 def test_preemption_takes_the_newest_of_the_user_with_the_most_running():

@@ -249,7 +249,7 @@ class ChatService:
         self._running: dict[tuple[str, str], Generation] = {}  # (user, conversation) -> its reply
         # (user, conversation) -> when its one turn was claimed: one turn at a time per conversation,
         # whatever tab or client asks (a second turn would build on a reply still being written)
-        self._claims: dict[tuple[str, str], float] = {}
+        self._claims: dict[str, dict[str, float]] = {}  # user -> {conversation: when}
         self._claim_lock = threading.Lock()  # callers start turns from worker threads
         self.max_message_chars = engine.max_prompt_chars  # longer text is refused before tokenizing
         # replies generated but not saved (disk full): shown as failed until the process ends; the
@@ -442,26 +442,32 @@ class ChatService:
         """Reserve the conversation's one turn, or refuse: a reply is still being written there, or
         in MAX_REPLIES_PER_USER of the user's other conversations. A claim whose generation never
         started (its caller dropped it) lapses after CLAIM_LAPSE_S."""
-        key = (user, cid)
         with self._claim_lock:
-            if self._live(key):
+            claims = self._claims.setdefault(user, {})
+            for c in [c for c, since in claims.items() if not self._live(user, c, since)]:
+                del claims[c]  # lapsed: its caller never streamed it
+            if cid in claims:
                 raise ValueError(
                     "a reply is still being written in this conversation: stop it or wait for it to finish"
                 )
-            if sum(u == user and self._live((u, c)) for u, c in list(self._claims)) >= MAX_REPLIES_PER_USER:
+            if len(claims) >= MAX_REPLIES_PER_USER:
                 raise ValueError(
                     f"{MAX_REPLIES_PER_USER} of your replies are being written in other conversations: "
                     "stop one or wait for one to finish"
                 )
-            self._claims[key] = time.monotonic()
+            claims[cid] = time.monotonic()
 
-    def _live(self, key: tuple[str, str]) -> bool:
-        """Whether the conversation's turn is claimed: its reply runs, or was claimed lately."""
-        since = self._claims.get(key)
-        gen = self._running.get(key)
-        return since is not None and (
-            gen is not None and gen.task is not None or time.monotonic() - since < CLAIM_LAPSE_S
-        )
+    def _live(self, user: str, cid: str, since: float) -> bool:
+        """Whether a claim holds: its reply runs, or it was made lately."""
+        gen = self._running.get((user, cid))
+        return gen is not None and gen.task is not None or time.monotonic() - since < CLAIM_LAPSE_S
+
+    def _unclaim(self, user: str, cid: str) -> None:
+        with self._claim_lock:
+            claims = self._claims.get(user, {})
+            claims.pop(cid, None)
+            if not claims:
+                self._claims.pop(user, None)
 
     # ---- internals ------------------------------------------------------------------------------
     def _user_text(self, text) -> str:
@@ -508,7 +514,7 @@ class ChatService:
         try:
             umid = self.store.add_message(user, cid, "user", text, parent, token_ids=new_ids)
         except BaseException:
-            self._claims.pop((user, cid), None)
+            self._unclaim(user, cid)
             raise
         if conv["title"] == DEFAULT_TITLE:  # name the chat after its first message
             self.store.rename_conversation(user, cid, _title_from(text))
@@ -620,7 +626,7 @@ class ChatService:
                 # free the conversation before the final update: a follower may send the next turn at once
                 if self._running.get((user, cid)) is gen:
                     del self._running[(user, cid)]
-                self._claims.pop((user, cid), None)
+                self._unclaim(user, cid)
                 gen.end()
 
     def _add_replies(self, user, cid, parent_id, settings: dict, n: int, into=None) -> list[str]:

@@ -2,9 +2,10 @@
 together, per address, and per username from every address, and past a limit the sign-in route
 answers 429 with Retry-After before any password is checked.
 
-Nobody can lock a user out by failing her sign-ins on purpose: the tight limit is per name and
-address, so it stops a guesser's address, not hers. The per-username limit, against guessers with
-many addresses, is loose, and an address the user has signed in from before is exempt from it.
+Failing someone's sign-ins on purpose stops the guesser, not her: the tight limit is per name and
+address. The per-username limit, against guessers with many addresses, is loose, and exempts the
+addresses the user has signed in from since the server started (the newest 16). An IPv6 address
+counts as its /64, which one host holds whole.
 
 A pure ASGI middleware in front of Gradio's POST /login: it reads the form's username (replaying the
 body to Gradio unchanged), refuses a throttled username or address, and records the outcome from
@@ -12,6 +13,7 @@ the response status (200: signed in, which clears that username's failures; 400:
 address gets one check at a time (429 while its previous attempt is being checked).
 """
 
+import ipaddress
 import math
 import time
 from collections import deque
@@ -29,6 +31,7 @@ class LoginThrottle:
         self.clock = clock
         self.failures: dict[tuple[str, str], deque] = {}
         self.known: dict[str, list[str]] = {}  # username -> addresses it signed in from
+        self._pruned_at = 0  # the failure table's size after its last pruning
         # addresses whose sign-in is being checked now: password hashing runs one at a time, so
         # without this one address could queue guesses ahead of everyone else's sign-in
         self.checking: set[str] = set()
@@ -42,6 +45,7 @@ class LoginThrottle:
         return q
 
     def _keys(self, username: str, address: str) -> list[tuple[str, str]]:
+        address = _network(address)
         keys = [("pair", f"{username}\0{address}"), ("addr", address)]
         if address not in self.known.get(username, ()):
             keys.append(("user", username))
@@ -58,14 +62,18 @@ class LoginThrottle:
         return math.ceil(wait)
 
     def failed(self, username: str, address: str) -> None:
+        address = _network(address)
         for kind, key in (("pair", f"{username}\0{address}"), ("addr", address), ("user", username)):
             self._window(kind, key).append(self.clock())
-        if len(self.failures) > 100_000:  # a flood of names: forget the idle ones
-            self.failures = {k: q for k, q in self.failures.items() if q}
+        if len(self.failures) > max(100_000, 2 * self._pruned_at):  # a flood of names: forget old ones
+            oldest = self.clock() - max(window for _, window in self.limits.values())
+            self.failures = {k: q for k, q in self.failures.items() if q and q[-1] > oldest}
+            self._pruned_at = len(self.failures)
 
     def succeeded(self, username: str, address: str) -> None:
         """Her address is known from now on. The username's own count stays: a guesser with many
         addresses must not get a fresh allowance each time she signs in."""
+        address = _network(address)
         self.failures.pop(("pair", f"{username}\0{address}"), None)
         known = [a for a in self.known.pop(username, []) if a != address] + [address]
         self.known[username] = known[-KNOWN_PER_USER:]
@@ -116,6 +124,19 @@ class LoginThrottleMiddleware:
             await self.app(scope, receive_again, watch)
         finally:
             self.throttle.checking.discard(address)
+
+
+def _network(address: str) -> str:
+    """What one client holds: an IPv4 address, or an IPv6 address's /64."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 async def _username_of(scope, messages: list[dict]) -> str:

@@ -274,7 +274,7 @@ class LLMEngine:
                 copies.append(copy)
             self.scheduler.add_running(child)
             self.num_forks += 1
-        for child in reversed(queued):  # ahead of later requests: their request was admitted first
+        for child in reversed(queued):  # ahead of the user's later requests: theirs was admitted first
             self.scheduler.add(child, first=True)
         if copies:
             if self.transfers is not None:  # a tail may land on a block evicted just now: save its page first

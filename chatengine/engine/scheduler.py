@@ -24,6 +24,7 @@ When every running sequence is such a one, they run on their placeholders and th
 the step in flight before their sampling.
 """
 
+import heapq
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -121,7 +122,9 @@ class Scheduler:
         # is drawn (`forked` gives it back), so its samples seldom wait behind the step's cap above
         # and later requests do not take their places; it is admitted whenever it fits alone
         loading = []
-        self._fair_order()
+        free = self.max_num_seqs - len(self.running) - self.num_reserved
+        if budget > 0 and not out.num_preempted and (free > 0 or not self.running):
+            self._fair_order(max(free, 1))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
             free = self.max_num_seqs - len(self.running) - self.num_reserved
@@ -152,20 +155,25 @@ class Scheduler:
         self.waiting.extendleft(reversed(loading))
         return out
 
-    def _fair_order(self) -> None:
-        """Waiting sequences in the order to admit them. A user's k-th waiting sequence (k from 0)
-        ranks at k + the number that user has running, ties in queue order: round-robin over the
-        users, those with the fewest running first. One user alone keeps the queue's order."""
+    def _fair_order(self, places: int) -> None:
+        """The `places` waiting sequences to admit first, moved to the head in that order. A user's
+        k-th waiting sequence (k from 0) ranks at k + the number that user has running, ties in
+        queue order: round-robin over the users, those with the fewest running first. The others
+        keep their order, as does one user's queue alone. (O(waiting) a step with room to admit.)"""
         if len(self.waiting) < 2 or len({s.salt for s in self.waiting}) < 2:
             return
         running = Counter(s.salt for s in self.running)
         queued: Counter = Counter()
-        ranked = []
+        ranked = []  # only a user's first `places` can be among the first `places` overall
         for place, s in enumerate(self.waiting):
-            ranked.append((running[s.salt] + queued[s.salt], place, s))
-            queued[s.salt] += 1
-        ranked.sort(key=lambda r: r[:2])
-        self.waiting = deque(s for _, _, s in ranked)
+            k = queued[s.salt]
+            if k < places:
+                ranked.append((running[s.salt] + k, place))
+            queued[s.salt] = k + 1
+        first = [place for _, place in heapq.nsmallest(places, ranked)]
+        chosen = set(first)
+        rest = [s for place, s in enumerate(self.waiting) if place not in chosen]
+        self.waiting = deque([self.waiting[place] for place in first] + rest)
 
     def _victim(self, start: int) -> Sequence:
         """The sequence to preempt, taken out of `running`: among those not scheduled yet this step

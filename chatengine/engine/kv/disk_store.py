@@ -136,6 +136,9 @@ class DiskStore:
         """Queue a write; when the queue is full, drop it (block=False) rather than stall the engine.
         `ready`: a CUDA event that marks the (non-blocking) copy into `page` done; the writer waits on it.
         A page on disk or queued already is not queued again."""
+        # (a page forgotten while queued counts as queued until the writer has passed it: one queue
+        # item a hash at most, so the writer's bookkeeping of it is never another item's; meanwhile
+        # the page is recomputed if wanted, never written after its forget)
         if self.queued(meta.hash):  # (only the engine's thread queues)
             return True
         if self.closed:  # no writer would take it, and a flush would wait for it forever

@@ -200,7 +200,9 @@ class TieredCache:
         """Collect the disk reads that have finished. A lookup collects its own, but one whose
         request went away (aborted while it waited) is collected here, or its slot stays taken."""
         for slot in [slot for slot, (_, load) in self.host.loading.items() if load.done()]:
-            self._finish_load(slot)
+            h = self.host.loading[slot][0]
+            if self._finish_load(slot):  # spilled last: a waiting request may be about to use it
+                self.host.index.move_to_end(h)
 
     def _spill_one(self) -> bool:
         host = self.host
