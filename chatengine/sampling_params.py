@@ -179,7 +179,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         r = self.repetition_penalty
-        # logits are divided (or multiplied) by it in fp32: below 0.01 they overflow to inf and NaN
+        # logits are divided (or multiplied) by it in fp32, where a tiny one is 0 (inf, then NaN);
+        # 0.01 already scales them 100-fold
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.01 <= r <= 10:
             raise ValueError(f"repetition_penalty must be a number in [0.01, 10] (1 disables it), got {r!r}")
         m = self.min_tokens

@@ -392,8 +392,9 @@ def test_forget_refuses_a_missing_user_and_bad_ids_and_drops_nothing():
             e.forget_user(user)
     with pytest.raises(ValueError, match="token ids"):
         e.forget_prompts("bob", [[-1] * 40])
-    with pytest.raises(ValueError, match="list of token id lists"):
-        e.forget_prompts("bob", "abc")
+    for prompts in ("abc", [5, 6]):
+        with pytest.raises(ValueError, match="list of token id lists"):
+            e.forget_prompts("bob", prompts)
     assert e.stats()["kv_blocks_cached"] == cached == 4
     assert e.forget_prompts("bob", [[], list(range(100, 140))]) == 2  # an empty branch is no error
     e.shutdown()

@@ -110,8 +110,8 @@ class EngineFront:
         """A forget_prompts call's arguments, checked: the prompts as lists of token ids, empty ones
         left out."""
         self.check_forget(user)
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in prompts):
+            raise ValueError("prompts must be a list of token id lists")
         return [self._prompt_ids(list(p))[1] for p in prompts if len(p)]
 
     def grammars(self):
