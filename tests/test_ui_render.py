@@ -38,3 +38,14 @@ def test_an_edited_message_loses_its_inline_versions_when_edited_again():
     shown = to_chat(view)[0]["content"]
     assert "2/2" in shown
     assert unescape_html(shown) == "a < b"
+
+
+def test_html_after_a_backtick_and_a_blank_line_is_escaped():
+    """A code span cannot cross a paragraph: a stray backtick must not leave the HTML behind a blank
+    line unescaped (the markdown renderer would render it as HTML)."""
+    from chatengine.app.ui.render import escape_html, unescape_html
+
+    text = "`a\n\n<img src=x onerror=alert(1)>\n\n`"
+    assert "<img" not in escape_html(text) and "&lt;img" in escape_html(text)
+    assert unescape_html(escape_html(text)) == text
+    assert escape_html("`a <b>\ncode` and <i>") == "`a <b>\ncode` and &lt;i>"  # one paragraph: a span

@@ -7,7 +7,8 @@ from urllib.parse import quote
 
 # ---- text ---------------------------------------------------------------------------------------
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
-_INLINE_CODE = re.compile(r"(`+)(?:.+?)\1", re.S)
+# a code span lies within one paragraph: a blank line ends it, and what follows is markdown (and HTML)
+_INLINE_CODE = re.compile(r"(`+)(?:(?!\n[ \t]*\n).)+?\1", re.S)
 
 
 def _segments(text: str):
